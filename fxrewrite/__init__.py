@@ -1,0 +1,1 @@
+"""fxrewrite: rewrite TorchDynamo graphs into fused kernels, without Inductor."""

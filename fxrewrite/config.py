@@ -1,0 +1,74 @@
+"""Configuration of the backend: one frozen dataclass, environment overrides read once."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+
+Mode = Literal["none", "piecewise", "full"]
+
+DEFAULT_SPLITTING_OPS: tuple[Any, ...] = (
+    torch.nn.functional.scaled_dot_product_attention,
+    torch._C._nn.scaled_dot_product_attention,
+)
+
+
+def default_capture_sizes(max_size: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every 8 up to 256, then every 16 up to ``max_size``."""
+    sizes = [s for s in (1, 2, 4) if s <= max_size]
+    sizes += list(range(8, min(max_size, 256) + 1, 8))
+    sizes += list(range(272, max_size + 1, 16))
+    return tuple(sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything the backend is told. Environment variables fill fields left at None.
+
+    rules:           rules to apply; None means the default library (``fxrewrite.rewrites``).
+    extra_rules:     user rules applied after the defaults.
+    dump_dir:        write ``NN.<pass>.before.py`` / ``.after.py`` here (env FXREWRITE_DUMP_DIR).
+    verify:          check every distinct matched site numerically at compile time
+                     (env FXREWRITE_VERIFY=1).
+    merge_siblings:  merge linears that read the same input into one GEMM.
+    near_miss_min:   a failed match is reported as a near miss when it got at least this
+                     fraction of the pattern's operations right.
+    mode:            "none" (run eagerly), "piecewise" (split at splitting ops, CUDA graph per
+                     piece), "full" (one CUDA graph for the whole graph).
+    splitting_ops:   call targets the graph is split at (attention).
+    capture_sizes:   token counts to capture; None means ``default_capture_sizes(max_capture_size)``.
+    pad_inputs:      pad graph inputs along the token dimension up to the next captured size.
+    provider:        kernel provider override: "sgl_kernel", "flashinfer", "torch", or per op
+                     "rms_norm=flashinfer,silu_and_mul=torch" (env FXREWRITE_PROVIDER).
+    """
+
+    rules: Sequence[Any] | None = None
+    extra_rules: Sequence[Any] = ()
+    dump_dir: str | None = None
+    verify: bool | None = None
+    merge_siblings: bool = True
+    near_miss_min: float = 0.5
+    mode: Mode = "none"
+    splitting_ops: Sequence[Callable[..., Any] | Any] = DEFAULT_SPLITTING_OPS
+    capture_sizes: Sequence[int] | None = None
+    max_capture_size: int = 512
+    pad_inputs: bool = True
+    provider: str | None = None
+    progress: bool = True
+
+    def resolved(self) -> Config:
+        """Fill unset fields from the environment and defaults."""
+        env = os.environ
+        return dataclasses.replace(
+            self,
+            dump_dir=self.dump_dir if self.dump_dir is not None else env.get("FXREWRITE_DUMP_DIR") or None,
+            verify=self.verify if self.verify is not None else env.get("FXREWRITE_VERIFY", "0") not in ("", "0"),
+            provider=self.provider if self.provider is not None else env.get("FXREWRITE_PROVIDER") or None,
+            capture_sizes=tuple(self.capture_sizes)
+            if self.capture_sizes is not None
+            else default_capture_sizes(self.max_capture_size),
+        )

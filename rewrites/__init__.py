@@ -1,0 +1,1 @@
+"""The rule library: which subgraphs become which fused op (installed as ``fxrewrite.rewrites``)."""

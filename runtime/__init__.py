@@ -1,0 +1,1 @@
+"""What runs: fused custom ops and CUDA graphs (installed as ``fxrewrite.runtime``)."""
