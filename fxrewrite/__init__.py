@@ -1,1 +1,13 @@
-"""fxrewrite: rewrite TorchDynamo graphs into fused kernels, without Inductor."""
+"""fxrewrite: rewrite TorchDynamo graphs into fused kernels and CUDA graphs, without Inductor.
+
+    import fxrewrite
+    backend = fxrewrite.Backend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+"""
+
+from fxrewrite.backend import Backend, compile, pipeline
+from fxrewrite.config import Config
+from fxrewrite.report import Report
+from fxrewrite.rule import Bindings, InPlace, Rule, RuleError, Scalar
+
+__all__ = ["Backend", "Bindings", "Config", "InPlace", "Report", "Rule", "RuleError", "Scalar", "compile", "pipeline"]

@@ -1,1 +1,9 @@
-"""The rule library: which subgraphs become which fused op (installed as ``fxrewrite.rewrites``)."""
+"""The rule library (installed as ``fxrewrite.rewrites``): which subgraphs become which fused op.
+
+Families export plain lists; the backend's pipeline applies them in a fixed order of passes
+(``fxrewrite.backend.pipeline``). Nothing registers itself at import time.
+"""
+
+from fxrewrite.rewrites import activation, norm
+
+__all__ = ["activation", "norm"]

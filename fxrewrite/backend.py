@@ -1,0 +1,143 @@
+"""The ``torch.compile`` backend that wires the stages together.
+
+    backend = fxrewrite.Backend()
+    model = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+    model(x)                       # Dynamo captures, our passes rewrite, the graph runs eagerly
+    print(backend.report.table())  # what was fused, what nearly was and why
+    backend.graphs[0].print_readable()
+
+Inductor is never imported: the rewritten GraphModule runs as Python calling ATen and
+``torch.ops.fxr`` ops, or, with ``Config(mode="piecewise" | "full")``, as CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxrewrite.canonicalize import canonicalize
+from fxrewrite.config import Config
+from fxrewrite.passes import Pass, PassManager, prepare_dump_dir
+from fxrewrite.report import PassResult, Report
+from fxrewrite.rewrite import apply_rules, dead_code
+from fxrewrite.rule import Rule
+
+log = logging.getLogger(__name__)
+
+
+def default_rule_groups() -> list[tuple[str, list[Rule]]]:
+    """The default library as ordered, named passes: norms (add + norm before plain norm), then
+    activations."""
+    from fxrewrite.rewrites import activation, norm
+
+    return [("fuse_norm", norm.RULES), ("fuse_activation", activation.RULES)]
+
+
+def _canonicalize_pass(gm: fx.GraphModule) -> PassResult:
+    return PassResult(matches=canonicalize(gm))
+
+
+def _cleanup_pass(gm: fx.GraphModule) -> PassResult:
+    changed = canonicalize(gm)  # no-ops the rules left behind
+    return PassResult(matches=changed + dead_code(gm))
+
+
+def _rules_pass(rules: Sequence[Rule], config: Config) -> Callable[[fx.GraphModule], PassResult]:
+    return functools.partial(_apply, rules=list(rules), near_miss_min=config.near_miss_min)
+
+
+def _apply(gm: fx.GraphModule, rules: list[Rule], near_miss_min: float) -> PassResult:
+    return apply_rules(gm, rules, near_miss_min)
+
+
+def pipeline(config: Config) -> list[Pass]:
+    """The ordered passes for ``config``: canonicalize, fuse (rule groups), user rules, cleanup."""
+    passes = [Pass("canonicalize", _canonicalize_pass)]
+    if config.rules is None:
+        groups = default_rule_groups()
+    else:
+        groups = [("rules", list(config.rules))] if config.rules else []
+    if config.extra_rules:
+        groups.append(("user_rules", list(config.extra_rules)))
+    passes += [Pass(name, _rules_pass(rules, config)) for name, rules in groups if rules]
+    passes.append(Pass("cleanup", _cleanup_pass))
+    return passes
+
+
+class Backend:
+    """A ``torch.compile`` backend: ``torch.compile(model, backend=Backend(config))``.
+
+    ``rules`` replaces the default rule library (``[]`` for none); ``extra_rules`` adds user
+    rules after the defaults; keyword arguments override ``Config`` fields.
+
+    Attributes: ``graphs`` (the rewritten GraphModules, one per Dynamo graph), ``report``
+    (a :class:`Report`), ``config`` (resolved against the environment).
+    """
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        rules: Sequence[Rule] | None = None,
+        extra_rules: Sequence[Rule] = (),
+        **overrides: Any,
+    ) -> None:
+        config = config or Config()
+        if rules is not None:
+            overrides["rules"] = tuple(rules)
+        if extra_rules:
+            overrides["extra_rules"] = tuple(config.extra_rules) + tuple(extra_rules)
+        self.config = dataclasses.replace(config, **overrides).resolved()
+        if self.config.dump_dir:
+            prepare_dump_dir(self.config.dump_dir)
+        self._check_rules()
+        self.graphs: list[fx.GraphModule] = []
+        self.runners: list[Any] = []
+        self.report = Report()
+
+    def _check_rules(self) -> None:
+        """Trace every rule now, so a broken rule fails at construction with its name."""
+        for p in pipeline(self.config):
+            rules = getattr(p.fn, "keywords", {}).get("rules", [])
+            for r in rules:
+                _ = r.compiled
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs))
+        graph_report = pm.run(gm)
+        self.graphs.append(gm)
+        self.report.graphs.append(graph_report)
+        runner: Any = gm
+        if self.config.mode != "none":
+            from fxrewrite.runtime.cudagraph import build_runner
+
+            runner = build_runner(gm, example_inputs, self.config)
+            graph_report.runtime = runner.stats()
+        self.runners.append(runner)
+        return runner
+
+    def refresh_runtime(self) -> None:
+        """Copy the runners' latest statistics (replays, copies, eager calls) into the report."""
+        for g, r in zip(self.report.graphs, self.runners):
+            stats = getattr(r, "stats", None)
+            if callable(stats):
+                g.runtime = stats()
+        try:
+            from fxrewrite.runtime import providers
+
+            self.report.providers = providers.served()
+        except (ImportError, AttributeError):
+            pass
+
+
+def compile(model: Any, config: Config | None = None, *, dynamic: bool = True, **kw: Any) -> tuple[Any, Backend]:
+    """``torch.compile(model, backend=Backend(config, **kw), fullgraph=True, dynamic=dynamic)``;
+    returns the compiled callable and the backend (for its report and graphs)."""
+    backend = Backend(config, **kw)
+    return torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic), backend

@@ -1,0 +1,400 @@
+"""One spelling per operation, so that one pattern covers every way model code writes it.
+
+Dynamo records torch-level code as written: ``x.pow(2)``, ``x ** 2``, ``torch.pow(x, 2)`` and
+``x * x`` are four different nodes. This pass rewrites the operations rules care about into
+ATen overloads with every argument bound against the overload's schema, and removes no-ops::
+
+    %pow_1 = call_method[pow](%h, 2)                 %pow_1 = aten.pow.Tensor_Scalar(%h, 2)
+    %var = call_method[mean](%pow_1, -1,       ->    %var = aten.mean.dim(%pow_1, [-1], True)
+                             keepdim=True)
+    %h2 = call_method[to](%x, torch.float32)          (removed when %x is already float32)
+
+Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
+
+* method, function and operator forms -> one ATen overload (``aten.add.Tensor`` ...), arguments
+  bound against its schema (kwargs vs positional, defaults filled in);
+* scalar-first arithmetic -> tensor first (``2 * x`` -> ``mul(x, 2)``, ``1 - x`` -> ``rsub``,
+  ``c / x`` -> ``mul(reciprocal(x), c)``);
+* ``.float()`` / ``.half()`` / ``.to(dtype)`` / ``.to(other)`` / ``.type(dtype)`` / ``.type_as``
+  -> ``prims.convert_element_type``; casts to the dtype a tensor already has are removed;
+* ``x ** 2`` / ``x.pow(2)`` / ``torch.square(x)`` / ``x * x`` -> ``aten.pow.Tensor_Scalar(x, 2)``;
+* ``1 / sqrt(x)`` and ``reciprocal(sqrt(x))`` -> ``aten.rsqrt``;
+* ``F.silu(x)`` and ``x * sigmoid(x)`` -> ``aten.silu``; ``F.gelu`` -> ``aten.gelu``;
+* ``view`` and ``reshape`` -> ``aten.reshape`` when the input is contiguous (then both are views);
+  a reshape to the same shape is removed;
+* ``x[..., a:b]``, ``chunk`` and ``split`` along one dim -> ``aten.slice.Tensor`` with a negative
+  dim, start 0 for None and end ``sys.maxsize`` for "to the end"; full-range slices are removed;
+* reduction dims -> a list of negative ints;
+* ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed.
+
+Pattern graphs (traced with ``torch.fx.symbolic_trace``, no fake values) go through the same code;
+rules that depend on shapes (negative dims, no-op removal) only act where shapes are known, so
+patterns are written with negative dims.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from fxrewrite import meta
+
+A = torch.ops.aten
+CAST = torch.ops.prims.convert_element_type.default
+MAX = sys.maxsize
+
+# The canonical targets rules can name.
+ADD, SUB, MUL, DIV, RSUB = A.add.Tensor, A.sub.Tensor, A.mul.Tensor, A.div.Tensor, A.rsub.Scalar
+POW, RSQRT, SQRT, RECIP = A.pow.Tensor_Scalar, A.rsqrt.default, A.sqrt.default, A.reciprocal.default
+MEAN, SLICE, RESHAPE, LINEAR = A.mean.dim, A.slice.Tensor, A.reshape.default, A.linear.default
+SILU, GELU, SIGMOID, NEG = A.silu.default, A.gelu.default, A.sigmoid.default, A.neg.default
+CLAMP = A.clamp.default
+
+COMMUTATIVE = frozenset({ADD, MUL})
+
+_DTYPE_METHODS = {
+    "float": torch.float32,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "double": torch.float64,
+}
+
+_UNARY: dict[Any, Any] = {}
+for _name in ("rsqrt", "sqrt", "reciprocal", "sigmoid", "neg", "tanh", "exp", "abs", "relu"):
+    _op = getattr(A, _name).default
+    _UNARY[("call_method", _name)] = _op
+    _UNARY[("call_function", getattr(torch, _name))] = _op
+_UNARY[("call_function", operator.neg)] = A.neg.default
+_UNARY[("call_function", F.silu)] = SILU
+_UNARY[("call_function", F.relu)] = A.relu.default
+_UNARY[("call_function", F.sigmoid)] = SIGMOID
+
+_BINARY_NAMES = {
+    "add": ADD, "sub": SUB, "mul": MUL, "div": DIV, "true_divide": DIV, "multiply": MUL,
+    "subtract": SUB, "divide": DIV,
+}  # fmt: skip
+_BINARY: dict[Any, Any] = {}
+for _name, _op in _BINARY_NAMES.items():
+    _BINARY[("call_method", _name)] = _op
+    if hasattr(torch, _name):
+        _BINARY[("call_function", getattr(torch, _name))] = _op
+for _fn, _op in ((operator.add, ADD), (operator.sub, SUB), (operator.mul, MUL), (operator.truediv, DIV)):
+    _BINARY[("call_function", _fn)] = _op
+
+
+def _key(node: fx.Node) -> tuple[str, Any]:
+    return (node.op, node.target)
+
+
+def bind_schema(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Bind ``args``/``kwargs`` against ``op``'s schema: positional arguments all spelled out
+    (defaults filled in), keyword-only arguments in kwargs only when they differ from default."""
+    out_args: list[Any] = []
+    out_kwargs: dict[str, Any] = {}
+    for i, arg in enumerate(op._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            v = args[i]
+        elif arg.name in kwargs:
+            v = kwargs[arg.name]
+        elif arg.has_default_value():
+            v = arg.default_value
+        else:
+            raise TypeError(f"{op}: missing argument {arg.name!r}")
+        if arg.kwarg_only:
+            if not (arg.has_default_value() and v == arg.default_value):
+                out_kwargs[arg.name] = v
+        else:
+            out_args.append(v)
+    return tuple(out_args), out_kwargs
+
+
+class _Canon:
+    """One pass over a graph; see the module docstring for the forms."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.graph = gm.graph
+        self.fake_mode = meta.fake_mode_of(self.graph)
+        self.changed = 0
+
+    # -- helpers ------------------------------------------------------------------------------
+    def set(self, node: fx.Node, target: Any, args: tuple, kwargs: dict | None = None) -> None:
+        args, kwargs = bind_schema(target, args, kwargs or {})
+        if node.op == "call_function" and node.target is target and node.args == args and node.kwargs == kwargs:
+            return
+        node.op, node.target, node.args, node.kwargs = "call_function", target, args, kwargs
+        self.changed += 1
+
+    def drop(self, node: fx.Node, replacement: Any) -> None:
+        """Remove ``node``: its users read ``replacement`` instead."""
+        node.replace_all_uses_with(replacement)
+        self.graph.erase_node(node)
+        self.changed += 1
+
+    def new(self, before: fx.Node, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        args, kwargs = bind_schema(target, args, kwargs or {})
+        with self.graph.inserting_before(before):
+            n = self.graph.call_function(target, args, kwargs)
+        meta.copy_provenance(before, n)
+        n.meta["fxr_kind"] = "tensor"
+        meta.propagate(n, self.fake_mode)
+        return n
+
+    def rank(self, node: Any) -> int | None:
+        t = meta.tensor(node)
+        return t.dim() if t is not None else None
+
+    def neg_dim(self, node: Any, dim: int) -> int:
+        r = self.rank(node)
+        return dim - r if (isinstance(dim, int) and dim >= 0 and r is not None) else dim
+
+    def dtype(self, node: Any) -> torch.dtype | None:
+        t = meta.tensor(node)
+        return t.dtype if t is not None else None
+
+    # -- the pass ------------------------------------------------------------------------------
+    def run(self) -> int:
+        for node in list(self.graph.nodes):
+            if node.op in ("call_function", "call_method") and node.graph is not None:
+                self.visit(node)
+        return self.changed
+
+    def visit(self, node: fx.Node) -> None:
+        key = _key(node)
+        if node.op == "call_method" and node.target in _DTYPE_METHODS:
+            return self.cast(node, node.args[0], _DTYPE_METHODS[node.target])
+        if key in (("call_method", "to"), ("call_method", "type"), ("call_method", "type_as")):
+            return self.to(node)
+        if key == ("call_function", CAST):
+            return self.cast(node, node.args[0], node.args[1])
+        if key in _UNARY:
+            return self.unary(node, _UNARY[key])
+        if key in _BINARY:
+            return self.binary(node, _BINARY[key])
+        if key in (("call_function", operator.pow), ("call_function", torch.pow), ("call_method", "pow")):
+            return self.pow(node)
+        if key in (("call_function", torch.square), ("call_method", "square")):
+            return self.set(node, POW, (node.args[0], 2))
+        if key in (("call_function", torch.mean), ("call_method", "mean")):
+            return self.mean(node)
+        if key in (("call_function", torch.clamp), ("call_method", "clamp"), ("call_function", torch.clip)):
+            lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+            hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+            if isinstance(lo, fx.Node) or isinstance(hi, fx.Node):
+                return None  # tensor bounds: clamp.Tensor, not a form rules use
+            return self.set(node, CLAMP, (node.args[0], lo, hi))
+        if key in (("call_function", F.gelu),):
+            return self.set(node, GELU, (node.args[0],), {"approximate": node.kwargs.get("approximate", "none")})
+        if key in (("call_function", F.linear), ("call_function", torch._C._nn.linear)):
+            return self.set(node, LINEAR, node.args, node.kwargs)
+        if key in (("call_method", "view"), ("call_method", "reshape"), ("call_function", torch.reshape)):
+            return self.reshape(node)
+        if key == ("call_method", "contiguous"):
+            t = meta.tensor(node.args[0])
+            if t is not None and t.is_contiguous() and not node.kwargs:
+                return self.drop(node, node.args[0])
+            return None
+        if key == ("call_method", "expand") and meta.same_shape(node, node.args[0]):
+            return self.drop(node, node.args[0])
+        if key == ("call_function", operator.getitem) and meta.is_tensor(node.args[0]):
+            return self.getitem(node)
+        if key in (("call_function", torch.chunk), ("call_method", "chunk")):
+            return self.chunk(node)
+        if key in (("call_function", torch.split), ("call_method", "split")):
+            return self.split(node)
+        if node.op == "call_function" and node.target in (SLICE,):
+            return self.slice_(node, *node.args[:4])
+        return None
+
+    # -- forms ---------------------------------------------------------------------------------
+    def unary(self, node: fx.Node, op: Any) -> None:
+        x = node.args[0]
+        if op is RECIP and isinstance(x, fx.Node) and x.target is SQRT and len(x.users) == 1:
+            self.set(node, RSQRT, (x.args[0],))
+            self.graph.erase_node(x)
+            return
+        self.set(node, op, (x,))
+
+    def binary(self, node: fx.Node, op: Any) -> None:
+        a, b = node.args[0], node.args[1]
+        alpha = node.kwargs.get("alpha", 1)
+        if alpha != 1 or "rounding_mode" in node.kwargs or "out" in node.kwargs:
+            return
+        ta, tb = meta.is_tensor(a), meta.is_tensor(b)
+        if not (ta or tb):
+            return  # arithmetic on sizes / symbolic scalars stays as Python operators
+        if not ta:
+            if op in COMMUTATIVE:
+                a, b = b, a
+            elif op is SUB:
+                return self.set(node, RSUB, (b, a))
+            elif op is DIV:
+                recip = self.new(node, RECIP, (b,))
+                if a == 1:
+                    return self.drop(node, recip)
+                return self.set(node, MUL, (recip, a))
+        if op is MUL and a is b:
+            return self.set(node, POW, (a, 2))
+        if op is MUL and isinstance(b, fx.Node) and b.target is SIGMOID and b.args[0] is a:
+            return self.set(node, SILU, (a,))
+        if op is MUL and isinstance(a, fx.Node) and a.target is SIGMOID and a.args[0] is b:
+            return self.set(node, SILU, (b,))
+        if op is DIV and a == 1:
+            return None
+        return self.set(node, op, (a, b))
+
+    def pow(self, node: fx.Node) -> None:
+        x, e = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("exponent")
+        if not meta.is_tensor(x) or isinstance(e, fx.Node):
+            return
+        if isinstance(e, float) and e.is_integer():
+            e = int(e)
+        if e == 0.5:
+            return self.set(node, SQRT, (x,))
+        self.set(node, POW, (x, e))
+
+    def mean(self, node: fx.Node) -> None:
+        x = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        if dim is None or "dtype" in node.kwargs or "out" in node.kwargs:
+            return
+        dims = [self.neg_dim(x, d) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+        self.set(node, MEAN, (x, dims, keepdim))
+
+    def to(self, node: fx.Node) -> None:
+        x, rest = node.args[0], list(node.args[1:])
+        dtype = node.kwargs.get("dtype")
+        if node.target == "type_as":
+            dtype = self.dtype(rest[0]) if rest else None
+            if dtype is None:
+                return
+        for a in rest:
+            if isinstance(a, torch.dtype):
+                dtype = a
+            elif isinstance(a, fx.Node) and node.target == "to" and meta.is_tensor(a):
+                dtype = self.dtype(a)
+                if dtype is None:
+                    return
+            elif isinstance(a, fx.Node) and a.meta.get("fxr_kind") == "scalar":
+                dtype = a  # a pattern's dtype wildcard
+            elif isinstance(a, (str, torch.device)) or a is None:
+                if not self.same_device(x, a):
+                    return
+        if "device" in node.kwargs and not self.same_device(x, node.kwargs["device"]):
+            return
+        if node.kwargs.get("memory_format") is not None or node.kwargs.get("copy"):
+            return
+        if dtype is None:
+            t = meta.tensor(x)
+            if t is not None and node.target == "to":
+                return self.drop(node, x)  # .to(its own device) with no dtype
+            return
+        self.cast(node, x, dtype)
+
+    def same_device(self, x: Any, device: Any) -> bool:
+        t = meta.tensor(x)
+        if device is None:
+            return True
+        if t is None:
+            return False
+        d = torch.device(device)
+        return t.device.type == d.type and (d.index is None or t.device.index == d.index)
+
+    def cast(self, node: fx.Node, x: Any, dtype: torch.dtype) -> None:
+        if isinstance(dtype, torch.dtype) and self.dtype(x) == dtype:
+            return self.drop(node, x)
+        self.set(node, CAST, (x, dtype))
+
+    def reshape(self, node: fx.Node) -> None:
+        x, shape = node.args[0], node.args[1:]
+        if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
+            shape = shape[0]
+        if "size" in node.kwargs or "shape" in node.kwargs:
+            shape = node.kwargs.get("size", node.kwargs.get("shape"))
+        if any(isinstance(s, torch.dtype) for s in shape):
+            return  # view(dtype) reinterprets bits
+        if meta.same_shape(node, x):
+            return self.drop(node, x)
+        t = meta.tensor(x)
+        if node.target == "view" and (t is None or not t.is_contiguous()):
+            return
+        self.set(node, RESHAPE, (x, list(shape)))
+
+    def slice_(self, node: fx.Node, x: Any, dim: int = 0, start: Any = None, end: Any = None) -> None:
+        step = node.args[4] if len(node.args) > 4 else 1
+        start, end, dim = 0 if start is None else start, MAX if end is None else end, self.neg_dim(x, dim)
+        t = meta.tensor(x)
+        if t is not None and isinstance(end, int) and isinstance(t.shape[dim], int) and end >= t.shape[dim]:
+            end = MAX
+        if start == 0 and end == MAX and step == 1:
+            return self.drop(node, x)
+        self.set(node, SLICE, (x, dim, start, end, step))
+
+    def getitem(self, node: fx.Node) -> None:
+        """``x[..., a:b]`` and ``x[a:b, :]`` -> one slice along one dim (other forms untouched)."""
+        x, idx = node.args
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if not all(isinstance(i, slice) or i is Ellipsis for i in idx) or idx.count(Ellipsis) > 1:
+            return
+        real = [(pos, s) for pos, s in enumerate(idx) if isinstance(s, slice) and s != slice(None)]
+        if len(real) > 1:
+            return
+        if not real:
+            return self.drop(node, x)
+        pos, s = real[0]
+        if s.step not in (None, 1):
+            return
+        # after an Ellipsis the dim counts from the end; before it (or without one), from the front
+        dim = pos - len(idx) if Ellipsis in idx and pos > idx.index(Ellipsis) else pos
+        self.slice_(node, x, dim, s.start, s.stop)
+
+    def _split_users(self, node: fx.Node, bounds: list[tuple[int, int]], dim: int) -> None:
+        x = node.args[0]
+        users = list(node.users)
+        if not all(u.target is operator.getitem and isinstance(u.args[1], int) for u in users):
+            return
+        for u in users:
+            start, end = bounds[u.args[1]]
+            self.slice_(u, x, dim, start, end)
+        if not node.users:
+            self.graph.erase_node(node)
+
+    def chunk(self, node: fx.Node) -> None:
+        x = node.args[0]
+        chunks = node.args[1] if len(node.args) > 1 else node.kwargs.get("chunks")
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        t = meta.tensor(x)
+        if t is None or not isinstance(t.shape[dim], int):
+            return
+        size = t.shape[dim]
+        step = -(-size // chunks)
+        bounds = [(i, min(i + step, size)) for i in range(0, size, step)]
+        self._split_users(node, bounds, self.neg_dim(x, dim))
+
+    def split(self, node: fx.Node) -> None:
+        x = node.args[0]
+        sizes = node.args[1] if len(node.args) > 1 else node.kwargs.get("split_size_or_sections")
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        t = meta.tensor(x)
+        if t is None or not isinstance(t.shape[dim], int):
+            return
+        size = t.shape[dim]
+        if isinstance(sizes, int):
+            sizes = [min(sizes, size - i) for i in range(0, size, sizes)]
+        if not all(isinstance(s, int) for s in sizes):
+            return
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self._split_users(node, [(s, s + n) for s, n in zip(starts, sizes)], self.neg_dim(x, dim))
+
+
+def canonicalize(gm: fx.GraphModule) -> int:
+    """Rewrite ``gm`` in place into canonical form; returns the number of nodes changed."""
+    n = _Canon(gm).run()
+    gm.recompile()
+    return n

@@ -1,0 +1,325 @@
+"""The node-walking matcher: find a rule's pattern in a graph and replace it.
+
+Matching starts at an *anchor*: a graph node whose target equals the target of the pattern's
+first output. Graph nodes are indexed by target once per rule, so a pass costs time linear in
+the graph's size. From the anchor the matcher walks the pattern's inputs backwards, pairing each
+pattern node with a graph node:
+
+* operations pair when their canonical targets are equal and their arguments pair; for ``add``
+  and ``mul`` both argument orders are tried (backtracking);
+* a pattern argument (placeholder) binds a graph node the first time and must see the same node
+  every later time; a scalar wildcard binds a literal or a symbolic scalar node;
+* a cast in the pattern pairs with nothing when the graph value already has that dtype (the
+  canonicalizer removed the no-op cast);
+* literals compare equal (``2 == 2.0``, lists element-wise).
+
+A structural match is then checked: internal nodes used outside the match (containment), the
+rule's guard, and no output that another node reads before the match's end (which would need
+reordering, or be a cycle). The best failed attempt at an anchor is kept with its reason: the
+near miss the report shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxrewrite import meta
+from fxrewrite.canonicalize import CAST, COMMUTATIVE
+from fxrewrite.rule import Bindings, Rule, Scalar
+
+# Ops whose output may share storage with an input: an in-place kernel must not write to them.
+VIEW_TARGETS = frozenset(
+    {
+        torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten.slice.Tensor,
+        torch.ops.aten.expand.default, torch.ops.aten.permute.default, torch.ops.aten.transpose.int,
+        torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.t.default,
+        torch.ops.aten.alias.default, torch.ops.aten.as_strided.default, operator.getitem,
+    }
+)  # fmt: skip
+VIEW_METHODS = frozenset(
+    {"view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "t", "contiguous",
+     "to", "type", "narrow", "unflatten", "flatten", "detach", "view_as", "expand_as", "__getitem__"}
+)  # fmt: skip
+
+
+@dataclasses.dataclass
+class Match:
+    """A checked match of ``rule`` whose first output is ``anchor``."""
+
+    rule: Rule
+    anchor: fx.Node
+    nodes: dict[fx.Node, fx.Node]  # pattern node -> graph node
+    bindings: dict[str, Any]  # pattern argument -> graph node or literal
+    elided: set[fx.Node]  # pattern casts that paired with nothing
+
+    @property
+    def internal(self) -> list[fx.Node]:
+        """Graph nodes the match consumes, in graph order (anchor last)."""
+        seen = {g for p, g in self.nodes.items() if p.op == "call_function" and p not in self.elided}
+        return sorted(seen, key=_position)
+
+
+@dataclasses.dataclass
+class Failure:
+    """Why a rule did not match at an anchor: the first differing graph node and a reason."""
+
+    reason: str
+    at: fx.Node | None
+    progress: float
+
+
+def _position(n: fx.Node) -> int:
+    return n.meta["_fxr_pos"]
+
+
+def number_nodes(graph: fx.Graph) -> None:
+    """Record each node's position; matching and in-place checks compare positions."""
+    for i, n in enumerate(graph.nodes):
+        n.meta["_fxr_pos"] = i * 4
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, fx.Node):
+        return f"`{v.name}`"
+    return repr(v)
+
+
+def _target_name(t: Any) -> str:
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t._schema.name.split('::')[-1]}"
+    return getattr(t, "__name__", str(t))
+
+
+def _lit_eq(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_lit_eq(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return type(a) is type(b) and a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float)) and a == b)
+
+
+@dataclasses.dataclass
+class _State:
+    nodes: dict[fx.Node, fx.Node]
+    owner: dict[fx.Node, fx.Node]  # graph node -> pattern node
+    binds: dict[str, Any]
+    elided: set[fx.Node]
+
+    def copy(self) -> _State:
+        return _State(dict(self.nodes), dict(self.owner), dict(self.binds), set(self.elided))
+
+
+class _Walker:
+    def __init__(self, rule: Rule) -> None:
+        self.rule = rule
+        self.cr = rule.compiled
+        self.best: Failure | None = None
+
+    def fail(self, st: _State, reason: str, at: Any) -> None:
+        done = sum(1 for p in st.nodes if p.op == "call_function" and p not in st.elided)
+        progress = done / max(self.cr.op_count, 1)
+        if self.best is None or progress > self.best.progress:
+            self.best = Failure(reason, at if isinstance(at, fx.Node) else None, progress)
+
+    # Each matcher yields every state in which the pair matches (backtracking on alternatives).
+    def value(self, p: Any, g: Any, st: _State) -> Iterator[_State]:
+        if isinstance(p, fx.Node):
+            if p.op == "placeholder":
+                yield from self.placeholder(p, g, st)
+            else:
+                yield from self.node(p, g, st)
+        elif isinstance(p, (list, tuple)):
+            if not isinstance(g, (list, tuple)) or len(p) != len(g):
+                self.fail(st, f"expected {len(p)} values, found {_describe(g)}", g)
+                return
+            yield from self.seq(list(p), list(g), st)
+        elif isinstance(g, fx.Node):
+            self.fail(st, f"expected literal {p!r}, found node {_describe(g)}", g)
+        elif _lit_eq(p, g):
+            yield st
+        else:
+            self.fail(st, f"literal {g!r} != {p!r}", None)
+
+    def seq(self, ps: list[Any], gs: list[Any], st: _State) -> Iterator[_State]:
+        if not ps:
+            yield st
+            return
+        for st1 in self.value(ps[0], gs[0], st):
+            yield from self.seq(ps[1:], gs[1:], st1)
+
+    def placeholder(self, p: fx.Node, g: Any, st: _State) -> Iterator[_State]:
+        name = p.target
+        spec: Scalar | None = self.rule.scalars.get(name)
+        if name in st.binds:
+            bound = st.binds[name]
+            same = bound is g if isinstance(bound, fx.Node) or isinstance(g, fx.Node) else _lit_eq(bound, g)
+            if not same:
+                self.fail(st, f"{_describe(g)} != bound {name} {_describe(bound)}", g)
+                return
+            yield st
+            return
+        if spec is not None:
+            why = spec.accepts(g)
+            if why is not None:
+                self.fail(st, f"{name}: {why}", g)
+                return
+        elif not isinstance(g, fx.Node):
+            self.fail(st, f"{name}: expected a tensor, found literal {g!r}", None)
+            return
+        st = st.copy()
+        st.binds[name] = g
+        yield st
+
+    def node(self, p: fx.Node, g: Any, st: _State) -> Iterator[_State]:
+        if p in st.nodes:
+            if st.nodes[p] is g:
+                yield st
+            else:
+                self.fail(st, f"{_describe(g)} is not {_describe(st.nodes[p])}", g)
+            return
+        if p.target is CAST:
+            yield from self.elided_cast(p, g, st)
+        if not isinstance(g, fx.Node):
+            self.fail(st, f"expected `{_target_name(p.target)}`, found literal {g!r}", None)
+            return
+        if g.op != "call_function" or g.target != p.target:
+            self.fail(st, self.mismatch_reason(p, g), g)
+            return
+        if g in st.owner:
+            self.fail(st, f"{_describe(g)} already paired with pattern node {st.owner[g].name}", g)
+            return
+        if set(p.kwargs) != set(g.kwargs):
+            self.fail(st, f"`{g.name}`: keyword arguments {sorted(g.kwargs)} != {sorted(p.kwargs)}", g)
+            return
+        st = st.copy()
+        st.nodes[p], st.owner[g] = g, p
+        pa, ga = list(p.args), list(g.args)
+        if len(pa) != len(ga):
+            self.fail(st, f"`{g.name}`: {len(ga)} arguments, pattern has {len(pa)}", g)
+            return
+        orders = [ga]
+        if p.target in COMMUTATIVE and len(ga) == 2:
+            orders.append([ga[1], ga[0]])
+        pk = [p.kwargs[k] for k in sorted(p.kwargs)]
+        gk = [g.kwargs[k] for k in sorted(p.kwargs)]
+        for args in orders:
+            yield from self.seq(pa + pk, args + gk, st)
+
+    def elided_cast(self, p: fx.Node, g: Any, st: _State) -> Iterator[_State]:
+        """A pattern cast pairs with nothing when ``g`` already has the cast's dtype."""
+        t = meta.tensor(g)
+        if t is None or (isinstance(g, fx.Node) and g.target is CAST and g not in st.owner):
+            return
+        want = p.args[1]
+        st = st.copy()
+        if isinstance(want, fx.Node):  # dtype wildcard
+            name = want.target
+            if name in st.binds and st.binds[name] != t.dtype:
+                return
+            st.binds[name] = t.dtype
+        elif want != t.dtype:
+            return
+        st.nodes[p] = g
+        st.elided.add(p)
+        yield from self.value(p.args[0], g, st)
+
+    def mismatch_reason(self, p: fx.Node, g: fx.Node) -> str:
+        want = _target_name(p.target)
+        got = _target_name(g.target) if g.op == "call_function" else f"{g.op} {g.target}"
+        for inner in g.all_input_nodes:
+            if inner.op == "call_function" and inner.target == p.target:
+                return f"target `{got}` interposed (`{g.name}`) where `{want}` was expected"
+        return f"expected `{want}`, found `{got}` (`{g.name}`)"
+
+
+def match_at(rule: Rule, anchor: fx.Node) -> Match | Failure:
+    """Try ``rule`` with its first output paired to ``anchor``; a checked Match or the best Failure."""
+    w = _Walker(rule)
+    cr = w.cr
+    st0 = _State({}, {}, {}, set())
+    for st in w.node(cr.anchor, anchor, st0):
+        m = Match(rule, anchor, st.nodes, st.binds, st.elided)
+        why, at = _check(m)
+        if why is None:
+            return m
+        if w.best is None or w.best.progress <= 1.0:
+            # a complete structure that failed a check is the nearest miss there is
+            w.best = Failure(why, at, 1.01)
+    return w.best or Failure("no structural match", anchor, 0.0)
+
+
+def _check(m: Match) -> tuple[str | None, fx.Node | None]:
+    """Containment, scalar predicates, guard, ordering."""
+    cr = m.rule.compiled
+    inside = set(m.internal)
+    outputs = {m.nodes[o] for o in cr.outputs}
+    for g in m.internal:
+        if g in outputs:
+            continue
+        outside = [u for u in g.users if u not in inside]
+        if outside:
+            names = ", ".join(f"`{u.name}`" for u in outside[:3])
+            return f"internal node `{g.name}` has {len(outside)} user(s) outside the match ({names})", g
+    why = m.rule.check_guard(Bindings(m.bindings))
+    if why is not None:
+        return why, m.anchor
+    end = _position(m.anchor)
+    for o in outputs - {m.anchor}:
+        early = [u for u in o.users if u not in inside and _position(u) < end]
+        if early:
+            return (
+                f"output `{o.name}` is read by `{early[0].name}` before the match ends at `{m.anchor.name}` "
+                "(replacing it would need reordering or form a cycle)",
+                early[0],
+            )
+    return None, None
+
+
+def inplace_blocker(m: Match) -> str | None:
+    """None if every tensor the in-place replacement overwrites is dead after the match and is
+    neither a graph input nor a view; otherwise the reason the functional form is used."""
+    spec = m.rule.inplace
+    if spec is None:
+        return "no in-place form"
+    inside = set(m.internal)
+    end = _position(m.anchor)
+    for name in spec.overwrites:
+        g = m.bindings[name]
+        if not isinstance(g, fx.Node):
+            return f"{name} is not a graph value"
+        if g.op == "placeholder":
+            return f"{name} (`{g.name}`) is a graph input"
+        if g.op == "get_attr" or _is_view(g):
+            return f"{name} (`{g.name}`) may alias other storage"
+        late = _late_readers(g, inside, end)
+        if late:
+            return f"{name} (`{g.name}`) is read later by `{late.name}`"
+    return None
+
+
+def _is_view(n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in VIEW_TARGETS) or (
+        n.op == "call_method" and n.target in VIEW_METHODS
+    )
+
+
+def _late_readers(g: fx.Node, inside: set[fx.Node], end: int) -> fx.Node | None:
+    """A node outside the match that reads ``g`` (directly or through a view of it) at or after
+    position ``end``."""
+    stack = [g]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in inside:
+                continue
+            if _position(u) >= end:
+                return u
+            if _is_view(u):
+                stack.append(u)
+    return None

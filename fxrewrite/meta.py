@@ -1,0 +1,147 @@
+"""Reading and recomputing the fake-tensor metadata Dynamo leaves on nodes.
+
+Dynamo stores a fake tensor (or SymInt/SymFloat) in ``node.meta["example_value"]``; exported
+graphs use ``"val"``. Pattern graphs traced by ``torch.fx.symbolic_trace`` carry no fake values, so
+they get a coarse kind ("tensor" or "scalar") in ``node.meta["fxr_kind"]`` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger(__name__)
+
+_NOT_TENSOR_METHODS = frozenset({"size", "dim", "item", "numel", "tolist", "stride", "is_contiguous"})
+
+
+def value(node: Any) -> Any:
+    """The fake value of ``node`` (tensor, SymInt, tuple ...) or None when unknown."""
+    if not isinstance(node, fx.Node):
+        return None
+    v = node.meta.get("example_value")
+    return node.meta.get("val") if v is None else v
+
+
+def tensor(node: Any) -> torch.Tensor | None:
+    """The fake tensor of ``node``, or None if it is not known to be a tensor."""
+    v = value(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def is_tensor(arg: Any) -> bool:
+    """True if ``arg`` is a node that produces a tensor (from fake values or the pattern kind)."""
+    if not isinstance(arg, fx.Node):
+        return False
+    v = value(arg)
+    if v is not None:
+        return isinstance(v, torch.Tensor)
+    return arg.meta.get("fxr_kind") == "tensor"
+
+
+def mark_kinds(graph: fx.Graph, scalar_names: Iterable[str]) -> None:
+    """Give every node of a pattern graph a kind, since symbolic tracing records no values.
+
+    Placeholders are tensors unless named in ``scalar_names``; a call is a tensor when one of its
+    inputs is (except ``size``/``item``-like methods and ``getattr``).
+    """
+    scalars = set(scalar_names)
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            kind = "scalar" if n.target in scalars else "tensor"
+        elif n.op in ("call_function", "call_method"):
+            inputs = n.all_input_nodes
+            tensorish = any(is_tensor(a) for a in inputs)
+            if n.op == "call_method" and n.target in _NOT_TENSOR_METHODS:
+                tensorish = False
+            if n.target is getattr or (n.target is operator.getitem and not is_tensor(n.args[0])):
+                tensorish = False
+            kind = "tensor" if tensorish else "scalar"
+        else:
+            kind = "scalar"
+        n.meta["fxr_kind"] = kind
+
+
+def fake_mode_of(graph: fx.Graph) -> Any:
+    """The FakeTensorMode the graph's values were made in, or None."""
+    for n in graph.nodes:
+        t = tensor(n)
+        mode = getattr(t, "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def _fake_arg(a: Any) -> Any:
+    return fx.node.map_arg(a, value)
+
+
+def propagate(node: fx.Node, fake_mode: Any) -> None:
+    """Compute ``node.meta["example_value"]`` by running its target on its inputs' fake values.
+
+    Leaves the meta empty (and logs at debug) when an input has no value or the op refuses fake
+    tensors: later stages treat unknown metadata conservatively.
+    """
+    if fake_mode is None or node.op != "call_function":
+        return
+    args, kwargs = _fake_arg(node.args), _fake_arg(node.kwargs)
+    if any(isinstance(a, fx.Node) and value(a) is None for a in node.all_input_nodes):
+        return
+    try:
+        with fake_mode:
+            out = node.target(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - metadata is best effort; the node still runs
+        log.debug("no fake value for %s (%s): %s", node.name, node.target, e)
+        return
+    node.meta["example_value"] = out
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    """Both fake tensors known and of identical (possibly symbolic) shape."""
+    ta, tb = tensor(a), tensor(b)
+    if ta is None or tb is None or ta.dim() != tb.dim():
+        return False
+    return all(_sym_eq(x, y) for x, y in zip(ta.shape, tb.shape))
+
+
+def _sym_eq(x: Any, y: Any) -> bool:
+    if isinstance(x, int) and isinstance(y, int):
+        return x == y
+    try:
+        return str(x) == str(y)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def copy_provenance(src: fx.Node, dst: fx.Node) -> None:
+    """Keep where the replaced code came from on the node that replaces it."""
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in src.meta and key not in dst.meta:
+            dst.meta[key] = src.meta[key]
+
+
+def source_line(node: fx.Node) -> str:
+    """``file:line`` of the model code that produced ``node`` (last user frame of its trace)."""
+    trace = node.meta.get("stack_trace") or ""
+    for line in reversed(trace.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("File "):
+            parts = line.split(",")
+            fname = parts[0][len("File ") :].strip().strip('"')
+            lineno = parts[1].strip().removeprefix("line ") if len(parts) > 1 else "?"
+            return f"{fname.rsplit('/', 1)[-1]}:{lineno}"
+    return ""
+
+
+def module_path(node: fx.Node) -> str:
+    """Qualified name of the innermost module that produced ``node`` (from nn_module_stack)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _cls = list(stack.values())[-1]
+    return str(path)

@@ -1,0 +1,194 @@
+"""What the backend did, for people: per pass time and matches, per rule the sites it fused
+(with the model source line), near misses with reasons, node counts, runtime statistics."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from typing import Any
+
+import torch.fx as fx
+
+
+@dataclasses.dataclass
+class Site:
+    """One place a rule fused: the replacement node and where the replaced code came from."""
+
+    rule: str
+    node: str
+    source: str
+    module: str
+    inplace: bool = False
+
+
+@dataclasses.dataclass
+class NearMiss:
+    """A place where a rule's anchor matched but the rule did not, and why."""
+
+    rule: str
+    site: str
+    source: str
+    at: str
+    reason: str
+
+
+@dataclasses.dataclass
+class Rejected:
+    """A match whose rewrite was refused (replacement metadata differs, verification failed)."""
+
+    rule: str
+    site: str
+    source: str
+    reason: str
+
+
+@dataclasses.dataclass
+class PassRecord:
+    name: str
+    ms: float
+    matches: int
+    nodes_after: int
+
+
+@dataclasses.dataclass
+class PassResult:
+    """What one pass returns: how many rewrites, and the details the report lists."""
+
+    matches: int = 0
+    sites: list[Site] = dataclasses.field(default_factory=list)
+    near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
+    rejected: list[Rejected] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class GraphReport:
+    """The report of one compiled graph."""
+
+    nodes_before: int = 0
+    nodes_after: int = 0
+    passes: list[PassRecord] = dataclasses.field(default_factory=list)
+    sites: list[Site] = dataclasses.field(default_factory=list)
+    near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
+    rejected: list[Rejected] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    fused_ops: dict[str, int] = dataclasses.field(default_factory=dict)
+    runtime: dict[str, Any] = dataclasses.field(default_factory=dict)
+    rewrite_ms: float = 0.0
+
+    def add(self, name: str, ms: float, result: PassResult, nodes_after: int) -> None:
+        self.passes.append(PassRecord(name, ms, result.matches, nodes_after))
+        self.sites += result.sites
+        self.near_misses += result.near_misses
+        self.rejected += result.rejected
+        self.notes += result.notes
+
+
+def fused_op_counts(gm: fx.GraphModule) -> dict[str, int]:
+    """Calls of ``torch.ops.fxr.*`` in ``gm`` by op name."""
+    counts: collections.Counter[str] = collections.Counter()
+    for n in gm.graph.nodes:
+        name = getattr(n.target, "name", None)
+        if n.op == "call_function" and callable(name):
+            qual = n.target.name()
+            if qual.startswith("fxr::"):
+                counts[qual.split("::", 1)[1].split(".")[0]] += 1
+    return dict(counts)
+
+
+@dataclasses.dataclass
+class Report:
+    """Everything the backend compiled, graph by graph. ``table()`` for people, ``to_dict()``
+    for machines."""
+
+    graphs: list[GraphReport] = dataclasses.field(default_factory=list)
+    providers: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def sites(self) -> list[Site]:
+        return [s for g in self.graphs for s in g.sites]
+
+    @property
+    def near_misses(self) -> list[NearMiss]:
+        return [m for g in self.graphs for m in g.near_misses]
+
+    @property
+    def rejected(self) -> list[Rejected]:
+        return [r for g in self.graphs for r in g.rejected]
+
+    def rules(self) -> dict[str, int]:
+        """Rule name -> matched sites, over all graphs."""
+        return dict(collections.Counter(s.rule for s in self.sites))
+
+    def fused_ops(self) -> dict[str, int]:
+        total: collections.Counter[str] = collections.Counter()
+        for g in self.graphs:
+            total.update(g.fused_ops)
+        return dict(total)
+
+    def to_dict(self) -> dict[str, Any]:
+        passes: dict[str, dict[str, float]] = {}
+        for g in self.graphs:
+            for p in g.passes:
+                e = passes.setdefault(p.name, {"name": p.name, "ms": 0.0, "matches": 0})
+                e["ms"] += p.ms
+                e["matches"] += p.matches
+        return {
+            "graphs": len(self.graphs),
+            "passes": list(passes.values()),
+            "rules": self.rules(),
+            "fused_ops": self.fused_ops(),
+            "sites": [dataclasses.asdict(s) for s in self.sites],
+            "near_misses": [dataclasses.asdict(m) for m in self.near_misses],
+            "rejected": [dataclasses.asdict(r) for r in self.rejected],
+            "nodes_before": sum(g.nodes_before for g in self.graphs),
+            "nodes_after": sum(g.nodes_after for g in self.graphs),
+            "rewrite_ms": sum(g.rewrite_ms for g in self.graphs),
+            "runtime": [g.runtime for g in self.graphs if g.runtime],
+            "providers": self.providers,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    def table(self) -> str:
+        """A plain-text report: passes, rules, near misses, rejected rewrites."""
+        out: list[str] = []
+        for i, g in enumerate(self.graphs):
+            out.append(f"graph {i}: {g.nodes_before} nodes -> {g.nodes_after} nodes, rewrite {g.rewrite_ms:.1f} ms")
+            out.append(_table(["pass", "ms", "matches", "nodes after"],
+                              [[p.name, f"{p.ms:.2f}", p.matches, p.nodes_after] for p in g.passes]))  # fmt: skip
+            by_rule = collections.Counter(s.rule for s in g.sites)
+            if by_rule:
+                rows = []
+                for rule, n in sorted(by_rule.items()):
+                    first = next(s for s in g.sites if s.rule == rule)
+                    inplace = sum(s.inplace for s in g.sites if s.rule == rule)
+                    rows.append([rule, n, inplace, first.source or first.module])
+                out.append(_table(["rule", "sites", "in place", "first site"], rows))
+            if g.fused_ops:
+                out.append("fused ops: " + ", ".join(f"{k} x{v}" for k, v in sorted(g.fused_ops.items())))
+            if g.near_misses:
+                out.append(f"near misses ({len(g.near_misses)}):")
+                out.append(_table(["rule", "site", "source", "at", "reason"],
+                                  [[m.rule, m.site, m.source, m.at, m.reason] for m in g.near_misses]))  # fmt: skip
+            else:
+                out.append("near misses: none")
+            for r in g.rejected:
+                out.append(f"REJECTED {r.rule} at {r.site} ({r.source}): {r.reason}")
+            for note in g.notes:
+                out.append(f"note: {note}")
+            if g.runtime:
+                out.append("runtime: " + ", ".join(f"{k}={v}" for k, v in g.runtime.items()))
+        if self.providers:
+            out.append("providers: " + json.dumps(self.providers, default=str))
+        return "\n".join(out)
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join("  " + ln for ln in lines)

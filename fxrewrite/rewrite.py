@@ -1,0 +1,163 @@
+"""Apply rules to a graph: match at anchors, replace, record sites and near misses.
+
+One call of ``apply_rules`` is one pass. For each rule, in order, the graph's nodes with the
+rule's anchor target are collected (one scan: linear in graph size) and tried one by one; a
+match is replaced at once, so later anchors never overlap an earlier match's nodes::
+
+    %pow_1 = aten.pow.Tensor_Scalar(%x, 2)
+    %mean  = aten.mean.dim(%pow_1, [-1], True)
+    %add   = aten.add.Tensor(%mean, %item)            ->   %rms_norm = fxr.rms_norm(%x, %w, %item)
+    %rsqrt = aten.rsqrt.default(%add)
+    %mul   = aten.mul.Tensor(%x, %rsqrt)
+    %mul_1 = aten.mul.Tensor(%w, %mul)
+
+Replacement nodes are inserted just before the anchor, get fake values computed from their inputs
+(checked against the values they replace: a replacement whose outputs differ in shape or dtype is
+rejected, never applied), and keep the ``stack_trace`` / ``nn_module_stack`` of the anchor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.fx as fx
+from torch.fx.subgraph_rewriter import replace_pattern_with_filters
+
+from fxrewrite import meta
+from fxrewrite.match import Failure, Match, inplace_blocker, match_at, number_nodes
+from fxrewrite.report import NearMiss, PassResult, Rejected, Site
+from fxrewrite.rule import Bindings, Rule
+
+# Called with each match before it is applied; returns None to go ahead, or a reason to refuse.
+Verifier = Callable[[Match], "str | None"]
+
+
+def apply_rules(
+    gm: fx.GraphModule, rules: Sequence[Rule], near_miss_min: float = 0.5, verify: Verifier | None = None
+) -> PassResult:
+    """Apply ``rules`` in order to ``gm`` (in place); what matched, nearly matched, was refused."""
+    result = PassResult()
+    fake_mode = meta.fake_mode_of(gm.graph)
+    for rule in rules:
+        if rule.via == "subgraph_rewriter":
+            _apply_subgraph_rewriter(gm, rule, result, fake_mode)
+            continue
+        cr = rule.compiled
+        number_nodes(gm.graph)
+        anchors = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == cr.anchor.target]
+        erased: set[fx.Node] = set()
+        for anchor in anchors:
+            if anchor in erased:
+                continue
+            found = match_at(rule, anchor)
+            if isinstance(found, Failure):
+                if found.progress >= near_miss_min:
+                    result.near_misses.append(
+                        NearMiss(rule.name, anchor.name, meta.source_line(anchor),
+                                 found.at.name if found.at is not None else "", found.reason)  # fmt: skip
+                    )
+                continue
+            refusal = verify(found) if verify is not None else None
+            if refusal is None:
+                refusal = _replace(gm.graph, found, fake_mode, result, erased)
+            if refusal is not None:
+                result.rejected.append(Rejected(rule.name, anchor.name, meta.source_line(anchor), refusal))
+    gm.graph.lint()
+    gm.recompile()
+    return result
+
+
+def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, erased: set[fx.Node]) -> str | None:
+    """Insert the replacement before the anchor and remove the match; None, or why it was refused."""
+    cr = m.rule.compiled
+    blocker = inplace_blocker(m)
+    inplace = blocker is None
+    body = cr.inplace if inplace else cr.replacement
+    env: dict[fx.Node, Any] = {}
+    new: list[fx.Node] = []
+    outs: list[Any] = []
+    with graph.inserting_before(m.anchor):
+        for rn in body.graph.nodes:
+            if rn.op == "placeholder":
+                env[rn] = m.bindings[rn.target]
+            elif rn.op == "output":
+                vals = rn.args[0]
+                outs = [fx.node.map_arg(v, env.__getitem__) for v in (vals if isinstance(vals, (tuple, list)) else [vals])]
+            else:
+                n = graph.node_copy(rn, env.__getitem__)
+                n.meta = {"fxr_rule": m.rule.name}
+                meta.copy_provenance(m.anchor, n)
+                meta.propagate(n, fake_mode)
+                env[rn] = n
+                new.append(n)
+    olds = [m.nodes[o] for o in cr.outputs]
+    why = _meta_mismatch(olds, outs)
+    if why is not None:
+        for n in reversed(new):
+            graph.erase_node(n)
+        return why
+    for old, out in zip(olds, outs):
+        old.replace_all_uses_with(out)
+    for n in reversed(m.internal):
+        if not n.users:
+            graph.erase_node(n)
+            erased.add(n)
+    result.matches += 1
+    node = next((n for n in reversed(new) if n.op == "call_function" and n.target is not getattr), m.anchor)
+    result.sites.append(
+        Site(m.rule.name, node.name, meta.source_line(node), meta.module_path(node), inplace=inplace)
+    )
+    return None
+
+
+def _meta_mismatch(olds: list[fx.Node], outs: list[Any]) -> str | None:
+    """Why the replacement's outputs cannot stand in for the pattern's, or None."""
+    for old, out in zip(olds, outs):
+        a, b = meta.tensor(old), meta.tensor(out)
+        if a is None or b is None:
+            continue
+        if a.dtype != b.dtype:
+            return f"replacement output `{getattr(out, 'name', out)}` is {b.dtype}, the pattern's {a.dtype}"
+        if not meta.same_shape(old, out):
+            return f"replacement output shape {tuple(b.shape)} != pattern's {tuple(a.shape)}"
+    return None
+
+
+def _apply_subgraph_rewriter(gm: fx.GraphModule, rule: Rule, result: PassResult, fake_mode: Any) -> None:
+    """The same rule through ``torch.fx.subgraph_rewriter.replace_pattern_with_filters``: exact
+    structural matching (no wildcards, no commutativity), the rule's guard as a match filter."""
+    cr = rule.compiled
+    names = [n.target for n in cr.pattern.graph.nodes if n.op == "placeholder"]
+    rnames = [n.target for n in cr.replacement.graph.nodes if n.op == "placeholder"]
+    if rnames != names:
+        raise ValueError(f"rule {rule.name!r}: a subgraph_rewriter replacement must take the pattern's arguments in order")
+
+    def guard(match: Any, original_graph: fx.Graph, pattern_graph: fx.Graph) -> bool:
+        bound = dict(zip(names, match.placeholder_nodes))
+        why = rule.check_guard(Bindings(bound))
+        if why is None:
+            return True
+        anchor = match.returning_nodes[0] if match.returning_nodes else None
+        if anchor is not None:
+            result.near_misses.append(NearMiss(rule.name, anchor.name, meta.source_line(anchor), anchor.name, why))
+        return False
+
+    replaced = replace_pattern_with_filters(gm, cr.pattern, cr.replacement, match_filters=[guard])
+    for r in replaced:
+        for n in r.replacements:
+            meta.copy_provenance(r.anchor, n)
+            n.meta["fxr_rule"] = rule.name
+            meta.propagate(n, fake_mode)
+        last = r.replacements[-1] if r.replacements else r.anchor
+        result.sites.append(Site(rule.name, last.name, meta.source_line(last), meta.module_path(last)))
+        result.matches += 1
+
+
+def dead_code(gm: fx.GraphModule) -> int:
+    """Remove nodes nobody reads (pure ops only); returns how many."""
+    before = len(gm.graph.nodes)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return before - len(gm.graph.nodes)
+

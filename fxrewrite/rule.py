@@ -1,0 +1,235 @@
+"""A rule is data: a pattern written as model code, its replacement, and an optional guard.
+
+Example (the whole RMSNorm rule lives in ``rewrites/norm.py``)::
+
+    def pattern(x, weight, eps):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)        # -> dtype is a scalar wildcard in the real rule
+
+    def replacement(x, weight, eps):
+        return torch.ops.fxr.rms_norm(x, weight, eps)
+
+    RULE = Rule("rms_norm", pattern, replacement, scalars={"eps": Scalar(float)})
+
+Both functions are traced with ``torch.fx.symbolic_trace`` and the pattern is canonicalized by
+the same code as the model graph, so ``x.pow(2)`` in a pattern also matches ``x * x`` in a model.
+Pattern arguments are tensors unless named in ``scalars``: a scalar wildcard binds a literal
+(``1e-6``) or a symbolic scalar node (HF models under ``dynamic=True`` read eps with ``.item()``),
+subject to an optional predicate. The first value the pattern returns is its *anchor*; any further
+returned values must be computed on the way to it (add + norm returns the normed value and the
+sum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+
+from fxrewrite import meta
+from fxrewrite.canonicalize import canonicalize
+
+
+class RuleError(ValueError):
+    """A rule that cannot be used as written (untraceable, inconsistent outputs, bad names)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Scalar:
+    """A scalar wildcard: binds a literal or a symbolic scalar node.
+
+    kind:       the Python type a literal must have (``float`` also accepts ints); None: any.
+    predicate:  called with the literal value; a symbolic value (unknown until run time) is
+                accepted without it, since the graph reads it at every call.
+    """
+
+    kind: type | None = None
+    predicate: Callable[[Any], bool] | None = None
+
+    def accepts(self, v: Any) -> str | None:
+        """None if ``v`` may bind, else the reason it may not."""
+        if isinstance(v, fx.Node):
+            return None if not meta.is_tensor(v) else "a tensor where a scalar is expected"
+        if self.kind is float and isinstance(v, bool):
+            return f"{v!r} is not a float"
+        if self.kind is not None and not isinstance(v, (self.kind, int) if self.kind is float else self.kind):
+            return f"{v!r} is not a {self.kind.__name__}"
+        if self.predicate is not None and not self.predicate(v):
+            return f"{v!r} fails the predicate of this wildcard"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class InPlace:
+    """An in-place replacement, used only where the matcher proves it safe.
+
+    replacement: returns the same values as the functional replacement, computed by a kernel
+                 that overwrites the pattern inputs named in ``overwrites``.
+    overwrites:  pattern arguments the kernel writes to; each must be dead after the match and
+                 must not be a graph input or a view.
+    """
+
+    replacement: Callable[..., Any]
+    overwrites: tuple[str, ...]
+
+
+class Bindings(Mapping[str, Any]):
+    """What a match bound, as a guard sees it: fake tensors for tensors, values for scalars.
+
+    ``b["x"]`` is the fake tensor bound to pattern argument ``x`` (shape, dtype, device);
+    ``b["eps"]`` is a literal or a SymFloat; ``b.node("x")`` is the graph node itself.
+    """
+
+    def __init__(self, raw: Mapping[str, Any]) -> None:
+        self._raw = dict(raw)
+
+    def __getitem__(self, name: str) -> Any:
+        v = self._raw[name]
+        if isinstance(v, fx.Node):
+            mv = meta.value(v)
+            return v if mv is None else mv
+        return v
+
+    def node(self, name: str) -> Any:
+        return self._raw[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
+Guard = Callable[[Bindings], "bool | str | None"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rule:
+    """``Rule(name, pattern, replacement, guard)``; see the module docstring.
+
+    guard:       called with the Bindings of a structural match; returns True/None to accept,
+                 False or a string (the reason, shown in near misses) to reject.
+    via:         "walk" (fxrewrite's matcher: scalar wildcards, commutativity, several outputs,
+                 in-place) or "subgraph_rewriter" (``torch.fx.subgraph_rewriter``; no wildcards).
+    """
+
+    name: str
+    pattern: Callable[..., Any]
+    replacement: Callable[..., Any]
+    guard: Guard | None = None
+    scalars: Mapping[str, Scalar] = dataclasses.field(default_factory=dict)
+    inplace: InPlace | None = None
+    via: Literal["walk", "subgraph_rewriter"] = "walk"
+
+    def __repr__(self) -> str:
+        return f"Rule({self.name!r})"
+
+    @functools.cached_property
+    def compiled(self) -> CompiledRule:
+        return CompiledRule.build(self)
+
+    def check_guard(self, bindings: Bindings) -> str | None:
+        """None if the guard accepts; otherwise the reason. A guard that raises is a bug in the
+        rule: re-raised as RuleError naming the rule."""
+        if self.guard is None:
+            return None
+        try:
+            ok = self.guard(bindings)
+        except Exception as e:
+            raise RuleError(f"guard of rule {self.name!r} raised {type(e).__name__}: {e}") from e
+        if ok is True or ok is None:
+            return None
+        return f"guard: {ok}" if isinstance(ok, str) else "guard rejected the bound values"
+
+
+@dataclasses.dataclass
+class CompiledRule:
+    """The traced, canonicalized form of a Rule."""
+
+    pattern: fx.GraphModule
+    replacement: fx.GraphModule
+    inplace: fx.GraphModule | None
+    params: list[str]
+    anchor: fx.Node
+    outputs: list[fx.Node]
+    op_count: int
+
+    @classmethod
+    def build(cls, rule: Rule) -> CompiledRule:
+        params = list(inspect.signature(rule.pattern).parameters)
+        unknown = set(rule.scalars) - set(params)
+        if unknown:
+            raise RuleError(f"rule {rule.name!r}: scalars {sorted(unknown)} are not pattern arguments")
+        pattern = trace(rule.name, "pattern", rule.pattern, rule.scalars)
+        outputs = output_nodes(pattern)
+        anchor = outputs[0]
+        if not isinstance(anchor, fx.Node) or anchor.op != "call_function":
+            raise RuleError(f"rule {rule.name!r}: the pattern's first output must be an operation, got {anchor}")
+        ancestors = _ancestors(anchor)
+        for o in outputs[1:]:
+            if o not in ancestors:
+                raise RuleError(
+                    f"rule {rule.name!r}: pattern output {o} is not computed on the way to the first output {anchor}"
+                )
+        replacement = trace(rule.name, "replacement", rule.replacement, rule.scalars, params)
+        _check_outputs(rule.name, "replacement", replacement, len(outputs))
+        inplace = None
+        if rule.inplace is not None:
+            bad = set(rule.inplace.overwrites) - (set(params) - set(rule.scalars))
+            if bad:
+                raise RuleError(f"rule {rule.name!r}: in-place overwrites {sorted(bad)}, which are not tensor arguments")
+            inplace = trace(rule.name, "in-place replacement", rule.inplace.replacement, rule.scalars, params)
+            _check_outputs(rule.name, "in-place replacement", inplace, len(outputs))
+        if rule.via == "subgraph_rewriter" and rule.scalars:
+            raise RuleError(f"rule {rule.name!r}: torch.fx.subgraph_rewriter rules cannot have scalar wildcards")
+        ops = sum(1 for n in pattern.graph.nodes if n.op == "call_function")
+        return cls(pattern, replacement, inplace, params, anchor, outputs, ops)
+
+
+def trace(
+    rule: str, what: str, fn: Callable[..., Any], scalars: Mapping[str, Any], allowed: list[str] | None = None
+) -> fx.GraphModule:
+    """Trace ``fn`` symbolically and canonicalize it, with errors that name the rule."""
+    names = list(inspect.signature(fn).parameters)
+    if allowed is not None and set(names) - set(allowed):
+        raise RuleError(
+            f"rule {rule!r}: {what} takes {sorted(set(names) - set(allowed))}, which the pattern does not bind"
+        )
+    try:
+        gm = fx.symbolic_trace(fn)
+    except Exception as e:
+        raise RuleError(f"rule {rule!r}: the {what} cannot be traced by torch.fx.symbolic_trace: {e}") from e
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverloadPacket):
+            n.target = n.target.default
+    meta.mark_kinds(gm.graph, scalars)
+    canonicalize(gm)
+    return gm
+
+
+def output_nodes(gm: fx.GraphModule) -> list[Any]:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    vals = out.args[0]
+    return list(vals) if isinstance(vals, (tuple, list)) else [vals]
+
+
+def _check_outputs(rule: str, what: str, gm: fx.GraphModule, n: int) -> None:
+    got = len(output_nodes(gm))
+    if got != n:
+        raise RuleError(f"rule {rule!r}: the {what} returns {got} value(s), the pattern {n}")
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen

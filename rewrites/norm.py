@@ -1,0 +1,67 @@
+"""RMSNorm rules: plain, after a residual add, and Gemma's ``(1 + w)`` form.
+
+Patterns are written the way HF model code writes them; canonicalization makes them cover the
+other spellings (``x * x`` for ``pow(2)``, ``torch.mean(h, dim=-1, keepdim=True)``, weight on
+either side of the product, eps as a literal or as ``.item()`` of a lifted placeholder).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
+from fxrewrite.rule import Bindings, Rule, Scalar
+
+EPS = Scalar(float, lambda v: 0.0 < v < 0.1)
+DTYPE = Scalar(torch.dtype)
+WILDCARDS = {"eps": EPS, "dtype": DTYPE}
+
+
+def _normed(x, eps):
+    h = x.to(torch.float32)
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def norm_guard(b: Bindings) -> bool | str:
+    """The norm casts back to the input's dtype and its weight spans the normalized dim."""
+    x, w = b["x"], b["weight"]
+    if b["dtype"] != x.dtype:
+        return f"casts back to {b['dtype']}, input is {x.dtype}"
+    if not x.dtype.is_floating_point:
+        return f"input dtype {x.dtype} is not floating point"
+    if tuple(w.shape) != tuple(x.shape[-1:]):
+        return f"weight shape {tuple(w.shape)} != normalized dim {tuple(x.shape[-1:])}"
+    return True
+
+
+def add_norm_guard(b: Bindings) -> bool | str:
+    if b["x"].dtype != b["residual"].dtype or b["x"].shape != b["residual"].shape:
+        return f"residual {b['residual'].dtype}{tuple(b['residual'].shape)} != input {b['x'].dtype}{tuple(b['x'].shape)}"
+    return norm_guard(b)
+
+
+# x.float() * rsqrt(mean(x^2) + eps), cast back, times weight -> fxr.rms_norm(x, weight, eps)
+def rms_norm_pattern(x, weight, eps, dtype):
+    return weight * _normed(x, eps).to(dtype)
+
+
+def rms_norm_replacement(x, weight, eps):
+    return torch.ops.fxr.rms_norm(x, weight, eps)
+
+
+# s = x + residual; norm(s); both used -> fxr.fused_add_rms_norm(x, residual, weight, eps)
+def add_rms_norm_pattern(x, residual, weight, eps, dtype):
+    s = x + residual
+    return weight * _normed(s, eps).to(dtype), s
+
+
+def add_rms_norm_replacement(x, residual, weight, eps):
+    out = torch.ops.fxr.fused_add_rms_norm(x, residual, weight, eps)
+    return out[0], out[1]
+
+
+RMS_NORM = Rule("rms_norm", rms_norm_pattern, rms_norm_replacement, norm_guard, WILDCARDS)
+ADD_RMS_NORM = Rule("add_rms_norm", add_rms_norm_pattern, add_rms_norm_replacement, add_norm_guard, WILDCARDS)
+
+# add + norm first: it contains the plain norm, which would otherwise claim its sites.
+RULES: list[Rule] = [ADD_RMS_NORM, RMS_NORM]
