@@ -1,0 +1,134 @@
+"""What unit tests of rewrite rules need: compile through the backend, count ops, compare to eager.
+
+    from fxrewrite.testing import check_rewrite
+
+    def test_my_rule():
+        result = check_rewrite(MyModule(), torch.randn(8, 64), rules=[MY_RULE],
+                               expect={"fxr.my_op": 1}, absent=["aten.mul"])
+        assert not result.report.near_misses
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxrewrite.backend import Backend
+from fxrewrite.config import Config
+from fxrewrite.report import Report
+from fxrewrite.rule import Rule
+
+# Per-dtype tolerances (rtol, atol) for comparing a rewritten graph with eager.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def op_name(node: fx.Node) -> str:
+    """A short, stable name for what a node calls: ``fxr.rms_norm``, ``aten.mul``, ``method.to``."""
+    t = node.target
+    if node.op == "call_method":
+        return f"method.{t}"
+    if isinstance(t, torch._ops.OpOverload):
+        ns, name = t._schema.name.split("::")
+        return f"{ns}.{name}"
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return str(t).replace("::", ".")
+    return f"{getattr(t, '__module__', '') or ''}.{getattr(t, '__name__', str(t))}".lstrip(".")
+
+
+def op_counts(gm: fx.GraphModule) -> collections.Counter[str]:
+    """How many times each op is called in ``gm`` (see :func:`op_name`)."""
+    return collections.Counter(op_name(n) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+
+
+@dataclasses.dataclass
+class Compiled:
+    """The result of compiling a function through the backend once."""
+
+    output: Any
+    eager: Any
+    backend: Backend
+
+    @property
+    def report(self) -> Report:
+        return self.backend.report
+
+    @property
+    def graph(self) -> fx.GraphModule:
+        if len(self.backend.graphs) != 1:
+            raise AssertionError(f"expected one Dynamo graph, got {len(self.backend.graphs)}")
+        return self.backend.graphs[0]
+
+    def counts(self) -> collections.Counter[str]:
+        return op_counts(self.graph)
+
+
+def compile_once(
+    fn: Any,
+    *inputs: Any,
+    rules: Sequence[Rule] | None = None,
+    config: Config | None = None,
+    dynamic: bool = True,
+    **overrides: Any,
+) -> Compiled:
+    """Run ``fn(*inputs)`` eagerly and through ``torch.compile(backend=Backend(...),
+    fullgraph=True)``; returns both outputs and the backend."""
+    torch._dynamo.reset()
+    backend = Backend(config, rules=rules, **overrides)
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
+    with torch.no_grad():
+        eager = fn(*inputs)
+        out = compiled(*inputs)
+    return Compiled(out, eager, backend)
+
+
+def assert_counts(counts: Mapping[str, int], expect: Mapping[str, int] = {}, absent: Iterable[str] = ()) -> None:
+    """``expect``: exact counts of op names (prefix match on ``op_name``); ``absent``: op names
+    that must not appear at all."""
+    for name, n in expect.items():
+        got = sum(c for op, c in counts.items() if op == name or op.startswith(name + "."))
+        assert got == n, f"expected {n} x {name}, found {got}; ops: {dict(counts)}"
+    for name in absent:
+        found = {op: c for op, c in counts.items() if op == name or op.startswith(name + ".")}
+        assert not found, f"expected no {name}, found {found}"
+
+
+def assert_close(actual: Any, expected: Any, dtype: torch.dtype | None = None) -> None:
+    """Compare (nested) outputs with the tolerance of their dtype (TOLERANCES)."""
+    if isinstance(expected, torch.Tensor):
+        rtol, atol = TOLERANCES.get(dtype or expected.dtype, (0.0, 0.0))
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    elif isinstance(expected, (tuple, list)):
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            assert_close(a, e, dtype)
+    elif isinstance(expected, dict) or hasattr(expected, "items"):
+        for k, e in expected.items():
+            assert_close(actual[k], e, dtype)
+    else:
+        assert actual == expected
+
+
+def check_rewrite(
+    fn: Any,
+    *inputs: Any,
+    rules: Sequence[Rule] | None = None,
+    expect: Mapping[str, int] = {},
+    absent: Iterable[str] = (),
+    dynamic: bool = True,
+    **overrides: Any,
+) -> Compiled:
+    """Compile, assert op counts after the rewrite, and compare numerics against eager."""
+    result = compile_once(fn, *inputs, rules=rules, dynamic=dynamic, **overrides)
+    assert_counts(result.counts(), expect, absent)
+    assert_close(result.output, result.eager)
+    return result
