@@ -49,11 +49,28 @@ def _cleanup_pass(gm: fx.GraphModule) -> PassResult:
 
 
 def _rules_pass(rules: Sequence[Rule], config: Config) -> Callable[[fx.GraphModule], PassResult]:
-    return functools.partial(_apply, rules=list(rules), near_miss_min=config.near_miss_min)
+    return functools.partial(_apply, rules=list(rules), near_miss_min=config.near_miss_min, filters=_filters(config))
 
 
-def _apply(gm: fx.GraphModule, rules: list[Rule], near_miss_min: float) -> PassResult:
-    return apply_rules(gm, rules, near_miss_min)
+def _filters(config: Config) -> list[Callable[[Any], str | None]]:
+    """Checks every match passes before it is applied: verification, then the user's filter."""
+    filters: list[Callable[[Any], str | None]] = []
+    if config.verify:
+        from fxrewrite.verify import verify_match
+
+        filters.append(verify_match)
+    if config.match_filter is not None:
+        filters.append(config.match_filter)
+    return filters
+
+
+def _apply(
+    gm: fx.GraphModule, rules: list[Rule], near_miss_min: float, filters: list[Callable[[Any], str | None]]
+) -> PassResult:
+    def verify(m: Any) -> str | None:
+        return next((why for f in filters if (why := f(m)) is not None), None)
+
+    return apply_rules(gm, rules, near_miss_min, verify if filters else None)
 
 
 def pipeline(config: Config) -> list[Pass]:

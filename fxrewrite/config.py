@@ -42,6 +42,8 @@ class Config:
     splitting_ops:   call targets the graph is split at (attention).
     capture_sizes:   token counts to capture; None means ``default_capture_sizes(max_capture_size)``.
     pad_inputs:      pad graph inputs along the token dimension up to the next captured size.
+    match_filter:    called with each checked match before it is applied; returns None to go
+                     ahead or a reason to refuse (bisection uses it; verification is another).
     provider:        kernel provider override: "sgl_kernel", "flashinfer", "torch", or per op
                      "rms_norm=flashinfer,silu_and_mul=torch" (env FXREWRITE_PROVIDER).
     """
@@ -57,6 +59,7 @@ class Config:
     capture_sizes: Sequence[int] | None = None
     max_capture_size: int = 512
     pad_inputs: bool = True
+    match_filter: Callable[[Any], str | None] | None = None
     provider: str | None = None
     progress: bool = True
 
