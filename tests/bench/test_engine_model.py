@@ -1,0 +1,126 @@
+"""CPU tests of the serving-engine reference model in ``bench/engine_model.py``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from engine_model import (  # noqa: E402
+    SPLITTING_OPS,
+    EngineLlama,
+    build_model,
+    fused_twin,
+    make_batch,
+    tiny,
+)
+
+CFG = tiny()
+MAX_SEQS, MAX_LEN = 4, 64
+FUSED_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
+
+
+def _model(seed: int = 0) -> EngineLlama:
+    model = build_model(CFG, seed=seed)
+    model.allocate_kv_cache(MAX_SEQS, MAX_LEN)
+    return model
+
+
+def _batch(kind: str, size: int, context: int = 0, num_seqs: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
+    return make_batch(CFG, kind, size, context, num_seqs=num_seqs, max_len=MAX_LEN, seed=seed)
+
+
+def _missing_fused_ops() -> list[str]:
+    import fxrewrite.runtime.ops  # noqa: F401
+
+    return [name for name in FUSED_OPS if not hasattr(torch.ops.fxr, name)]
+
+
+def test_decode_after_prefill_equals_longer_prefill() -> None:
+    """Decode of token t after a prefill of t-1 tokens == prefill of t tokens at its last row."""
+    model = _model()
+    full = _batch("prefill", 10)
+    expected = model(**full)[-1]
+
+    head = _batch("prefill", 9)
+    head["input_ids"] = full["input_ids"][:9]
+    model(**head)
+    step = _batch("decode", 1, context=9)
+    step["input_ids"] = full["input_ids"][9:]
+    torch.testing.assert_close(model(**step)[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_prefill_equals_one_prefill() -> None:
+    """Prefill of 4 tokens on top of 6 cached ones == one prefill of 10 (causal offset mask)."""
+    model = _model()
+    full = _batch("prefill", 10)
+    expected = model(**full)[6:]
+    model(**{**_batch("prefill", 6), "input_ids": full["input_ids"][:6]})
+    chunk = {**_batch("prefill", 4, context=6), "input_ids": full["input_ids"][6:]}
+    torch.testing.assert_close(model(**chunk), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_decode_equals_single_sequences() -> None:
+    """Three sequences prefilled together (the host-loop path), then decoded together (the
+    batched masked path), give what each sequence gives alone."""
+    model = _model()
+    prefill = _batch("prefill", 12, num_seqs=3)
+    decode = _batch("decode", 3, context=4, seed=1)
+    together = model(**prefill)
+    stepped = model(**decode)
+    for row in range(3):
+        alone = _model()
+        ids = torch.cat([prefill["input_ids"][4 * row : 4 * row + 4], decode["input_ids"][row : row + 1]])
+        out = alone(**{**_batch("prefill", 5), "input_ids": ids})
+        torch.testing.assert_close(together[4 * row : 4 * row + 4], out[:4], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stepped[row], out[4], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_twin_equals_plain_model() -> None:
+    """The hand-fused twin shares the weights and computes the same thing (float32, tight)."""
+    missing = _missing_fused_ops()
+    if missing:
+        pytest.skip(f"fused ops not registered yet: {missing}")
+    model = _model()
+    twin = fused_twin(model)
+    assert twin.layers[0].mlp.gate_up_proj.weight is model.layers[0].mlp.gate_up_proj.weight
+    for kind, size, context in (("prefill", 9, 0), ("decode", 3, 9)):
+        batch = _batch(kind, size, context, seed=size)
+        torch.testing.assert_close(twin(**batch), model(**batch), rtol=1e-6, atol=1e-6)
+
+
+class _GraphCounter:
+    """A Dynamo backend that records the graphs it gets and runs them as they are."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # noqa: ANN204
+        self.graphs.append(gm)
+        return gm.forward
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "hand-fused"])
+def test_fullgraph_dynamic_capture(fused: bool) -> None:
+    """One graph per shape class, no graph break, one attention op per layer, eager numerics."""
+    if fused and (missing := _missing_fused_ops()):
+        pytest.skip(f"fused ops not registered yet: {missing}")
+    torch._dynamo.reset()
+    model = _model()
+    model = fused_twin(model) if fused else model
+    counter = _GraphCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    for kind, size, context in (("prefill", 7, 0), ("prefill", 11, 0), ("decode", 2, 11), ("decode", 3, 11)):
+        batch = _batch(kind, size, context, seed=size)
+        expected = model(**batch)
+        torch.testing.assert_close(compiled(**batch), expected, rtol=1e-6, atol=1e-6)
+    # one graph for single-sequence prefill, one for decode (sizes 2 and 3 share it)
+    assert len(counter.graphs) == 2
+    for gm in counter.graphs:
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert sum(t in SPLITTING_OPS for t in targets) == CFG.num_layers
+    torch._dynamo.reset()
