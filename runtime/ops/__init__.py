@@ -1,7 +1,16 @@
-"""Fused custom ops in namespace ``fxr``; importing this package registers them all."""
+"""Fused custom ops in namespace ``fxr``; ``import fxrewrite.runtime.ops`` registers them all.
 
-from fxrewrite.runtime.ops import activation, norm
+One module per family; each op is an :class:`~fxrewrite.runtime.providers.OpDef` (reference =
+spec and CPU impl, fake impl, CUDA kernels chosen by the providers) registered with
+:func:`~fxrewrite.runtime.providers.define_op`: ``norm`` (RMSNorm, Gemma, add + norm, in-place
+twins), ``activation`` (SiLU/GELU and mul), ``quant`` (FP8 static and per-token variants).
+``DEFS`` holds every definition, ``OPS`` every op name.
+"""
 
-OPS: tuple[str, ...] = ("rms_norm", "silu_and_mul")
+from fxrewrite.runtime.ops import activation, norm, quant
+from fxrewrite.runtime.providers import OpDef
 
-__all__ = ["OPS", "activation", "norm"]
+DEFS: tuple[OpDef, ...] = norm.DEFS + activation.DEFS + quant.DEFS
+OPS: tuple[str, ...] = tuple(op.name for op in DEFS)
+
+__all__ = ["DEFS", "OPS", "activation", "norm", "quant"]

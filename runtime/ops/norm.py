@@ -1,14 +1,35 @@
-"""RMSNorm family: ``fxr::rms_norm``, add + RMSNorm, Gemma variants, in-place twins."""
+"""RMSNorm family: ``fxr::rms_norm``, ``gemma_rms_norm``, add + RMSNorm, and in-place twins.
+
+Each ``*_reference`` function below is the op's spec and its CPU impl; rules that produce these
+ops must match exactly the code it spells. On CUDA the op runs sgl-kernel or flashinfer when the
+call meets their constraints (:mod:`fxrewrite.runtime.providers`).
+
+    # before (HF LlamaRMSNorm)                        # after
+    h = x.to(torch.float32)                           y = torch.ops.fxr.rms_norm(x, w, eps)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    y = w * h.to(x.dtype)
+"""
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable
+
 import torch
+
+from fxrewrite.runtime import providers
+from fxrewrite.runtime.providers import Kernel, OpDef
+
+NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+# --------------------------------------------------------------------------- references (the spec)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Llama RMSNorm over the last dim; result dtype is ``promote(weight, x)``.
+    """HF Llama RMSNorm over the last dim of ``x`` (any rank >= 1); dtype ``promote(weight, x)``.
 
-    ``h = x.float(); h = h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps);
+    ``h = x.float(); h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps);
     return weight * h.to(x.dtype)``
     """
     h = x.float()
@@ -16,12 +37,256 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(x.dtype)
 
 
-@torch.library.custom_op("fxr::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of ``x`` (any rank >= 1). See :func:`rms_norm_reference`."""
-    return rms_norm_reference(x, weight, eps)
+def gemma_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm (scale ``1 + weight``, all in float32); dtype ``x.dtype``.
+
+    ``h = x.float(); h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps);
+    return (h * (1.0 + weight.float())).to(x.dtype)``
+    """
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
 
 
-@rms_norm.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_then_norm(
+    norm: NormFn, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sum = x + residual; return norm(sum, weight, eps), sum`` (shared by spec and kernels)."""
+    total = x + residual
+    return norm(total, weight, eps), total
+
+
+def add_then_norm_(norm: NormFn, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place, sgl-kernel semantics: ``residual += x; x[:] = norm(residual, weight, eps)``."""
+    residual.add_(x)
+    x.copy_(norm(residual, weight, eps))
+
+
+def fused_add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(out, sum)``: ``sum = x + residual; out = rms_norm_reference(sum, weight, eps)``."""
+    return add_then_norm(rms_norm_reference, x, residual, weight, eps)
+
+
+def gemma_fused_add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(out, sum)``: ``sum = x + residual; out = gemma_rms_norm_reference(sum, weight, eps)``."""
+    return add_then_norm(gemma_rms_norm_reference, x, residual, weight, eps)
+
+
+def fused_add_rms_norm_inplace_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """``residual <- x + residual; x <- rms_norm_reference(residual, weight, eps)`` (same dtypes)."""
+    add_then_norm_(rms_norm_reference, x, residual, weight, eps)
+
+
+def gemma_fused_add_rms_norm_inplace_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """``residual <- x + residual; x <- gemma_rms_norm_reference(residual, weight, eps)``."""
+    add_then_norm_(gemma_rms_norm_reference, x, residual, weight, eps)
+
+
+# --------------------------------------------------------------------------- fake impls
+
+
+def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
+def _gemma_rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+def _fused_add_fake(
+    norm_fake: NormFn, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = torch.broadcast_shapes(x.shape, residual.shape)
+    total = x.new_empty(shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    return norm_fake(total, weight, eps), total
+
+
+def _inplace_fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    return None
+
+
+# --------------------------------------------------------------------------- kernel constraints
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as a 2D [rows, hidden] view (writes land in ``x``); None when no such view exists."""
+    if x.dim() == 2:
+        return x
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def check_norm_args(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor) -> str | None:
+    """What every norm kernel needs of its arguments, layout aside: one half dtype for all
+    (the kernels reinterpret ``weight`` as the input dtype: vLLM issue 48330), one device, equal
+    shapes, a non-empty input and a unit-stride ``[hidden]`` weight."""
+    reason = providers.check_half(x, weight, *others) or providers.check_same_device(x, weight, *others)
+    if reason:
+        return reason
+    for t in others:
+        if t.shape != x.shape:
+            return f"shape {tuple(t.shape)} != input shape {tuple(x.shape)}"
+    if x.numel() == 0:
+        return "empty input"
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or weight.stride(0) != 1:
+        return f"weight {tuple(weight.shape)} is not a contiguous [{x.shape[-1]}] vector"
+    return None
+
+
+def check_norm(
+    x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor, allow_3d: bool = False, contiguous: bool = False
+) -> str | None:
+    """:func:`check_norm_args`, then the layout: last dim unit-stride, the tensor viewable as 2D
+    rows (or 3D per-head when ``allow_3d``; fully contiguous when ``contiguous``), and address,
+    row stride and weight aligned to the kernel's vector width ``gcd(16 / itemsize, hidden)``."""
+    reason = check_norm_args(x, weight, *others)
+    if reason:
+        return reason
+    vec_bytes = math.gcd(16 // x.element_size(), x.shape[-1]) * x.element_size()
+    if not providers.is_aligned(weight, vec_bytes):
+        return f"weight address not {vec_bytes}-byte aligned"
+    for t in (x, *others):
+        if contiguous and not t.is_contiguous():
+            return "input not contiguous"
+        if t.stride(-1) != 1:
+            return "last dim not contiguous"
+        view = as_rows(t)
+        if view is None and allow_3d and t.dim() == 3:
+            view = t
+        if view is None:
+            return f"{t.dim()}D input with these strides is not viewable as {'2D or 3D' if allow_3d else '2D'} rows"
+        if not providers.is_aligned(view, vec_bytes, *view.stride()[:-1]):
+            return f"address or row stride not {vec_bytes}-byte aligned"
+    return None
+
+
+def _norm_check(x: torch.Tensor, weight: torch.Tensor, eps: float, *, allow_3d: bool = False, contiguous: bool = False) -> str | None:
+    return check_norm(x, weight, allow_3d=allow_3d, contiguous=contiguous)
+
+
+def _fused_add_check(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> str | None:
+    # The sum is a fresh contiguous tensor: only the arguments matter, not their layout.
+    return check_norm_args(x, weight, residual)
+
+
+def _inplace_check(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, contiguous: bool = False) -> str | None:
+    if x.data_ptr() == residual.data_ptr():
+        return "x and residual share memory"
+    return check_norm(x, weight, residual, contiguous=contiguous)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def sgl_norm(kernel: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """sgl-kernel's own ``rmsnorm`` / ``gemma_rmsnorm`` (2D; the op, not the wrapper, which
+    would hand the call to flashinfer)."""
+    rows = as_rows(x)
+    assert rows is not None
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    getattr(torch.ops.sgl_kernel, kernel).default(out, rows, weight, eps, providers.enable_pdl(x.device))
+    return out.view(x.shape)
+
+
+def flashinfer_norm(kernel: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """flashinfer ``norm.rmsnorm`` (2D rows or 3D per-head, strided rows) / ``gemma_rmsnorm`` (2D)."""
+    rows = as_rows(x)
+    view = rows if rows is not None else x
+    out = torch.empty(view.shape, dtype=x.dtype, device=x.device)
+    fn = getattr(providers.library("flashinfer.norm"), kernel)
+    fn(view, weight, eps, out=out, enable_pdl=providers.enable_pdl(x.device))
+    return out.view(x.shape)
+
+
+def _sgl_fused_add_(kernel: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    getattr(torch.ops.sgl_kernel, kernel).default(as_rows(x), as_rows(residual), weight, eps, providers.enable_pdl(x.device))
+
+
+def _flashinfer_fused_add_(kernel: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    fn = getattr(providers.library("flashinfer.norm"), kernel)
+    fn(as_rows(x), as_rows(residual), weight, eps, enable_pdl=providers.enable_pdl(x.device))
+
+
+P = functools.partial
+sgl_rms_norm = P(sgl_norm, "rmsnorm")
+sgl_gemma_rms_norm = P(sgl_norm, "gemma_rmsnorm")
+flashinfer_rms_norm = P(flashinfer_norm, "rmsnorm")
+flashinfer_gemma_rms_norm = P(flashinfer_norm, "gemma_rmsnorm")
+
+# sgl-kernel's norm binding predates flashinfer's strided one: give it contiguous rows only.
+_SGL_CHECK = P(_norm_check, contiguous=True)
+_SGL_INPLACE_CHECK = P(_inplace_check, contiguous=True)
+_FI = "flashinfer.norm"
+
+RMS_NORM_KERNELS = (
+    Kernel("sgl_kernel", sgl_rms_norm, _SGL_CHECK),
+    Kernel("flashinfer", flashinfer_rms_norm, P(_norm_check, allow_3d=True), module=_FI),
+)
+GEMMA_RMS_NORM_KERNELS = (
+    Kernel("sgl_kernel", sgl_gemma_rms_norm, _SGL_CHECK),
+    Kernel("flashinfer", flashinfer_gemma_rms_norm, _norm_check, module=_FI),
+)
+
+
+def _with_add(kernels: tuple[Kernel, ...]) -> tuple[Kernel, ...]:
+    """Functional add + norm on CUDA: ``x + residual`` in torch, then the norm kernel (the fused
+    kernels are in place only; the matcher picks the ``_`` op when it may overwrite)."""
+    return tuple(
+        Kernel(k.provider, P(add_then_norm, k.run), _fused_add_check, k.min_capability, f"{k.name}+torch", k.module)
+        for k in kernels
+    )
+
+
+# --------------------------------------------------------------------------- the ops
+
+_INPLACE = ("x", "residual")
+DEFS: tuple[OpDef, ...] = (
+    OpDef("rms_norm", rms_norm_reference, _rms_norm_fake, RMS_NORM_KERNELS),
+    OpDef("gemma_rms_norm", gemma_rms_norm_reference, _gemma_rms_norm_fake, GEMMA_RMS_NORM_KERNELS),
+    OpDef(
+        "fused_add_rms_norm",
+        fused_add_rms_norm_reference,
+        P(_fused_add_fake, _rms_norm_fake),
+        _with_add(RMS_NORM_KERNELS),
+    ),
+    OpDef(
+        "gemma_fused_add_rms_norm",
+        gemma_fused_add_rms_norm_reference,
+        P(_fused_add_fake, _gemma_rms_norm_fake),
+        _with_add(GEMMA_RMS_NORM_KERNELS),
+    ),
+    OpDef(
+        "fused_add_rms_norm_",
+        fused_add_rms_norm_inplace_reference,
+        _inplace_fake,
+        (
+            Kernel("sgl_kernel", P(_sgl_fused_add_, "fused_add_rmsnorm"), _SGL_INPLACE_CHECK),
+            Kernel("flashinfer", P(_flashinfer_fused_add_, "fused_add_rmsnorm"), _inplace_check, module=_FI),
+        ),
+        _INPLACE,
+    ),
+    OpDef(
+        "gemma_fused_add_rms_norm_",
+        gemma_fused_add_rms_norm_inplace_reference,
+        _inplace_fake,
+        (
+            Kernel("sgl_kernel", P(_sgl_fused_add_, "gemma_fused_add_rmsnorm"), _SGL_INPLACE_CHECK),
+            Kernel("flashinfer", P(_flashinfer_fused_add_, "gemma_fused_add_rmsnorm"), _inplace_check, module=_FI),
+        ),
+        _INPLACE,
+    ),
+)
+for _op in DEFS:
+    providers.define_op(_op)
+
+OPS: tuple[str, ...] = tuple(op.name for op in DEFS)

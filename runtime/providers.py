@@ -1,0 +1,333 @@
+"""Which library serves a fused op on this device: sgl-kernel, flashinfer, or the torch reference.
+
+Each op module hands :func:`dispatch` its kernels (one :class:`Kernel` per library that can run
+the op) and its plain-torch reference. At the first call per (op, device) the candidates are
+fixed: those of the overriding provider if one is configured, else all in preference order
+(``sgl_kernel``, then ``flashinfer``), each marked unusable when its library does not import or
+the device is too old. Every call then takes the first candidate whose per-call constraints
+hold (dtype, alignment, layout, rank); a call no kernel can serve runs the reference and is
+counted as a fallback keyed ``(op, reason)``: slower, never wrong.
+
+    providers.configure("rms_norm=flashinfer,silu_and_mul=torch")   # or env FXREWRITE_PROVIDER
+    y = torch.ops.fxr.rms_norm(x, w, 1e-6)                           # served by flashinfer
+    providers.served()  # {"rms_norm": {"flashinfer": 1, "fallbacks": {}}}
+
+Imports of ``sgl_kernel`` / ``flashinfer`` are lazy and guarded: neither imports without a GPU
+driver, and this module never needs them on CPU. Counters count Python-level calls: a CUDA
+graph replay does not pass through here, its capture does.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import importlib
+import logging
+import os
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PROVIDERS: tuple[str, ...] = ("sgl_kernel", "flashinfer", "torch")
+"""All provider names, in preference order; ``torch`` (the reference) is always last."""
+
+ENV_VAR = "FXREWRITE_PROVIDER"
+_DEFAULT = "*"  # key of the override that applies to every op not named on its own
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One way a library runs an op.
+
+    provider:        "sgl_kernel" or "flashinfer": what the override names.
+    module:          the module that must import for ``run`` to work (default ``provider``),
+                     e.g. "flashinfer.norm"; ``run`` gets it from :func:`library`.
+    run:             takes the op's arguments, returns what the op returns.
+    check:           takes the op's arguments; None when ``run`` can serve them, else the reason.
+    min_capability:  oldest CUDA compute capability the kernel supports, e.g. (8, 9) for FP8.
+    label:           name in :func:`served` (default ``provider``); "sgl_kernel+torch" marks a
+                     kernel that does part of the op (e.g. the residual add) in plain torch.
+    """
+
+    provider: str
+    run: Callable[..., Any]
+    check: Callable[..., str | None]
+    min_capability: tuple[int, int] = (0, 0)
+    label: str | None = None
+    module: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.label or self.provider
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Candidates for one (op, device): each kernel with the reason it is unusable, or None."""
+
+    candidates: tuple[tuple[Kernel, str | None], ...]
+    forced_torch: bool  # the override says "torch": the reference serves, not as a fallback
+
+
+@dataclasses.dataclass
+class _Registry:
+    """All module state: the override, imported libraries, plans and counters."""
+
+    overrides: dict[str, str] | None = None  # op -> provider, _DEFAULT for all; None: not read yet
+    modules: dict[str, types.ModuleType | None] = dataclasses.field(default_factory=dict)
+    import_errors: dict[str, str] = dataclasses.field(default_factory=dict)
+    plans: dict[tuple[str, str], _Plan] = dataclasses.field(default_factory=dict)
+    served: collections.Counter[tuple[str, str]] = dataclasses.field(default_factory=collections.Counter)
+    fallbacks: collections.Counter[tuple[str, str]] = dataclasses.field(default_factory=collections.Counter)
+
+
+_REGISTRY = _Registry()
+
+
+# --------------------------------------------------------------------------- libraries
+
+
+def library(name: str) -> types.ModuleType | None:
+    """Import ``name`` (e.g. "sgl_kernel", "flashinfer.norm") once; None when it does not import.
+
+    Any exception counts as "not importable" (without a GPU driver both libraries raise
+    OSError or RuntimeError, not ImportError); the message is kept for error reports.
+    """
+    if name not in _REGISTRY.modules:
+        try:
+            _REGISTRY.modules[name] = importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - a broken install must not break the package
+            _REGISTRY.modules[name] = None
+            _REGISTRY.import_errors[name] = f"{type(e).__name__}: {e}"
+            log.debug("%s is not importable: %s", name, _REGISTRY.import_errors[name])
+    return _REGISTRY.modules[name]
+
+
+def available(provider: str) -> bool:
+    """Whether ``provider`` can serve anything here ("torch" always can)."""
+    return provider == "torch" or library(provider) is not None
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """CUDA compute capability of ``device``; None for non-CUDA devices."""
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def enable_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: on for Hopper and newer, as both libraries default."""
+    cap = device_capability(device)
+    return cap is not None and cap >= (9, 0)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def configure(spec: str | None = None) -> None:
+    """Set the provider override; ``None`` reads env ``FXREWRITE_PROVIDER`` (unset: no override).
+
+    spec: "sgl_kernel" | "flashinfer" | "torch" for every op, or per op
+    "rms_norm=flashinfer,silu_and_mul=torch"; both forms mix ("flashinfer,silu_and_mul=torch").
+    An op forced to a library that has no kernel for it, or whose constraints a call breaks,
+    runs the reference and counts a fallback. Raises ValueError for an unknown provider or op,
+    and for a library that is not importable here. Clears the per-device plans.
+    """
+    if spec is None:
+        spec = os.environ.get(ENV_VAR, "")
+    overrides = _parse(spec)
+    for provider in sorted(set(overrides.values())):
+        if not available(provider):
+            raise ValueError(
+                f"provider {provider!r} requested ({ENV_VAR} or config: {spec!r}), but {provider} "
+                f"is not importable: {_REGISTRY.import_errors.get(provider, 'unknown error')}"
+            )
+    _REGISTRY.overrides = overrides
+    _REGISTRY.plans.clear()
+    log.debug("provider overrides: %s", overrides)
+
+
+def _parse(spec: str) -> dict[str, str]:
+    from fxrewrite.runtime.ops import OPS  # late: the op modules import this module
+
+    overrides: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        op, _, provider = item.rpartition("=")
+        op, provider = op.strip() or _DEFAULT, provider.strip()
+        if provider not in PROVIDERS:
+            raise ValueError(f"unknown provider {provider!r} in {spec!r}; expected one of {PROVIDERS}")
+        if op != _DEFAULT and op not in OPS:
+            raise ValueError(f"unknown op {op!r} in {spec!r}; known ops: {', '.join(OPS)}")
+        overrides[op] = provider
+    return overrides
+
+
+def _override(op: str) -> str | None:
+    if _REGISTRY.overrides is None:
+        configure(None)
+    assert _REGISTRY.overrides is not None
+    return _REGISTRY.overrides.get(op, _REGISTRY.overrides.get(_DEFAULT))
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def _plan(op: str, kernels: Sequence[Kernel], device: torch.device) -> _Plan:
+    key = (op, str(device))
+    plan = _REGISTRY.plans.get(key)
+    if plan is not None:
+        return plan
+    forced = _override(op)
+    chosen = sorted(
+        (k for k in kernels if forced in (None, k.provider)), key=lambda k: PROVIDERS.index(k.provider)
+    )
+    cap = device_capability(device)
+    candidates = []
+    for k in chosen:
+        reason = None
+        if library(k.module or k.provider) is None:
+            reason = f"{k.module or k.provider} not importable"
+        elif cap is not None and cap < k.min_capability:
+            reason = f"{k.name} needs sm{k.min_capability[0]}{k.min_capability[1]}+, device is sm{cap[0]}{cap[1]}"
+        candidates.append((k, reason))
+    plan = _Plan(tuple(candidates), forced_torch=forced == "torch")
+    _REGISTRY.plans[key] = plan
+    log.debug("fxr::%s on %s: override %s, candidates %s", op, device, forced, plan.candidates)
+    return plan
+
+
+def dispatch(op: str, kernels: Sequence[Kernel], reference: Callable[..., Any], *args: Any) -> Any:
+    """Run ``op`` on ``args`` with the first kernel that can serve them, else ``reference``.
+
+    The device is that of the first argument. Used as the CUDA impl of every ``fxr`` op.
+    """
+    device = args[0].device
+    plan = _plan(op, kernels, device)
+    if plan.forced_torch:
+        _REGISTRY.served[(op, "torch")] += 1
+        return reference(*args)
+    reasons = []
+    for kernel, unusable in plan.candidates:
+        reason = unusable if unusable is not None else kernel.check(*args)
+        if reason is None:
+            _REGISTRY.served[(op, kernel.name)] += 1
+            return kernel.run(*args)
+        reasons.append(reason if unusable is not None else f"{kernel.name}: {reason}")
+    if not plan.candidates:
+        forced = _override(op)
+        reasons.append(f"{forced} has no kernel for {op}" if forced else f"no kernel for {op}")
+    reason = "; ".join(reasons)
+    if _REGISTRY.fallbacks[(op, reason)] == 0:
+        log.info("fxr::%s falls back to the torch reference on %s: %s", op, device, reason)
+    _REGISTRY.fallbacks[(op, reason)] += 1
+    _REGISTRY.served[(op, "torch")] += 1
+    return reference(*args)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpDef:
+    """One fused op: ``torch.ops.fxr.<name>``.
+
+    reference:     the spec in plain torch; its annotations give the schema; CPU impl.
+    fake:          output shapes and dtypes for fake tensors (same signature).
+    kernels:       the libraries' ways to run it on CUDA, any order (:class:`Kernel`).
+    mutates_args:  names of the arguments an in-place op overwrites.
+    """
+
+    name: str
+    reference: Callable[..., Any]
+    fake: Callable[..., Any]
+    kernels: tuple[Kernel, ...] = ()
+    mutates_args: tuple[str, ...] = ()
+
+    def cuda(self, *args: Any) -> Any:
+        """The CUDA impl: :func:`dispatch` to the kernels, else the reference."""
+        return dispatch(self.name, self.kernels, self.reference, *args)
+
+
+def define_op(op: OpDef) -> Any:
+    """Register ``torch.ops.fxr.<op.name>``: body the reference (CPU and every device without a
+    kernel), fake impl, CUDA impl :meth:`OpDef.cuda`. Returns the ``CustomOpDef``. Safe to run
+    again (re-import, reload): ``torch.library.custom_op`` replaces an earlier definition.
+    """
+    custom = torch.library.custom_op(f"fxr::{op.name}", op.reference, mutates_args=op.mutates_args)
+    custom.register_fake(op.fake)
+    custom.register_kernel("cuda")(op.cuda)
+    return custom
+
+
+# --------------------------------------------------------------------------- constraints
+
+
+HALF_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+
+
+def check_half(*tensors: torch.Tensor) -> str | None:
+    """Both libraries' kernels take bf16/fp16 only, all tensors of one dtype (no casts inside)."""
+    dtype = tensors[0].dtype
+    if dtype not in HALF_DTYPES:
+        return f"dtype {_short(dtype)} not bf16/fp16"
+    for t in tensors[1:]:
+        if t.dtype != dtype:
+            return f"dtype {_short(t.dtype)} != input dtype {_short(dtype)}"
+    return None
+
+
+def check_same_device(x: torch.Tensor, *others: torch.Tensor) -> str | None:
+    for t in others:
+        if t.device != x.device:
+            return f"tensor on {t.device}, input on {x.device}"
+    return None
+
+
+def is_aligned(t: torch.Tensor, nbytes: int, *strides: int) -> bool:
+    """``t``'s address and each given stride (in elements) are multiples of ``nbytes``."""
+    size = t.element_size()
+    return t.data_ptr() % nbytes == 0 and all(s * size % nbytes == 0 for s in strides)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------- report
+
+
+def served() -> dict[str, dict[str, Any]]:
+    """Per op: calls served per provider label, and ``"fallbacks"``: {reason: calls}.
+
+    ``torch`` counts every call the reference served on a kernel-capable device, whether
+    forced by the override or as a fallback (then also under ``fallbacks`` with its reason).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for (op, name), n in sorted(_REGISTRY.served.items()):
+        out.setdefault(op, {"fallbacks": {}})[name] = n
+    for (op, reason), n in sorted(_REGISTRY.fallbacks.items()):
+        out.setdefault(op, {"fallbacks": {}})["fallbacks"][reason] = n
+    return out
+
+
+def reset_counts() -> None:
+    """Zero the served and fallback counters (plans and overrides stay)."""
+    _REGISTRY.served.clear()
+    _REGISTRY.fallbacks.clear()
+
+
+def format_served(counts: dict[str, dict[str, Any]] | None = None) -> str:
+    """:func:`served` as one line per op: ``rms_norm: sgl_kernel 12, torch 2 (fallback: ...)``."""
+    lines = []
+    for op, entry in (served() if counts is None else counts).items():
+        by = ", ".join(f"{name} {n}" for name, n in entry.items() if name != "fallbacks")
+        why = "; ".join(f"{n}x {reason}" for reason, n in entry["fallbacks"].items())
+        lines.append(f"{op}: {by}" + (f" (fallbacks: {why})" if why else ""))
+    return "\n".join(lines)
