@@ -74,8 +74,13 @@ def _apply(
 
 
 def pipeline(config: Config) -> list[Pass]:
-    """The ordered passes for ``config``: canonicalize, fuse (rule groups), user rules, cleanup."""
+    """The ordered passes for ``config``: canonicalize, merge sibling linears (unless turned off,
+    or ``rules=[]`` asks for no rewriting), fuse (rule groups), user rules, cleanup."""
     passes = [Pass("canonicalize", _canonicalize_pass)]
+    if config.merge_siblings and (config.rules is None or config.rules):
+        from fxrewrite.rewrites.merge import merge_sibling_linears
+
+        passes.append(Pass("merge_siblings", merge_sibling_linears))
     if config.rules is None:
         groups = default_rule_groups()
     else:
@@ -126,6 +131,9 @@ class Backend:
                 _ = r.compiled
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
+            if isinstance(value, torch.nn.Parameter):
+                node.meta["fxr_param"] = value  # real weights, for passes that re-lay them
         pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs))
         graph_report = pm.run(gm)
         self.graphs.append(gm)

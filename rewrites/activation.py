@@ -32,6 +32,29 @@ def silu_and_mul_replacement(x):
     return torch.ops.fxr.silu_and_mul(x)
 
 
+# gelu(x[..., :d]) * x[..., d:] -> fxr.gelu_and_mul(x)  (erf form)
+def gelu_and_mul_pattern(x, d):
+    return F.gelu(x[..., :d]) * x[..., d:]
+
+
+def gelu_and_mul_replacement(x):
+    return torch.ops.fxr.gelu_and_mul(x)
+
+
+# gelu(x[..., :d], approximate="tanh") * x[..., d:] -> fxr.gelu_and_mul(x, "tanh")
+def gelu_tanh_and_mul_pattern(x, d):
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+def gelu_tanh_and_mul_replacement(x):
+    return torch.ops.fxr.gelu_and_mul(x, "tanh")
+
+
 SILU_AND_MUL = Rule("silu_and_mul", silu_and_mul_pattern, silu_and_mul_replacement, halves_guard, HALF)
 
-RULES: list[Rule] = [SILU_AND_MUL]
+GELU_AND_MUL = Rule("gelu_and_mul", gelu_and_mul_pattern, gelu_and_mul_replacement, halves_guard, HALF)
+GELU_TANH_AND_MUL = Rule(
+    "gelu_tanh_and_mul", gelu_tanh_and_mul_pattern, gelu_tanh_and_mul_replacement, halves_guard, HALF
+)
+
+RULES: list[Rule] = [SILU_AND_MUL, GELU_AND_MUL, GELU_TANH_AND_MUL]

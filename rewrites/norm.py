@@ -60,8 +60,35 @@ def add_rms_norm_replacement(x, residual, weight, eps):
     return out[0], out[1]
 
 
+# Gemma: norm(x.float()) * (1 + w.float()), cast back -> fxr.gemma_rms_norm(x, weight, eps)
+def gemma_rms_norm_pattern(x, weight, eps, dtype):
+    return (_normed(x, eps) * (1.0 + weight.to(torch.float32))).to(dtype)
+
+
+def gemma_rms_norm_replacement(x, weight, eps):
+    return torch.ops.fxr.gemma_rms_norm(x, weight, eps)
+
+
+# s = x + residual; gemma_norm(s); both used -> fxr.gemma_fused_add_rms_norm(x, residual, weight, eps)
+def gemma_add_rms_norm_pattern(x, residual, weight, eps, dtype):
+    s = x + residual
+    return (_normed(s, eps) * (1.0 + weight.to(torch.float32))).to(dtype), s
+
+
+def gemma_add_rms_norm_replacement(x, residual, weight, eps):
+    out = torch.ops.fxr.gemma_fused_add_rms_norm(x, residual, weight, eps)
+    return out[0], out[1]
+
+
 RMS_NORM = Rule("rms_norm", rms_norm_pattern, rms_norm_replacement, norm_guard, WILDCARDS)
 ADD_RMS_NORM = Rule("add_rms_norm", add_rms_norm_pattern, add_rms_norm_replacement, add_norm_guard, WILDCARDS)
 
-# add + norm first: it contains the plain norm, which would otherwise claim its sites.
-RULES: list[Rule] = [ADD_RMS_NORM, RMS_NORM]
+GEMMA_RMS_NORM = Rule("gemma_rms_norm", gemma_rms_norm_pattern, gemma_rms_norm_replacement, norm_guard, WILDCARDS)
+GEMMA_ADD_RMS_NORM = Rule(
+    "gemma_add_rms_norm", gemma_add_rms_norm_pattern, gemma_add_rms_norm_replacement, add_norm_guard, WILDCARDS
+)
+
+# add + norm first: it contains the plain norm, which would otherwise claim its sites. Gemma
+# before plain: in float32 (casts elided) the plain pattern also matches Gemma's norm, binding
+# `1 + w` as its weight; the Gemma op computes that in float32 in one kernel.
+RULES: list[Rule] = [GEMMA_ADD_RMS_NORM, ADD_RMS_NORM, GEMMA_RMS_NORM, RMS_NORM]

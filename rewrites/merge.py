@@ -1,0 +1,141 @@
+"""Sibling-GEMM merging: linears that read the same input become one GEMM over concatenated weights.
+
+    %gate = aten.linear(%x, %w_gate)              %w = get_attr[fxr_merged_0]      (w_gate ; w_up)
+    %up   = aten.linear(%x, %w_up)          ->    %y = aten.linear(%x, %w)
+                                                  %gate = aten.slice(%y, -1, 0, I)
+                                                  %up   = aten.slice(%y, -1, I, MAX)
+
+After this, the HF two-projection MLP ``down(silu(gate(x)) * up(x))`` has the slices that the
+SiLU-and-mul rule needs, and q/k/v projections run as one GEMM.
+
+Memory does not grow: the module's parameters are re-laid as views into the concatenated buffer
+(``param.data = merged[rows]``), so the module keeps working (eager calls, ``load_state_dict``
+copies in place) and the old separate storages are freed. A second compilation of the same module
+finds the parameters already laid out consecutively in one buffer and reuses it. Replacing a
+parameter object after compiling (``module.weight = nn.Parameter(...)``) is not seen by the
+compiled graph; copy into it instead.
+
+The real parameters come from the backend, which puts each parameter placeholder's tensor in
+``node.meta["fxr_param"]``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from fxrewrite import meta
+from fxrewrite.canonicalize import LINEAR, SLICE
+from fxrewrite.report import PassResult, Site
+
+
+def _param(arg: object) -> torch.nn.Parameter | None:
+    if isinstance(arg, fx.Node) and arg.op == "placeholder":
+        p = arg.meta.get("fxr_param")
+        return p if isinstance(p, torch.Tensor) else None
+    return None
+
+
+def _group_key(lin: fx.Node) -> tuple | None:
+    """Linears merge when they read the same input with parameters of one dtype, device and
+    input width, all with or all without bias."""
+    if len(lin.args) < 2:
+        return None
+    w = _param(lin.args[1])
+    bias = lin.args[2] if len(lin.args) > 2 else None
+    if w is None or w.dim() != 2 or (bias is not None and _param(bias) is None):
+        return None
+    return (lin.args[0], w.dtype, w.device, w.shape[1], bias is None)
+
+
+def _reusable_base(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The buffer ``params`` already are consecutive row blocks of (an earlier merge), or None."""
+    base = params[0]._base
+    if base is None or any(p._base is not base for p in params):
+        return None
+    rows = sum(p.shape[0] for p in params)
+    if base.shape[0] != rows or base.shape[1:] != params[0].shape[1:]:
+        return None
+    offset = 0
+    for p in params:
+        if p.storage_offset() != base.storage_offset() + offset * base.stride(0):
+            return None
+        offset += p.shape[0]
+    return base
+
+
+def _merged(params: list[torch.Tensor]) -> torch.Tensor:
+    """One buffer holding ``params`` end to end along dim 0; params become views into it."""
+    base = _reusable_base(params)
+    if base is not None:
+        return base
+    with torch.no_grad():
+        merged = torch.cat([p.detach() for p in params], dim=0)
+        offset = 0
+        for p in params:
+            n = p.shape[0]
+            p.data = merged[offset : offset + n]
+            offset += n
+    return merged
+
+
+def merge_sibling_linears(gm: fx.GraphModule) -> PassResult:
+    """Merge every group of sibling linears in ``gm`` (see the module docstring)."""
+    result = PassResult()
+    fake_mode = meta.fake_mode_of(gm.graph)
+    groups: dict[tuple, list[fx.Node]] = defaultdict(list)
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is LINEAR:
+            key = _group_key(n)
+            if key is not None:
+                groups[key].append(n)
+    for key, lins in groups.items():
+        if len(lins) < 2:
+            continue
+        _merge(gm, lins, key[4], fake_mode, result)
+    gm.graph.lint()
+    gm.recompile()
+    return result
+
+
+def _merge(gm: fx.GraphModule, lins: list[fx.Node], no_bias: bool, fake_mode: object, result: PassResult) -> None:
+    weights = [_param(n.args[1]) for n in lins]
+    merged_w = _merged(weights)  # type: ignore[arg-type]
+    merged_b = None if no_bias else _merged([_param(n.args[2]) for n in lins])  # type: ignore[misc]
+    index = sum(1 for name, _ in gm.named_buffers() if name.startswith("fxr_merged_"))
+    first = lins[0]
+    graph = gm.graph
+    with graph.inserting_before(first):
+        args = [first.args[0], _constant(gm, graph, f"fxr_merged_{index}", merged_w, fake_mode)]
+        if merged_b is not None:
+            args.append(_constant(gm, graph, f"fxr_merged_{index}_bias", merged_b, fake_mode))
+        y = graph.call_function(LINEAR, tuple(args) + ((None,) if merged_b is None else ()))
+        meta.copy_provenance(first, y)
+        meta.propagate(y, fake_mode)
+    offset, total = 0, merged_w.shape[0]
+    for lin, w in zip(lins, weights):
+        rows = w.shape[0]  # type: ignore[union-attr]
+        end = sys.maxsize if offset + rows == total else offset + rows
+        with graph.inserting_before(lin):
+            part = graph.call_function(SLICE, (y, -1, offset, end, 1))
+        meta.copy_provenance(lin, part)
+        meta.propagate(part, fake_mode)
+        lin.replace_all_uses_with(part)
+        graph.erase_node(lin)
+        offset += rows
+    names = [meta.module_path(n) or n.name for n in lins]
+    result.matches += 1
+    result.sites.append(Site("merge_siblings", y.name, meta.source_line(y), " + ".join(names)))
+    result.notes.append(f"merged {len(lins)} linears into one GEMM: {' + '.join(names)}")
+
+
+def _constant(gm: fx.GraphModule, graph: fx.Graph, name: str, value: torch.Tensor, fake_mode: object) -> fx.Node:
+    if not hasattr(gm, name):
+        gm.register_buffer(name, value, persistent=False)
+    node = graph.get_attr(name)
+    if fake_mode is not None:
+        node.meta["example_value"] = fake_mode.from_tensor(value, static_shapes=True)  # type: ignore[attr-defined]
+    return node
