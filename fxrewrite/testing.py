@@ -57,6 +57,7 @@ class Compiled:
     output: Any
     eager: Any
     backend: Backend
+    before: list[collections.Counter[str]] = dataclasses.field(default_factory=list)  # op counts as captured
 
     @property
     def report(self) -> Report:
@@ -71,6 +72,12 @@ class Compiled:
     def counts(self) -> collections.Counter[str]:
         return op_counts(self.graph)
 
+    def counts_before(self) -> collections.Counter[str]:
+        """Op counts of the graph as Dynamo captured it, before any pass."""
+        if len(self.before) != 1:
+            raise AssertionError(f"expected one Dynamo graph, got {len(self.before)}")
+        return self.before[0]
+
 
 def compile_once(
     fn: Any,
@@ -84,11 +91,17 @@ def compile_once(
     fullgraph=True)``; returns both outputs and the backend."""
     torch._dynamo.reset()
     backend = Backend(config, rules=rules, **overrides)
-    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
+    before: list[collections.Counter[str]] = []
+
+    def counting_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        before.append(op_counts(gm))
+        return backend(gm, example_inputs)
+
+    compiled = torch.compile(fn, backend=counting_backend, fullgraph=True, dynamic=dynamic)
     with torch.no_grad():
         eager = fn(*inputs)
         out = compiled(*inputs)
-    return Compiled(out, eager, backend)
+    return Compiled(out, eager, backend, before)
 
 
 def assert_counts(counts: Mapping[str, int], expect: Mapping[str, int] = {}, absent: Iterable[str] = ()) -> None:
