@@ -87,6 +87,11 @@ for _fn, _op in ((operator.add, ADD), (operator.sub, SUB), (operator.mul, MUL), 
     _BINARY[("call_function", _fn)] = _op
 
 
+_CLAMP = {("call_function", f) for f in (torch.clamp, torch.clip, torch.clamp_min, torch.clamp_max)} | {
+    ("call_method", m) for m in ("clamp", "clip", "clamp_min", "clamp_max")
+}
+
+
 def _key(node: fx.Node) -> tuple[str, Any]:
     return (node.op, node.target)
 
@@ -182,9 +187,11 @@ class _Canon:
             return self.set(node, POW, (node.args[0], 2))
         if key in (("call_function", torch.mean), ("call_method", "mean")):
             return self.mean(node)
-        if key in (("call_function", torch.clamp), ("call_method", "clamp"), ("call_function", torch.clip)):
+        if key in _CLAMP:
             lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
             hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+            if node.target in ("clamp_max", torch.clamp_max):  # the one bound is the upper one
+                lo, hi = None, node.args[1] if len(node.args) > 1 else node.kwargs.get("max")
             if isinstance(lo, fx.Node) or isinstance(hi, fx.Node):
                 return None  # tensor bounds: clamp.Tensor, not a form rules use
             return self.set(node, CLAMP, (node.args[0], lo, hi))
@@ -199,7 +206,7 @@ class _Canon:
             if t is not None and t.is_contiguous() and not node.kwargs:
                 return self.drop(node, node.args[0])
             return None
-        if key == ("call_method", "expand") and meta.same_shape(node, node.args[0]):
+        if key in (("call_method", "expand"), ("call_method", "expand_as")) and meta.same_shape(node, node.args[0]):
             return self.drop(node, node.args[0])
         if key == ("call_function", operator.getitem) and meta.is_tensor(node.args[0]):
             return self.getitem(node)
@@ -234,10 +241,16 @@ class _Canon:
             elif op is SUB:
                 return self.set(node, RSUB, (b, a))
             elif op is DIV:
-                recip = self.new(node, RECIP, (b,))
+                # c / sqrt(y) -> rsqrt(y) * c when the sqrt is read only here (as in unary)
+                fold = isinstance(b, fx.Node) and b.target is SQRT and len(b.users) == 1
+                recip = self.new(node, RSQRT, (b.args[0],)) if fold else self.new(node, RECIP, (b,))
                 if a == 1:
-                    return self.drop(node, recip)
-                return self.set(node, MUL, (recip, a))
+                    self.drop(node, recip)
+                else:
+                    self.set(node, MUL, (recip, a))
+                if fold:
+                    self.graph.erase_node(b)
+                return None
         if op is MUL and a is b:
             return self.set(node, POW, (a, 2))
         if op is MUL and isinstance(b, fx.Node) and b.target is SIGMOID and b.args[0] is a:

@@ -1,0 +1,306 @@
+"""Each canonical form: the canonical op appears, the other spellings are gone, numerics equal eager.
+
+One Dynamo capture per form: the function under test returns every spelling of the form (and the
+negative twins that must stay as they are), so op counts before and after say what happened.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from fxrewrite.canonicalize import CAST, MAX
+from fxrewrite.rule import trace
+from fxrewrite.testing import Compiled, assert_counts, check_rewrite
+
+A = torch.ops.aten
+
+
+def canon(
+    fn: Callable[..., Any],
+    *inputs: Any,
+    before: Mapping[str, int] = {},
+    expect: Mapping[str, int] = {},
+    absent: Iterable[str] = (),
+    dynamic: bool = True,
+) -> Compiled:
+    """Capture ``fn`` with no rules (canonicalize + cleanup only); check op counts as captured
+    (``before``) and after (``expect``, ``absent``) and the outputs against eager."""
+    r = check_rewrite(fn, *inputs, rules=[], expect=expect, absent=absent, dynamic=dynamic)
+    assert_counts(r.counts_before(), before)
+    return r
+
+
+def overloads(r: Compiled) -> collections.Counter[Any]:
+    """How often each call_function target (an OpOverload for canonical ops) appears."""
+    return collections.Counter(n.target for n in r.graph.graph.nodes if n.op == "call_function")
+
+
+def calls(r: Compiled, target: Any) -> list[fx.Node]:
+    return [n for n in r.graph.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def outputs(r: Compiled) -> list[Any]:
+    out = next(n for n in r.graph.graph.nodes if n.op == "output")
+    return list(out.args[0])
+
+
+def placeholder(r: Compiled, name: str) -> fx.Node:
+    return next(n for n in r.graph.graph.nodes if n.op == "placeholder" and name in n.name)
+
+
+class Merged(torch.nn.Module):
+    """A linear whose output last dim (16) is static under ``dynamic=True``, as in a merged
+    gate/up projection; ``fn`` gets that output."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 16, bias=False)
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.fn(self.proj(x))
+
+
+def x2d(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(shape or (4, 8)).to(dtype)
+
+
+# -- method / function / operator forms -------------------------------------------------------
+
+
+def _arith(x, y):
+    return (
+        x.add(y), torch.add(x, y), x + y,
+        x.sub(y), torch.sub(x, y), x - y,
+        x.mul(y), torch.mul(x, y), x * y,
+        x.div(y), torch.div(x, y), x / y, torch.true_divide(x, y),
+        x.neg(), torch.neg(x), -x,
+    )  # fmt: skip
+
+
+def test_method_function_operator_forms_become_one_aten_overload() -> None:
+    r = canon(
+        _arith, x2d(), x2d().abs() + 1,
+        before={"method.add": 1, "torch.add": 1, "_operator.add": 1, "_operator.truediv": 1, "_operator.neg": 1},
+        absent=["method", "torch", "_operator"],
+    )  # fmt: skip
+    assert overloads(r) == {A.add.Tensor: 3, A.sub.Tensor: 3, A.mul.Tensor: 3, A.div.Tensor: 4, A.neg.default: 3}
+    for n in calls(r, A.add.Tensor):
+        assert n.kwargs == {}, "alpha=1 is the default and is not spelled out"
+
+
+def test_kwargs_and_positional_give_identical_args() -> None:
+    r = canon(
+        lambda x: (x.mean(-1, keepdim=True), x.mean(dim=-1, keepdim=True), torch.mean(x, -1, True), x.mean(-1)),
+        x2d(),
+        expect={"aten.mean": 4},
+        absent=["method.mean", "torch.mean"],
+    )
+    means = calls(r, A.mean.dim)
+    assert [(n.args[1:], n.kwargs) for n in means[:3]] == [(([-1], True), {})] * 3
+    assert means[3].args[1:] == ([-1], False), "negative twin: keepdim defaults to False"
+
+
+# -- casts ------------------------------------------------------------------------------------
+
+
+def _casts(x):
+    ref = torch.ones(1)
+    return x.float(), x.to(torch.float32), x.to(dtype=torch.float32), x.type(torch.float32), x.type_as(ref), x.to(ref)
+
+
+def test_casts_become_convert_element_type() -> None:
+    r = canon(
+        _casts, x2d(dtype=torch.bfloat16),
+        before={"method.float": 1, "method.to": 3, "method.type": 1, "method.type_as": 1},
+        expect={"prims.convert_element_type": 6},
+        absent=["method"],
+    )  # fmt: skip
+    for n in calls(r, CAST):
+        assert n.args[1] is torch.float32
+
+
+def test_noop_casts_are_removed() -> None:
+    r = canon(_casts, x2d(), before={"method.to": 3}, absent=["prims.convert_element_type", "method"])
+    x = placeholder(r, "x")
+    assert outputs(r) == [x] * 6
+
+
+def test_cast_to_another_dtype_stays() -> None:
+    r = canon(lambda x: (x.half(), x.to(torch.bfloat16), x.bfloat16().float()), x2d(),
+              expect={"prims.convert_element_type": 4}, absent=["method"])  # fmt: skip
+    assert [n.args[1] for n in calls(r, CAST)] == [torch.float16, torch.bfloat16, torch.bfloat16, torch.float32]
+
+
+# -- elementwise forms ------------------------------------------------------------------------
+
+
+def test_square_forms_become_pow_2() -> None:
+    r = canon(
+        lambda x, y: (x**2, x.pow(2), x * x, torch.square(x), x.square(), torch.pow(x, 2.0), x * y, x**3),
+        x2d(), x2d(),
+        before={"_operator.pow": 2, "method.pow": 1, "_operator.mul": 2, "torch.square": 1},
+        expect={"aten.pow": 7, "aten.mul": 1},
+        absent=["method", "torch", "_operator"],
+    )  # fmt: skip
+    assert [n.args[1] for n in calls(r, A.pow.Tensor_Scalar)] == [2] * 6 + [3]
+
+
+def _rsqrt(x):
+    s = torch.sqrt(x)  # read twice: negative twin, stays sqrt + reciprocal
+    return 1 / torch.sqrt(x), torch.reciprocal(torch.sqrt(x)), x.sqrt().reciprocal(), 1 / x**0.5, s, 1 / s
+
+
+def test_one_over_sqrt_becomes_rsqrt() -> None:
+    canon(
+        _rsqrt, x2d().abs() + 0.1,
+        before={"torch.sqrt": 3, "_operator.truediv": 3, "torch.reciprocal": 1},
+        expect={"aten.rsqrt": 4, "aten.sqrt": 1, "aten.reciprocal": 1},
+        absent=["aten.div", "method", "torch", "_operator"],
+    )  # fmt: skip
+
+
+def test_silu_forms_become_aten_silu() -> None:
+    r = canon(
+        lambda x, y: (F.silu(x), x * torch.sigmoid(x), torch.sigmoid(x) * x, x * x.sigmoid(), x * torch.sigmoid(y)),
+        x2d(), x2d(),
+        before={"torch.nn.functional.silu": 1, "torch.sigmoid": 3, "_operator.mul": 4},
+        expect={"aten.silu": 4, "aten.sigmoid": 1, "aten.mul": 1},
+    )  # fmt: skip
+    (mul,) = calls(r, A.mul.Tensor)
+    assert mul.args[1].target is A.sigmoid.default, "negative twin: x * sigmoid(y) is no silu"
+
+
+def test_scalar_first_arithmetic_puts_the_tensor_first() -> None:
+    r = canon(
+        lambda x: (2 * x, 1 - x, 2 / x, 1 / x, 3 + x),
+        x2d().abs() + 0.1,
+        expect={"aten.mul": 2, "aten.rsub": 1, "aten.reciprocal": 2, "aten.add": 1},
+        absent=["aten.div", "_operator"],
+    )
+    mul2, rsub, mul_recip, recip, add = outputs(r)
+    x = placeholder(r, "x")
+    assert mul2.args == (x, 2) and rsub.args[:2] == (x, 1) and add.args == (x, 3)
+    assert mul_recip.args[0].target is A.reciprocal.default and mul_recip.args[1] == 2
+    assert recip.target is A.reciprocal.default and recip.args == (x,)
+
+
+def test_clamp_spellings_become_aten_clamp() -> None:
+    r = canon(
+        lambda x: (x.clamp(0, 1), torch.clamp(x, min=0, max=1), x.clip(0, 1), torch.clip(x, 0, 1),
+                   x.clamp(min=0), x.clamp_min(0), torch.clamp_max(x, 1), x.clamp(max=1)),
+        x2d(),
+        before={"method.clamp": 3, "method.clip": 1, "torch.clamp": 1, "torch.clip": 1},
+        expect={"aten.clamp": 8}, absent=["method", "torch"],
+    )  # fmt: skip
+    bounds = [n.args[1:] for n in calls(r, A.clamp.default)]
+    assert bounds == [(0, 1)] * 4 + [(0, None)] * 2 + [(None, 1)] * 2
+
+
+def test_positive_reduction_dims_become_negative() -> None:
+    r = canon(lambda x: (x.mean(1), x.mean([0, 1]), x.mean(dim=(0,), keepdim=True)), x2d(2, 4, 8),
+              expect={"aten.mean": 3})  # fmt: skip
+    assert [n.args[1] for n in calls(r, A.mean.dim)] == [[-2], [-3, -2], [-3]]
+
+
+# -- shapes and views -------------------------------------------------------------------------
+
+
+def test_view_and_reshape_become_aten_reshape() -> None:
+    r = canon(
+        lambda x: (x.view(2, 16), x.reshape(2, 16), torch.reshape(x, (2, 16)), x.view(-1), x.t().reshape(32)),
+        x2d(), dynamic=False,
+        before={"method.view": 2, "method.reshape": 2, "torch.reshape": 1},
+        expect={"aten.reshape": 5}, absent=["method.view", "method.reshape", "torch.reshape"],
+    )  # fmt: skip
+    assert [n.args[1] for n in calls(r, A.reshape.default)][:3] == [[2, 16]] * 3
+
+
+def test_reshape_to_the_same_shape_is_removed() -> None:
+    r = canon(lambda x: (x.view(4, 8) + 1, x.reshape(x.shape) + 1, x.reshape(8, 4) + 1), x2d(), dynamic=False,
+              expect={"aten.reshape": 1}, absent=["method"])  # fmt: skip
+    x = placeholder(r, "x")
+    assert [o.args[0] for o in outputs(r)][:2] == [x, x]
+
+
+def _slices(h):
+    a, b = h.chunk(2, -1)
+    c, d = torch.split(h, 8, dim=2)
+    e, f = h.split([8, 8], -1)
+    full = h[..., 0:16] + h[:, :, :] + h.chunk(1, -1)[0]
+    return a, b, c, d, e, f, h[..., :8], h[:, :, 8:], full, h[..., ::2]
+
+
+def test_chunk_split_and_getitem_become_slices_along_a_negative_dim() -> None:
+    r = canon(
+        Merged(_slices), x2d(2, 3, 8),
+        before={"method.chunk": 2, "torch.functional.split": 1, "method.split": 1, "_operator.getitem": 12},
+        expect={"aten.slice": 8, "_operator.getitem": 1},  # the stepped slice stays
+        absent=["method", "torch"],
+    )  # fmt: skip
+    halves = [(n.args[1], n.args[2], n.args[3]) for n in calls(r, A.slice.Tensor)]
+    assert halves == [(-1, 0, 8), (-1, 8, MAX)] * 4
+    full = outputs(r)[8]
+    assert full.target is A.add.Tensor and full.args[0].target is A.add.Tensor, "full-range slices removed"
+
+
+def test_contiguous_on_contiguous_is_removed() -> None:
+    r = canon(lambda x: (x.contiguous() + 1, x.t().contiguous()), x2d(),
+              before={"method.contiguous": 2}, expect={"method.contiguous": 1})  # fmt: skip
+    x = placeholder(r, "x")
+    assert outputs(r)[0].args[0] is x
+    assert outputs(r)[1].args[0].target == "t", "negative twin: a transposed tensor keeps contiguous()"
+
+
+def test_expand_to_the_same_shape_is_removed() -> None:
+    r = canon(lambda x: (x.expand(4, 8) + 1, x.expand_as(x) + 1, x.expand(2, 4, 8)), x2d(), dynamic=False,
+              before={"method.expand": 2, "method.expand_as": 1}, expect={"method.expand": 1})  # fmt: skip
+    x = placeholder(r, "x")
+    assert [o.args[0] for o in outputs(r)[:2]] == [x, x]
+
+
+# -- patterns canonicalize like graphs --------------------------------------------------------
+
+
+def _norm_as_pattern(x, eps):
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _norm_as_model(x):
+    h = x.to(dtype=torch.float32)
+    return h * (1 / torch.sqrt(torch.mean(h * h, dim=2, keepdim=True) + 1e-6))
+
+
+def _signature(gm: fx.GraphModule) -> list[tuple[Any, ...]]:
+    """Target and literal arguments of every call, in order; nodes and the eps the pattern
+    binds (a node there, a float literal in the model) compare by position only."""
+    return [
+        (n.target, tuple("_" if isinstance(a, (fx.Node, float)) else a for a in n.args))
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+    ]
+
+
+def test_a_traced_pattern_canonicalizes_like_a_captured_graph() -> None:
+    pattern = trace("norm", "pattern", _norm_as_pattern, {"eps": None})
+    assert all(n.op != "call_method" for n in pattern.graph.nodes)
+    r = canon(_norm_as_model, x2d(2, 3, 8, dtype=torch.bfloat16), expect={"prims.convert_element_type": 1})
+    got = _signature(r.graph)
+    assert got == _signature(pattern)
+    assert [t for t, _ in got] == [CAST, A.pow.Tensor_Scalar, A.mean.dim, A.add.Tensor, A.rsqrt.default, A.mul.Tensor]
+
+
+def test_canonicalize_keeps_operator_arithmetic_on_sizes() -> None:
+    """Negative twin of the binary forms: arithmetic on symbolic sizes stays Python."""
+    r = canon(lambda x: x.reshape(x.shape[0] * 2, -1), x2d(), before={"_operator.mul": 1},
+              expect={"_operator.mul": 1, "aten.reshape": 1})  # fmt: skip
+    (mul,) = [n for n in r.graph.graph.nodes if n.target is operator.mul]
+    assert isinstance(mul.args[0], fx.Node)
