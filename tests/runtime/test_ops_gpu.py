@@ -1,0 +1,241 @@
+"""GPU tests of the fused ops: every provider installed here against the reference, for every op.
+
+Run on the GPU machine (devkit carried as .devkit):
+    source .devkit/setup.sh && python3 -m pytest -q tests/runtime/test_ops_gpu.py -m gpu
+
+Each case forces one provider, runs ``torch.ops.fxr.<op>`` on CUDA tensors and checks:
+- the provider's kernel served the call exactly when its constraint check accepts the
+  arguments, else the call fell back with that reason (never silently wrong);
+- outputs match the torch reference on the same inputs within one rounding step of the output
+  dtype (kernels round once where the bf16 reference rounds twice; FP8: one e4m3 step).
+"""
+
+from __future__ import annotations
+
+import inspect
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import fxrewrite.runtime.ops as ops
+from fxrewrite.runtime import providers
+from fxrewrite.runtime.ops import quant
+from fxrewrite.runtime.providers import Kernel, OpDef
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+EPS = 1e-6
+FP8 = torch.float8_e4m3fn
+KERNEL_PROVIDERS = ("sgl_kernel", "flashinfer")
+DTYPES = [torch.bfloat16, torch.float16]
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+# (tokens, hidden): hidden 4096 over token counts, then odd sizes: hidden 33 (vectors of 1),
+# 3420 (Qwen2.5-VL MLP half: not 16-byte rows), 5120.
+SHAPES = [(1, 4096), (7, 4096), (64, 4096), (513, 4096), (4096, 4096), (3, 33), (5, 3420), (2, 5120)]
+
+
+@pytest.fixture(autouse=True)
+def fresh_counts() -> Iterator[None]:
+    providers.reset_counts()
+    yield
+    providers.configure(None)
+    providers.reset_counts()
+
+
+@pytest.fixture
+def gen(request: pytest.FixtureRequest) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def force(provider: str) -> None:
+    if not providers.available(provider):
+        pytest.skip(f"{provider} is not importable here: {providers._REGISTRY.import_errors.get(provider)}")
+    providers.configure(provider)
+
+
+def is_activation(op: OpDef) -> bool:
+    return "weight" not in inspect.signature(op.reference).parameters
+
+
+def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torch.Generator) -> list[Any]:
+    """Fresh random arguments; ``x`` is [tokens, 2 * hidden] for gated activations. Row 0 of
+    ``x`` (and ``residual``) is zero when tokens > 1: the padding rows of a CUDA graph."""
+    x_shape = (tokens, 2 * hidden if is_activation(op) else hidden)
+
+    def activation() -> torch.Tensor:
+        t = torch.randn(x_shape, device="cuda", generator=gen).to(dtype)
+        if tokens > 1:
+            t[0] = 0
+        return t
+
+    values = {
+        "x": activation,
+        "residual": activation,
+        "weight": lambda: (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(dtype),
+        "eps": lambda: EPS,
+        "scale": lambda: torch.tensor([0.02], device="cuda"),
+        "approximate": lambda: "none",
+    }
+    return [values[name]() for name in inspect.signature(op.reference).parameters]
+
+
+def clone(args: list[Any]) -> list[Any]:
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def outputs(op: OpDef, result: Any, args: list[Any]) -> tuple[torch.Tensor, ...]:
+    """What to compare: the returned tensors, or for in-place ops the overwritten arguments."""
+    if op.mutates_args:
+        assert result is None
+        return tuple(args[:2])
+    return result if isinstance(result, tuple) else (result,)
+
+
+def assert_matches(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], dtype: torch.dtype) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g.shape, g.dtype, g.device) == (w.shape, w.dtype, w.device)
+        if g.dtype == FP8:
+            g, w = g.float(), w.float()
+            torch.testing.assert_close(g, w, rtol=0.13, atol=0.02)  # one e4m3 step
+            assert (g != w).float().mean() < 0.05, "more than 5% of FP8 values off by a step"
+        elif g.dtype == torch.float32:  # per-token scales: amax of outputs one rounding apart
+            torch.testing.assert_close(g, w, rtol=1e-2, atol=0)
+        else:
+            torch.testing.assert_close(g.float(), w.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def kernel_of(op: OpDef, provider: str) -> Kernel | None:
+    return next((k for k in op.kernels if k.provider == provider), None)
+
+
+def expected_server(op: OpDef, provider: str, args: list[Any]) -> tuple[str, str | None]:
+    """(label that must serve, fallback reason or None), decided by the kernel's own check."""
+    kernel = kernel_of(op, provider)
+    if kernel is None:
+        return "torch", f"{provider} has no kernel for {op.name}"
+    cap = torch.cuda.get_device_capability()
+    if cap < kernel.min_capability:
+        return "torch", None  # reason text checked by the CPU tests
+    reason = kernel.check(*args)
+    return (kernel.name, None) if reason is None else ("torch", reason)
+
+
+def run_and_check(op: OpDef, provider: str, args: list[Any], dtype: torch.dtype) -> str:
+    ref_args = clone(args)
+    label, reason = expected_server(op, provider, args)
+    result = getattr(torch.ops.fxr, op.name)(*args)
+    want = outputs(op, op.reference(*ref_args), ref_args)
+    assert_matches(outputs(op, result, args), want, dtype)
+    entry = providers.served()[op.name]
+    assert entry.get(label) == 1, entry
+    if reason is not None:
+        assert any(reason in why for why in entry["fallbacks"]), entry
+    elif label != "torch":
+        assert entry["fallbacks"] == {}, entry
+    return label
+
+
+# --------------------------------------------------------------------------- every op, every provider
+
+
+@pytest.mark.parametrize(("tokens", "hidden"), SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
+@pytest.mark.parametrize("op", ops.DEFS, ids=lambda op: op.name)
+def test_op_against_reference(op: OpDef, provider: str, dtype: torch.dtype, tokens: int, hidden: int, gen: torch.Generator) -> None:
+    force(provider)
+    run_and_check(op, provider, make_args(op, tokens, hidden, dtype, gen), dtype)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
+def test_gelu_both_approximations(provider: str, approximate: str, gen: torch.Generator) -> None:
+    force(provider)
+    op = next(op for op in ops.DEFS if op.name == "gelu_and_mul")
+    args = make_args(op, 64, 4096, torch.bfloat16, gen)
+    args[1] = approximate
+    assert run_and_check(op, provider, args, torch.bfloat16) == provider
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 512])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
+def test_per_head_rms_norm(provider: str, dtype: torch.dtype, tokens: int, gen: torch.Generator) -> None:
+    """Q/K norm on [T, heads, 128]: contiguous (both serve), and heads sliced out of a fused
+    QKV output (rows not uniform: flashinfer's 3D kernel serves, sgl-kernel falls back)."""
+    force(provider)
+    op = ops.DEFS[ops.OPS.index("rms_norm")]
+    w = (torch.rand(128, device="cuda", generator=gen) + 0.5).to(dtype)
+    contiguous = torch.randn(tokens, 32, 128, device="cuda", generator=gen).to(dtype)
+    assert run_and_check(op, provider, [contiguous, w, EPS], dtype) == provider
+    providers.reset_counts()
+    qkv = torch.randn(tokens, (32 + 2 * 8) * 128, device="cuda", generator=gen).to(dtype)
+    q = qkv[:, : 32 * 128].view(tokens, 32, 128)
+    served = run_and_check(op, provider, [q, w, EPS], dtype)
+    assert served == {"flashinfer": "flashinfer", "sgl_kernel": "torch"}[provider]
+
+
+@pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
+def test_weight_dtype_mismatch_falls_back(provider: str, gen: torch.Generator) -> None:
+    """A float32 weight with bf16 input must not reach a kernel (vLLM issue 48330)."""
+    force(provider)
+    op = ops.DEFS[ops.OPS.index("rms_norm")]
+    x = torch.randn(8, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.rand(4096, device="cuda", generator=gen) + 0.5
+    assert run_and_check(op, provider, [x, w, EPS], torch.bfloat16) == "torch"
+
+
+@pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
+def test_dynamic_quant_zero_rows(provider: str) -> None:
+    force(provider)
+    x = torch.zeros(4, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    q, s = torch.ops.fxr.rms_norm_dynamic_quant_fp8(x, w, EPS)
+    assert torch.equal(q.float(), torch.zeros_like(x, dtype=torch.float32))
+    assert torch.equal(s, torch.full((4, 1), quant.SCALE_FLOOR, device="cuda"))
+
+
+# --------------------------------------------------------------------------- graphs and tracing
+
+
+@pytest.mark.parametrize("op", ops.DEFS, ids=lambda op: op.name)
+def test_cuda_graph_capture_and_replay(op: OpDef, gen: torch.Generator) -> None:
+    """Each op captures into a CUDA graph (no host sync, no allocation outside the pool) and
+    replays on new inputs copied into the captured ones."""
+    providers.configure(None)
+    fn = getattr(torch.ops.fxr, op.name)
+    static = make_args(op, 8, 4096, torch.bfloat16, gen)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up: imports, JIT modules, plans
+            fn(*clone(static))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn(*static)
+    fresh = make_args(op, 8, 4096, torch.bfloat16, gen)
+    for dst, src in zip(static, fresh):
+        if isinstance(dst, torch.Tensor):
+            dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_args = clone(fresh)
+    assert_matches(outputs(op, result, static), outputs(op, op.reference(*ref_args), ref_args), torch.bfloat16)
+
+
+def test_dynamo_traces_cuda_calls(gen: torch.Generator) -> None:
+    def block(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out, total = torch.ops.fxr.fused_add_rms_norm(x, r, w, EPS)
+        return torch.ops.fxr.silu_and_mul(torch.cat([out, total], dim=-1))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="eager", fullgraph=True, dynamic=True)
+    for tokens in (3, 17):
+        x, r = (torch.randn(tokens, 4096, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+        w = (torch.rand(4096, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+        torch.testing.assert_close(compiled(x, r, w), block(x, r, w), rtol=0, atol=0)
