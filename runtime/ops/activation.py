@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import Tensor
 import torch.nn.functional as F
 
 from fxrewrite.runtime import providers
@@ -20,31 +21,31 @@ GELU_APPROXIMATIONS: tuple[str, ...] = ("none", "tanh")
 # --------------------------------------------------------------------------- references (the spec)
 
 
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_reference(x: Tensor) -> Tensor:
     """``d = x.shape[-1] // 2; return F.silu(x[..., :d]) * x[..., d:]``."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
 
 
-def gelu_and_mul_reference(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+def gelu_and_mul_reference(x: Tensor, approximate: str = "none") -> Tensor:
     """``d = x.shape[-1] // 2; return F.gelu(x[..., :d], approximate=approximate) * x[..., d:]``;
     ``approximate`` is "none" (erf) or "tanh"."""
     d = x.shape[-1] // 2
     return F.gelu(x[..., :d], approximate=approximate) * x[..., d:]
 
 
-def _silu_and_mul_fake(x: torch.Tensor) -> torch.Tensor:
+def _silu_and_mul_fake(x: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-def _gelu_and_mul_fake(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+def _gelu_and_mul_fake(x: Tensor, approximate: str = "none") -> Tensor:
     return _silu_and_mul_fake(x)
 
 
 # --------------------------------------------------------------------------- kernel constraints
 
 
-def check_act_and_mul(x: torch.Tensor, *, half_aligned: bool) -> str | None:
+def check_act_and_mul(x: Tensor, *, half_aligned: bool) -> str | None:
     """Both libraries: bf16/fp16, contiguous (no strides taken), even non-empty last dim, 16-byte
     aligned address. ``half_aligned`` (sgl-kernel 0.4.6, fixed 16-byte vectors): each half row
     ``d * itemsize`` a multiple of 16 bytes; flashinfer 0.7.2 narrows its vectors to divide d."""
@@ -69,11 +70,11 @@ def _gelu_kernel_name(approximate: str) -> str:
     return "gelu_tanh_and_mul" if approximate == "tanh" else "gelu_and_mul"
 
 
-def _silu_check(half_aligned: bool, x: torch.Tensor) -> str | None:
+def _silu_check(half_aligned: bool, x: Tensor) -> str | None:
     return check_act_and_mul(x, half_aligned=half_aligned)
 
 
-def _gelu_check(half_aligned: bool, x: torch.Tensor, approximate: str = "none") -> str | None:
+def _gelu_check(half_aligned: bool, x: Tensor, approximate: str = "none") -> str | None:
     if approximate not in GELU_APPROXIMATIONS:
         return f"approximate={approximate!r}"
     return check_act_and_mul(x, half_aligned=half_aligned)
@@ -82,29 +83,29 @@ def _gelu_check(half_aligned: bool, x: torch.Tensor, approximate: str = "none") 
 # --------------------------------------------------------------------------- kernels
 
 
-def _new_out(x: torch.Tensor) -> torch.Tensor:
+def _new_out(x: Tensor) -> Tensor:
     return torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
 
 
-def sgl_act_and_mul(kernel: str, x: torch.Tensor) -> torch.Tensor:
+def sgl_act_and_mul(kernel: str, x: Tensor) -> Tensor:
     """sgl-kernel's registered op ``kernel`` ("silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul")."""
     out = _new_out(x)
     getattr(torch.ops.sgl_kernel, kernel).default(out, x)
     return out
 
 
-def flashinfer_act_and_mul(kernel: str, x: torch.Tensor) -> torch.Tensor:
+def flashinfer_act_and_mul(kernel: str, x: Tensor) -> Tensor:
     """flashinfer ``activation.<kernel>(x, out=..., enable_pdl=...)``."""
     out = _new_out(x)
     getattr(providers.library("flashinfer.activation"), kernel)(x, out=out, enable_pdl=providers.enable_pdl(x.device))
     return out
 
 
-def _sgl_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+def _sgl_gelu(x: Tensor, approximate: str = "none") -> Tensor:
     return sgl_act_and_mul(_gelu_kernel_name(approximate), x)
 
 
-def _flashinfer_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+def _flashinfer_gelu(x: Tensor, approximate: str = "none") -> Tensor:
     return flashinfer_act_and_mul(_gelu_kernel_name(approximate), x)
 
 

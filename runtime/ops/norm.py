@@ -17,16 +17,17 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from fxrewrite.runtime import providers
 from fxrewrite.runtime.providers import Kernel, OpDef
 
-NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+NormFn = Callable[[Tensor, Tensor, float], Tensor]
 
 # --------------------------------------------------------------------------- references (the spec)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """HF Llama RMSNorm over the last dim of ``x`` (any rank >= 1); dtype ``promote(weight, x)``.
 
     ``h = x.float(); h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps);
@@ -37,7 +38,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(x.dtype)
 
 
-def gemma_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gemma_rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Gemma RMSNorm (scale ``1 + weight``, all in float32); dtype ``x.dtype``.
 
     ``h = x.float(); h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps);
@@ -49,42 +50,42 @@ def gemma_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) 
 
 
 def add_then_norm(
-    norm: NormFn, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    norm: NormFn, x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
     """``sum = x + residual; return norm(sum, weight, eps), sum`` (shared by spec and kernels)."""
     total = x + residual
     return norm(total, weight, eps), total
 
 
-def add_then_norm_(norm: NormFn, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+def add_then_norm_(norm: NormFn, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
     """In place, sgl-kernel semantics: ``residual += x; x[:] = norm(residual, weight, eps)``."""
     residual.add_(x)
     x.copy_(norm(residual, weight, eps))
 
 
 def fused_add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
     """Returns ``(out, sum)``: ``sum = x + residual; out = rms_norm_reference(sum, weight, eps)``."""
     return add_then_norm(rms_norm_reference, x, residual, weight, eps)
 
 
 def gemma_fused_add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
     """Returns ``(out, sum)``: ``sum = x + residual; out = gemma_rms_norm_reference(sum, weight, eps)``."""
     return add_then_norm(gemma_rms_norm_reference, x, residual, weight, eps)
 
 
 def fused_add_rms_norm_inplace_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
 ) -> None:
     """``residual <- x + residual; x <- rms_norm_reference(residual, weight, eps)`` (same dtypes)."""
     add_then_norm_(rms_norm_reference, x, residual, weight, eps)
 
 
 def gemma_fused_add_rms_norm_inplace_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
 ) -> None:
     """``residual <- x + residual; x <- gemma_rms_norm_reference(residual, weight, eps)``."""
     add_then_norm_(gemma_rms_norm_reference, x, residual, weight, eps)
@@ -93,30 +94,35 @@ def gemma_fused_add_rms_norm_inplace_reference(
 # --------------------------------------------------------------------------- fake impls
 
 
-def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
 
 
-def _gemma_rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _gemma_rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return x.new_empty(x.shape)
 
 
-def _fused_add_fake(
-    norm_fake: NormFn, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fake_sum(x: Tensor, residual: Tensor) -> Tensor:
+    """A fake ``x + residual``."""
     shape = torch.broadcast_shapes(x.shape, residual.shape)
-    total = x.new_empty(shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    return x.new_empty(shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+
+
+def _fused_add_fake(
+    norm_fake: NormFn, x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    total = fake_sum(x, residual)
     return norm_fake(total, weight, eps), total
 
 
-def _inplace_fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+def _inplace_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
     return None
 
 
 # --------------------------------------------------------------------------- kernel constraints
 
 
-def as_rows(x: torch.Tensor) -> torch.Tensor | None:
+def as_rows(x: Tensor) -> Tensor | None:
     """``x`` as a 2D [rows, hidden] view (writes land in ``x``); None when no such view exists."""
     if x.dim() == 2:
         return x
@@ -126,7 +132,7 @@ def as_rows(x: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def check_norm_args(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor) -> str | None:
+def check_norm_args(x: Tensor, weight: Tensor, *others: Tensor) -> str | None:
     """What every norm kernel needs of its arguments, layout aside: one half dtype for all
     (the kernels reinterpret ``weight`` as the input dtype: vLLM issue 48330), one device, equal
     shapes, a non-empty input and a unit-stride ``[hidden]`` weight."""
@@ -144,7 +150,7 @@ def check_norm_args(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor
 
 
 def check_norm(
-    x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor, allow_3d: bool = False, contiguous: bool = False
+    x: Tensor, weight: Tensor, *others: Tensor, allow_3d: bool = False, contiguous: bool = False
 ) -> str | None:
     """:func:`check_norm_args`, then the layout: last dim unit-stride, the tensor viewable as 2D
     rows (or 3D per-head when ``allow_3d``; fully contiguous when ``contiguous``), and address,
@@ -170,16 +176,18 @@ def check_norm(
     return None
 
 
-def _norm_check(x: torch.Tensor, weight: torch.Tensor, eps: float, *, allow_3d: bool = False, contiguous: bool = False) -> str | None:
+def _norm_check(
+    x: Tensor, weight: Tensor, eps: float, *, allow_3d: bool = False, contiguous: bool = False
+) -> str | None:
     return check_norm(x, weight, allow_3d=allow_3d, contiguous=contiguous)
 
 
-def _fused_add_check(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> str | None:
+def _fused_add_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> str | None:
     # The sum is a fresh contiguous tensor: only the arguments matter, not their layout.
     return check_norm_args(x, weight, residual)
 
 
-def _inplace_check(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, contiguous: bool = False) -> str | None:
+def _inplace_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, contiguous: bool = False) -> str | None:
     if x.data_ptr() == residual.data_ptr():
         return "x and residual share memory"
     return check_norm(x, weight, residual, contiguous=contiguous)
@@ -188,7 +196,7 @@ def _inplace_check(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
 # --------------------------------------------------------------------------- kernels
 
 
-def sgl_norm(kernel: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def sgl_norm(kernel: str, x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """sgl-kernel's own ``rmsnorm`` / ``gemma_rmsnorm`` (2D; the op, not the wrapper, which
     would hand the call to flashinfer)."""
     rows = as_rows(x)
@@ -198,7 +206,7 @@ def sgl_norm(kernel: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     return out.view(x.shape)
 
 
-def flashinfer_norm(kernel: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def flashinfer_norm(kernel: str, x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """flashinfer ``norm.rmsnorm`` (2D rows or 3D per-head, strided rows) / ``gemma_rmsnorm`` (2D)."""
     rows = as_rows(x)
     view = rows if rows is not None else x
@@ -208,11 +216,12 @@ def flashinfer_norm(kernel: str, x: torch.Tensor, weight: torch.Tensor, eps: flo
     return out.view(x.shape)
 
 
-def _sgl_fused_add_(kernel: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    getattr(torch.ops.sgl_kernel, kernel).default(as_rows(x), as_rows(residual), weight, eps, providers.enable_pdl(x.device))
+def _sgl_fused_add_(kernel: str, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    pdl = providers.enable_pdl(x.device)
+    getattr(torch.ops.sgl_kernel, kernel).default(as_rows(x), as_rows(residual), weight, eps, pdl)
 
 
-def _flashinfer_fused_add_(kernel: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+def _flashinfer_fused_add_(kernel: str, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
     fn = getattr(providers.library("flashinfer.norm"), kernel)
     fn(as_rows(x), as_rows(residual), weight, eps, enable_pdl=providers.enable_pdl(x.device))
 

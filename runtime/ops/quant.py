@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import Tensor
 
 from fxrewrite.runtime import providers
 from fxrewrite.runtime.ops.activation import (
@@ -31,6 +32,7 @@ from fxrewrite.runtime.ops.norm import (
     as_rows,
     check_norm,
     check_norm_args,
+    fake_sum,
     rms_norm_reference,
     sgl_rms_norm,
 )
@@ -43,17 +45,16 @@ FP8_CAPABILITY = (8, 9)  # Ada / Hopper and newer convert to FP8 in hardware
 # The smallest per-token scale the spec yields, as float32 computes it: clamp(amax, 1e-12) / 448.
 SCALE_FLOOR = float(torch.tensor(AMAX_FLOOR, dtype=torch.float32) / FP8_MAX)
 
-Pair = tuple[torch.Tensor, torch.Tensor]
 
 # --------------------------------------------------------------------------- quantizers (the spec)
 
 
-def quant_fp8_static(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def quant_fp8_static(y: Tensor, scale: Tensor) -> Tensor:
     """Static per-tensor: ``(y.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)``."""
     return (y.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def quant_fp8_per_token(y: torch.Tensor) -> Pair:
+def quant_fp8_per_token(y: Tensor) -> tuple[Tensor, Tensor]:
     """Dynamic per token (last dim), returns ``(q, s)`` with ``s`` of shape [..., 1] float32:
 
     ``y = y.float(); s = y.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0;
@@ -67,38 +68,39 @@ def quant_fp8_per_token(y: torch.Tensor) -> Pair:
 # --------------------------------------------------------------------------- references (the spec)
 
 
-def rms_norm_quant_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor) -> torch.Tensor:
+def rms_norm_quant_fp8_reference(x: Tensor, weight: Tensor, eps: float, scale: Tensor) -> Tensor:
     """``quant_fp8_static(rms_norm_reference(x, weight, eps), scale)``, i.e.
     ``(rms_norm(x, w, eps).float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)``."""
     return quant_fp8_static(rms_norm_reference(x, weight, eps), scale)
 
 
-def rms_norm_dynamic_quant_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Pair:
+def rms_norm_dynamic_quant_fp8_reference(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``(q, s) = quant_fp8_per_token(rms_norm_reference(x, weight, eps))``."""
     return quant_fp8_per_token(rms_norm_reference(x, weight, eps))
 
 
 def fused_add_rms_norm_quant_fp8_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor
-) -> Pair:
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor
+) -> tuple[Tensor, Tensor]:
     """Returns ``(q, sum)``: ``sum = x + residual; q = rms_norm_quant_fp8_reference(sum, weight, eps, scale)``."""
     return add_then_norm(functools.partial(rms_norm_quant_fp8_reference, scale=scale), x, residual, weight, eps)
 
 
 def fused_add_rms_norm_dynamic_quant_fp8_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(q, s, sum)``: ``sum = x + residual; q, s = rms_norm_dynamic_quant_fp8_reference(sum, weight, eps)``."""
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(q, s, sum)``: ``sum = x + residual;
+    q, s = rms_norm_dynamic_quant_fp8_reference(sum, weight, eps)``."""
     (q, s), total = add_then_norm(rms_norm_dynamic_quant_fp8_reference, x, residual, weight, eps)
     return q, s, total
 
 
-def silu_and_mul_quant_fp8_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_quant_fp8_reference(x: Tensor, scale: Tensor) -> Tensor:
     """``quant_fp8_static(silu_and_mul_reference(x), scale)``: [..., 2d] -> fp8 [..., d]."""
     return quant_fp8_static(silu_and_mul_reference(x), scale)
 
 
-def silu_and_mul_dynamic_quant_fp8_reference(x: torch.Tensor) -> Pair:
+def silu_and_mul_dynamic_quant_fp8_reference(x: Tensor) -> tuple[Tensor, Tensor]:
     """``(q, s) = quant_fp8_per_token(silu_and_mul_reference(x))``: [..., 2d] -> fp8 [..., d], [..., 1]."""
     return quant_fp8_per_token(silu_and_mul_reference(x))
 
@@ -106,47 +108,45 @@ def silu_and_mul_dynamic_quant_fp8_reference(x: torch.Tensor) -> Pair:
 # --------------------------------------------------------------------------- fake impls
 
 
-def _q(x: torch.Tensor, shape: torch.Size | tuple[int, ...] | None = None) -> torch.Tensor:
+def _q(x: Tensor, shape: torch.Size | tuple[int, ...] | None = None) -> Tensor:
     return x.new_empty(x.shape if shape is None else shape, dtype=FP8_DTYPE)
 
 
-def _s(x: torch.Tensor) -> torch.Tensor:
+def _s(x: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
-def _sum(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(torch.broadcast_shapes(x.shape, residual.shape), dtype=torch.promote_types(x.dtype, residual.dtype))
-
-
-def _rms_norm_quant_fake(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor) -> torch.Tensor:
+def _rms_norm_quant_fake(x: Tensor, weight: Tensor, eps: float, scale: Tensor) -> Tensor:
     return _q(x)
 
 
-def _rms_norm_dynamic_quant_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Pair:
+def _rms_norm_dynamic_quant_fake(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return _q(x), _s(x)
 
 
-def _fused_add_quant_fake(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor) -> Pair:
-    total = _sum(x, residual)
+def _fused_add_quant_fake(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor
+) -> tuple[Tensor, Tensor]:
+    total = fake_sum(x, residual)
     return _q(total), total
 
 
 def _fused_add_dynamic_quant_fake(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    total = _sum(x, residual)
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    total = fake_sum(x, residual)
     return _q(total), _s(total), total
 
 
-def _half_shape(x: torch.Tensor) -> tuple[int, ...]:
+def _half_shape(x: Tensor) -> tuple[int, ...]:
     return (*x.shape[:-1], x.shape[-1] // 2)
 
 
-def _silu_quant_fake(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _silu_quant_fake(x: Tensor, scale: Tensor) -> Tensor:
     return _q(x, _half_shape(x))
 
 
-def _silu_dynamic_quant_fake(x: torch.Tensor) -> Pair:
+def _silu_dynamic_quant_fake(x: Tensor) -> tuple[Tensor, Tensor]:
     q = _q(x, _half_shape(x))
     return q, _s(q)
 
@@ -154,7 +154,7 @@ def _silu_dynamic_quant_fake(x: torch.Tensor) -> Pair:
 # --------------------------------------------------------------------------- kernel constraints
 
 
-def check_scale(x: torch.Tensor, scale: torch.Tensor) -> str | None:
+def check_scale(x: Tensor, scale: Tensor) -> str | None:
     """A static scale the kernels read in place: one float32 element on the input's device."""
     if scale.numel() != 1 or scale.dtype != torch.float32:
         return f"scale {tuple(scale.shape)} {scale.dtype} is not one float32"
@@ -165,34 +165,34 @@ def _hidden_multiple_of_4(d: int) -> str | None:
     return None if d % 4 == 0 else f"hidden {d} not a multiple of 4 (sgl_per_token_quant_fp8)"
 
 
-def _static_check(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor) -> str | None:
+def _static_check(x: Tensor, weight: Tensor, eps: float, scale: Tensor) -> str | None:
     return check_norm(x, weight) or check_scale(x, scale)
 
 
-def _fused_add_static_check(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor) -> str | None:
+def _fused_add_static_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor) -> str | None:
     return check_norm_args(x, weight, residual) or check_scale(x, scale)
 
 
-def _dynamic_check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> str | None:
+def _dynamic_check(x: Tensor, weight: Tensor, eps: float) -> str | None:
     return check_norm(x, weight, contiguous=True) or _hidden_multiple_of_4(x.shape[-1])
 
 
-def _fused_add_dynamic_check(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> str | None:
+def _fused_add_dynamic_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> str | None:
     return check_norm_args(x, weight, residual) or _hidden_multiple_of_4(x.shape[-1])
 
 
-def _silu_static_check(half_aligned: bool, x: torch.Tensor, scale: torch.Tensor) -> str | None:
+def _silu_static_check(half_aligned: bool, x: Tensor, scale: Tensor) -> str | None:
     return check_act_and_mul(x, half_aligned=half_aligned) or check_scale(x, scale)
 
 
-def _silu_dynamic_check(x: torch.Tensor) -> str | None:
+def _silu_dynamic_check(x: Tensor) -> str | None:
     return check_act_and_mul(x, half_aligned=True) or _hidden_multiple_of_4(x.shape[-1] // 2)
 
 
 # --------------------------------------------------------------------------- kernels
 
 
-def sgl_per_token_quant(y: torch.Tensor) -> Pair:
+def sgl_per_token_quant(y: Tensor) -> tuple[Tensor, Tensor]:
     """sgl-kernel ``sgl_per_token_quant_fp8`` on contiguous ``y``: ``s = amax / 448``, ``q = y * (1 / s)``
     (0 for an all-zero row); ``s`` is then raised to the spec's floor (``1e-12 / 448``, in place on
     [rows, 1] floats), so a zero row gives ``q = 0``, ``s = floor`` as the reference does."""
@@ -205,7 +205,7 @@ def sgl_per_token_quant(y: torch.Tensor) -> Pair:
     return q.view(y.shape), s.view(*y.shape[:-1], 1)
 
 
-def _flashinfer_rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor) -> torch.Tensor:
+def _flashinfer_rms_norm_quant(x: Tensor, weight: Tensor, eps: float, scale: Tensor) -> Tensor:
     rows = as_rows(x)
     assert rows is not None
     out = torch.empty(rows.shape, dtype=FP8_DTYPE, device=x.device)
@@ -214,24 +214,24 @@ def _flashinfer_rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float
     return out.view(x.shape)
 
 
-def _sgl_rms_norm_dynamic_quant(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Pair:
+def _sgl_rms_norm_dynamic_quant(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return sgl_per_token_quant(sgl_rms_norm(x, weight, eps))
 
 
-def _fused_add_static(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor) -> Pair:
+def _fused_add_static(x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor) -> tuple[Tensor, Tensor]:
     return add_then_norm(functools.partial(_flashinfer_rms_norm_quant, scale=scale), x, residual, weight, eps)
 
 
-def _fused_add_dynamic(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
+def _fused_add_dynamic(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, ...]:
     (q, s), total = add_then_norm(_sgl_rms_norm_dynamic_quant, x, residual, weight, eps)
     return q, s, total
 
 
-def _silu_static(silu: functools.partial[torch.Tensor], x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _silu_static(silu: functools.partial[Tensor], x: Tensor, scale: Tensor) -> Tensor:
     return quant_fp8_static(silu(x), scale)
 
 
-def _sgl_silu_dynamic(x: torch.Tensor) -> Pair:
+def _sgl_silu_dynamic(x: Tensor) -> tuple[Tensor, Tensor]:
     return sgl_per_token_quant(sgl_silu_and_mul(x))
 
 
@@ -271,7 +271,12 @@ DEFS: tuple[OpDef, ...] = (
         silu_and_mul_quant_fp8_reference,
         _silu_quant_fake,
         (
-            Kernel("sgl_kernel", P(_silu_static, sgl_silu_and_mul), P(_silu_static_check, True), label="sgl_kernel+torch"),
+            Kernel(
+                "sgl_kernel",
+                P(_silu_static, sgl_silu_and_mul),
+                P(_silu_static_check, True),
+                label="sgl_kernel+torch",
+            ),
             Kernel(
                 "flashinfer",
                 P(_silu_static, flashinfer_silu_and_mul),

@@ -27,7 +27,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # hidden 33 (odd), 1 token, 3D per-head and 4D [batch, seq, heads, head_dim]
-NORM_SHAPES = [(33,), (1, 33), (7, 64), (16, 4096), (5, 4, 128), (2, 3, 4, 64)]
+NORM_SHAPES = [(33,), (1, 33), (7, 64), (3, 4096), (5, 4, 128), (2, 3, 4, 64)]
 ACT_SHAPES = [(1, 66), (7, 128), (3, 2, 2 * 33), (8, 2 * 1024)]
 MATH_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
@@ -154,7 +154,9 @@ def test_fused_add_rms_norm_is_add_then_norm(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 33), (7, 64), (2, 3, 4, 64)])
-@pytest.mark.parametrize(("name", "hf"), [("fused_add_rms_norm_", llama_norm), ("gemma_fused_add_rms_norm_", gemma_norm)])
+@pytest.mark.parametrize(
+    ("name", "hf"), [("fused_add_rms_norm_", llama_norm), ("gemma_fused_add_rms_norm_", gemma_norm)]
+)
 def test_inplace_add_rms_norm_overwrites_both(
     gen: torch.Generator, name: str, hf: Callable[..., torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype
 ) -> None:
@@ -234,7 +236,9 @@ def test_norm_quant_fp8_is_norm_then_quant(gen: torch.Generator, shape: tuple[in
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ACT_SHAPES)
-def test_silu_and_mul_quant_fp8_is_silu_then_quant(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+def test_silu_and_mul_quant_fp8_is_silu_then_quant(
+    gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
     x, scale = rand(gen, *shape, dtype=dtype), fp8_scale(0.01)
     y = gated(ACT2FN["silu"], x)
     exact(torch.ops.fxr.silu_and_mul_quant_fp8(x, scale), unfused_static_quant(y, scale))
@@ -300,7 +304,9 @@ def test_ops_lists_every_definition() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 34), (3, 5, 128)])
 @pytest.mark.parametrize("op", ops.DEFS, ids=lambda op: op.name)
-def test_fake_impl_matches_real_outputs(gen: torch.Generator, op: OpDef, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+def test_fake_impl_matches_real_outputs(
+    gen: torch.Generator, op: OpDef, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
     args = make_args(op, shape, dtype, gen)
     real = as_tuple(getattr(torch.ops.fxr, op.name)(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args]))
     with FakeTensorMode() as mode:

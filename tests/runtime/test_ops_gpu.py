@@ -146,7 +146,9 @@ def run_and_check(op: OpDef, provider: str, args: list[Any], dtype: torch.dtype)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
 @pytest.mark.parametrize("op", ops.DEFS, ids=lambda op: op.name)
-def test_op_against_reference(op: OpDef, provider: str, dtype: torch.dtype, tokens: int, hidden: int, gen: torch.Generator) -> None:
+def test_op_against_reference(
+    op: OpDef, provider: str, dtype: torch.dtype, tokens: int, hidden: int, gen: torch.Generator
+) -> None:
     force(provider)
     run_and_check(op, provider, make_args(op, tokens, hidden, dtype, gen), dtype)
 

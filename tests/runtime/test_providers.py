@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
@@ -280,7 +281,10 @@ def _sgl_per_token_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> N
 
 
 SGL_SCHEMAS = {  # as registered by sgl-kernel 0.4.6 (sm90/common_ops.abi3.so)
-    "rmsnorm": ("rmsnorm(Tensor! output, Tensor input, Tensor weight, float eps, bool enable_pdl) -> ()", lambda *a: _sgl_norm(0.0, *a)),
+    "rmsnorm": (
+        "rmsnorm(Tensor! output, Tensor input, Tensor weight, float eps, bool enable_pdl) -> ()",
+        lambda *a: _sgl_norm(0.0, *a),
+    ),
     "gemma_rmsnorm": (
         "gemma_rmsnorm(Tensor! output, Tensor input, Tensor weight, float eps, bool enable_pdl) -> ()",
         lambda *a: _sgl_norm(1.0, *a),
@@ -319,24 +323,35 @@ def sgl_ops() -> Iterator[None]:
     library._destroy()
 
 
-def _fi_norm(bias: float, input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None, enable_pdl: bool | None = None) -> torch.Tensor:
+def _fi_norm(
+    bias: float,
+    input: Tensor,
+    weight: Tensor,
+    eps: float = 1e-6,
+    out: Tensor | None = None,
+    enable_pdl: bool | None = None,
+) -> Tensor:
     assert input.dim() in (2, 3) and input.stride(-1) == 1 and weight.dtype == input.dtype and out is not None
     out.copy_(_norm(input, weight, eps, bias))
     return out
 
 
-def _fi_add_norm(bias: float, input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, enable_pdl: bool | None = None) -> None:
+def _fi_add_norm(
+    bias: float, input: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, enable_pdl: bool | None = None
+) -> None:
     _sgl_add_norm(bias, input, residual, weight, eps, bool(enable_pdl))
 
 
-def _fi_rmsnorm_quant(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6, enable_pdl: bool | None = None) -> None:
+def _fi_rmsnorm_quant(
+    out: Tensor, input: Tensor, weight: Tensor, scale: Tensor, eps: float = 1e-6, enable_pdl: bool | None = None
+) -> None:
     assert input.dim() == 2 and out.dtype == FP8 and scale.numel() == 1
     h = input.float()
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     out.copy_((y * (1.0 / scale)).clamp(-448.0, 448.0).to(FP8))
 
 
-def _fi_act(name: str, input: torch.Tensor, out: torch.Tensor | None = None, enable_pdl: bool | None = None) -> torch.Tensor:
+def _fi_act(name: str, input: Tensor, out: Tensor | None = None, enable_pdl: bool | None = None) -> Tensor:
     assert out is not None
     _act(name, out, input)
     return out
@@ -364,7 +379,8 @@ def both_libraries(registry: providers._Registry, sgl_ops: None) -> providers._R
 def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator) -> list[Any]:
     values = {"weight": lambda: rand(gen, shape[-1]) * 0.5, "eps": lambda: EPS, "approximate": lambda: "tanh"}
     values["scale"] = lambda: torch.tensor([0.02])
-    return [rand(gen, *shape) if p in ("x", "residual") else values[p]() for p in inspect.signature(op.reference).parameters]
+    names = inspect.signature(op.reference).parameters
+    return [rand(gen, *shape) if name in ("x", "residual") else values[name]() for name in names]
 
 
 def assert_served_close(got: Any, want: Any) -> None:
@@ -394,7 +410,8 @@ def test_every_op_through_each_emulated_provider(
     entry = providers.served()[op.name]
     if any(k.provider == provider for k in op.kernels):
         assert entry["fallbacks"] == {}, entry
-        assert [name for name in entry if name != "fallbacks"] == [next(k.name for k in op.kernels if k.provider == provider)]
+        label = next(k.name for k in op.kernels if k.provider == provider)
+        assert [name for name in entry if name != "fallbacks"] == [label]
     else:
         assert entry == {"torch": 1, "fallbacks": {f"{provider} has no kernel for {op.name}": 1}}
 
