@@ -15,7 +15,8 @@ finds the parameters already laid out consecutively in one buffer and reuses it.
 parameter object after compiling (``module.weight = nn.Parameter(...)``) is not seen by the
 compiled graph; copy into it instead.
 
-The real parameters come from the backend, which puts each parameter placeholder's tensor in
+Slice nodes reuse the fake value of the linear they replace (same shape and dtype; the real
+slice is a strided view of the merged output). The real parameters come from the backend, which puts each parameter placeholder's tensor in
 ``node.meta["fxr_param"]``.
 """
 
@@ -96,7 +97,6 @@ def merge_sibling_linears(gm: fx.GraphModule) -> PassResult:
         if len(lins) < 2:
             continue
         _merge(gm, lins, key[4], fake_mode, result)
-    gm.graph.lint()
     gm.recompile()
     return result
 
@@ -122,7 +122,9 @@ def _merge(gm: fx.GraphModule, lins: list[fx.Node], no_bias: bool, fake_mode: ob
         with graph.inserting_before(lin):
             part = graph.call_function(SLICE, (y, -1, offset, end, 1))
         meta.copy_provenance(lin, part)
-        meta.propagate(part, fake_mode)
+        # Same shape and dtype as the linear it stands for (the real slice is a strided view);
+        # reusing the value saves a symbolic fake dispatch per slice.
+        part.meta["example_value"] = meta.value(lin)
         lin.replace_all_uses_with(part)
         graph.erase_node(lin)
         offset += rows
