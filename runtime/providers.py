@@ -108,6 +108,15 @@ def library(name: str) -> types.ModuleType | None:
     return _REGISTRY.modules[name]
 
 
+def preload() -> dict[str, bool]:
+    """Import every library and module the registered ops' kernels use, now rather than at
+    their first call (which may fall inside a CUDA graph capture). Returns module -> imported."""
+    from fxrewrite.runtime.ops import DEFS  # late: the op modules import this module
+
+    names = {k.module or k.provider for op in DEFS for k in op.kernels}
+    return {name: library(name) is not None for name in sorted(names | {"sgl_kernel", "flashinfer"})}
+
+
 def available(provider: str) -> bool:
     """Whether ``provider`` can serve anything here ("torch" always can)."""
     return provider == "torch" or library(provider) is not None

@@ -135,7 +135,7 @@ def as_rows(x: Tensor) -> Tensor | None:
 def check_norm_args(x: Tensor, weight: Tensor, *others: Tensor) -> str | None:
     """What every norm kernel needs of its arguments, layout aside: one half dtype for all
     (the kernels reinterpret ``weight`` as the input dtype: vLLM issue 48330), one device, equal
-    shapes, a non-empty input and a unit-stride ``[hidden]`` weight."""
+    shapes, a non-empty input and a unit-stride ``[hidden]`` weight aligned to the vectors."""
     reason = providers.check_half(x, weight, *others) or providers.check_same_device(x, weight, *others)
     if reason:
         return reason
@@ -146,21 +146,26 @@ def check_norm_args(x: Tensor, weight: Tensor, *others: Tensor) -> str | None:
         return "empty input"
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or weight.stride(0) != 1:
         return f"weight {tuple(weight.shape)} is not a contiguous [{x.shape[-1]}] vector"
+    if not providers.is_aligned(weight, vector_bytes(x)):
+        return f"weight address not {vector_bytes(x)}-byte aligned"
     return None
+
+
+def vector_bytes(x: Tensor) -> int:
+    """The norm kernels' vector width in bytes: ``gcd(16 / itemsize, hidden)`` elements."""
+    return math.gcd(16 // x.element_size(), x.shape[-1]) * x.element_size()
 
 
 def check_norm(
     x: Tensor, weight: Tensor, *others: Tensor, allow_3d: bool = False, contiguous: bool = False
 ) -> str | None:
     """:func:`check_norm_args`, then the layout: last dim unit-stride, the tensor viewable as 2D
-    rows (or 3D per-head when ``allow_3d``; fully contiguous when ``contiguous``), and address,
-    row stride and weight aligned to the kernel's vector width ``gcd(16 / itemsize, hidden)``."""
+    rows (or 3D per-head when ``allow_3d``; fully contiguous when ``contiguous``), and address
+    and row strides aligned to the kernel's vectors (:func:`vector_bytes`)."""
     reason = check_norm_args(x, weight, *others)
     if reason:
         return reason
-    vec_bytes = math.gcd(16 // x.element_size(), x.shape[-1]) * x.element_size()
-    if not providers.is_aligned(weight, vec_bytes):
-        return f"weight address not {vec_bytes}-byte aligned"
+    vec_bytes = vector_bytes(x)
     for t in (x, *others):
         if contiguous and not t.is_contiguous():
             return "input not contiguous"
@@ -170,7 +175,8 @@ def check_norm(
         if view is None and allow_3d and t.dim() == 3:
             view = t
         if view is None:
-            return f"{t.dim()}D input with these strides is not viewable as {'2D or 3D' if allow_3d else '2D'} rows"
+            ranks = "2D or 3D" if allow_3d else "2D"
+            return f"{t.dim()}D input with these strides is not viewable as {ranks} rows"
         if not providers.is_aligned(view, vec_bytes, *view.stride()[:-1]):
             return f"address or row stride not {vec_bytes}-byte aligned"
     return None
@@ -187,7 +193,9 @@ def _fused_add_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float) ->
     return check_norm_args(x, weight, residual)
 
 
-def _inplace_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, contiguous: bool = False) -> str | None:
+def _inplace_check(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, contiguous: bool = False
+) -> str | None:
     if x.data_ptr() == residual.data_ptr():
         return "x and residual share memory"
     return check_norm(x, weight, residual, contiguous=contiguous)

@@ -440,3 +440,19 @@ def test_dynamic_quant_zero_rows_get_the_floor_scale(both_libraries: providers._
     assert torch.equal(q.float(), torch.zeros(3, 64))
     assert torch.equal(s, torch.full((3, 1), quant.SCALE_FLOOR))
     assert providers.served()["rms_norm_dynamic_quant_fp8"]["sgl_kernel"] == 1
+
+
+def test_preload_imports_every_kernel_module(registry: providers._Registry) -> None:
+    install(registry, sgl_kernel=lib("sgl_kernel"), flashinfer=None, flashinfer__norm=None, flashinfer__activation=None)
+    assert providers.preload() == {
+        "flashinfer": False,
+        "flashinfer.activation": False,
+        "flashinfer.norm": False,
+        "sgl_kernel": True,
+    }
+
+
+def test_misaligned_weight_is_refused(gen: torch.Generator) -> None:
+    x, w = rand(gen, 4, 64), rand(gen, 65)[1:]
+    assert norm.check_norm(x, w) == "weight address not 16-byte aligned"
+    assert norm._fused_add_check(x, x.clone(), w, EPS) == "weight address not 16-byte aligned"
