@@ -91,6 +91,11 @@ def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, eras
                 meta.propagate(n, fake_mode)
                 env[rn] = n
                 new.append(n)
+    # Number the new nodes between the anchor and whatever precedes it (positions are 4 apart
+    # and each anchor is replaced once), so a later anchor may match through them.
+    end = m.anchor.meta["_fxr_pos"]
+    for i, n in enumerate(new):
+        n.meta["_fxr_pos"] = end - 1 + (i + 1) / (len(new) + 1)
     olds = [m.nodes[o] for o in cr.outputs]
     why = _meta_mismatch(olds, outs)
     if why is not None:
@@ -115,6 +120,8 @@ def _meta_mismatch(olds: list[fx.Node], outs: list[Any]) -> str | None:
     """Why the replacement's outputs cannot stand in for the pattern's, or None."""
     for old, out in zip(olds, outs):
         a, b = meta.tensor(old), meta.tensor(out)
+        if a is not None and b is None and isinstance(out, fx.Node):
+            return f"replacement output `{out.name}` has no fake value (no fake kernel?): its shape and dtype cannot be checked"
         if a is None or b is None:
             continue
         if a.dtype != b.dtype:
