@@ -162,7 +162,7 @@ class CompiledRule:
 
     @classmethod
     def build(cls, rule: Rule) -> CompiledRule:
-        params = list(inspect.signature(rule.pattern).parameters)
+        params = _params(rule.name, "pattern", rule.pattern)
         unknown = set(rule.scalars) - set(params)
         if unknown:
             raise RuleError(f"rule {rule.name!r}: scalars {sorted(unknown)} are not pattern arguments")
@@ -196,7 +196,7 @@ def trace(
     rule: str, what: str, fn: Callable[..., Any], scalars: Mapping[str, Any], allowed: list[str] | None = None
 ) -> fx.GraphModule:
     """Trace ``fn`` symbolically and canonicalize it, with errors that name the rule."""
-    names = list(inspect.signature(fn).parameters)
+    names = _params(rule, what, fn)
     if allowed is not None and set(names) - set(allowed):
         raise RuleError(
             f"rule {rule!r}: {what} takes {sorted(set(names) - set(allowed))}, which the pattern does not bind"
@@ -211,6 +211,13 @@ def trace(
     meta.mark_kinds(gm.graph, scalars)
     canonicalize(gm)
     return gm
+
+
+def _params(rule: str, what: str, fn: Callable[..., Any]) -> list[str]:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError) as e:  # builtins such as torch.relu have no signature
+        raise RuleError(f"rule {rule!r}: the {what} {fn!r} has no Python signature; wrap it in a def: {e}") from e
 
 
 def output_nodes(gm: fx.GraphModule) -> list[Any]:
