@@ -96,6 +96,21 @@ def _target_name(t: Any) -> str:
     return getattr(t, "__name__", str(t))
 
 
+_Where = "tuple[fx.Node, str] | None"
+
+
+def _arg_names(target: Any, n: int) -> list[str]:
+    """Names of the first ``n`` positional arguments of ``target`` (``arg<i>`` when unknown)."""
+    schema = getattr(target, "_schema", None)
+    names = [a.name for a in schema.arguments if not a.kwarg_only] if schema is not None else []
+    return [names[i] if i < len(names) else f"arg{i}" for i in range(n)]
+
+
+def _arg(where: Any) -> str:
+    """``"`mean` keepdim: "``: which argument of which node a reason is about."""
+    return f"`{where[0].name}` {where[1]}: " if where else ""
+
+
 def _lit_eq(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_lit_eq(x, y) for x, y in zip(a, b))
@@ -122,38 +137,41 @@ class _Walker:
         self.best: Failure | None = None
 
     def fail(self, st: _State, reason: str, at: Any) -> None:
-        done = sum(1 for p in st.nodes if p.op == "call_function" and p not in st.elided)
+        done = sum(1 for p in st.nodes if p.op == "call_function")  # elided casts count as matched
         progress = done / max(self.cr.op_count, 1)
         if self.best is None or progress > self.best.progress:
             self.best = Failure(reason, at if isinstance(at, fx.Node) else None, progress)
 
     # Each matcher yields every state in which the pair matches (backtracking on alternatives).
-    def value(self, p: Any, g: Any, st: _State) -> Iterator[_State]:
+    # ``where`` is the graph node whose argument ``g`` is, and the argument's name: a literal has
+    # no node of its own, so a mismatch there is reported at that node.
+    def value(self, p: Any, g: Any, st: _State, where: _Where = None) -> Iterator[_State]:
         if isinstance(p, fx.Node):
             if p.op == "placeholder":
-                yield from self.placeholder(p, g, st)
+                yield from self.placeholder(p, g, st, where)
             else:
                 yield from self.node(p, g, st)
         elif isinstance(p, (list, tuple)):
             if not isinstance(g, (list, tuple)) or len(p) != len(g):
-                self.fail(st, f"expected {len(p)} values, found {_describe(g)}", g)
+                self.fail(st, f"{_arg(where)}expected {len(p)} values, found {_describe(g)}", g)
                 return
-            yield from self.seq(list(p), list(g), st)
+            yield from self.seq(list(p), list(g), st, [where] * len(p))
         elif isinstance(g, fx.Node):
-            self.fail(st, f"expected literal {p!r}, found node {_describe(g)}", g)
+            self.fail(st, f"{_arg(where)}expected literal {p!r}, found node {_describe(g)}", g)
         elif _lit_eq(p, g):
             yield st
         else:
-            self.fail(st, f"literal {g!r} != {p!r}", None)
+            self.fail(st, f"{_arg(where)}literal {g!r} != {p!r}", where and where[0])
 
-    def seq(self, ps: list[Any], gs: list[Any], st: _State) -> Iterator[_State]:
+    def seq(self, ps: list[Any], gs: list[Any], st: _State, wheres: list[_Where] | None = None) -> Iterator[_State]:
         if not ps:
             yield st
             return
-        for st1 in self.value(ps[0], gs[0], st):
-            yield from self.seq(ps[1:], gs[1:], st1)
+        where = wheres[0] if wheres else None
+        for st1 in self.value(ps[0], gs[0], st, where):
+            yield from self.seq(ps[1:], gs[1:], st1, wheres[1:] if wheres else None)
 
-    def placeholder(self, p: fx.Node, g: Any, st: _State) -> Iterator[_State]:
+    def placeholder(self, p: fx.Node, g: Any, st: _State, where: _Where = None) -> Iterator[_State]:
         name = p.target
         spec: Scalar | None = self.rule.scalars.get(name)
         if name in st.binds:
@@ -167,10 +185,10 @@ class _Walker:
         if spec is not None:
             why = spec.accepts(g)
             if why is not None:
-                self.fail(st, f"{name}: {why}", g)
+                self.fail(st, f"{name}: {why}", g if isinstance(g, fx.Node) else where and where[0])
                 return
         elif not isinstance(g, fx.Node):
-            self.fail(st, f"{name}: expected a tensor, found literal {g!r}", None)
+            self.fail(st, f"{_arg(where)}{name}: expected a tensor, found literal {g!r}", where and where[0])
             return
         st = st.copy()
         st.binds[name] = g
@@ -208,8 +226,9 @@ class _Walker:
             orders.append([ga[1], ga[0]])
         pk = [p.kwargs[k] for k in sorted(p.kwargs)]
         gk = [g.kwargs[k] for k in sorted(p.kwargs)]
+        wheres: list[_Where] = [(g, n) for n in _arg_names(p.target, len(pa)) + sorted(p.kwargs)]
         for args in orders:
-            yield from self.seq(pa + pk, args + gk, st)
+            yield from self.seq(pa + pk, args + gk, st, wheres)
 
     def elided_cast(self, p: fx.Node, g: Any, st: _State) -> Iterator[_State]:
         """A pattern cast pairs with nothing when ``g`` already has the cast's dtype."""
