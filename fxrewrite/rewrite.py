@@ -45,7 +45,8 @@ def apply_rules(
             continue
         cr = rule.compiled
         number_nodes(gm.graph)
-        anchors = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == cr.anchor.target]
+        targets = cr.anchor_targets
+        anchors = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
         erased: set[fx.Node] = set()
         for anchor in anchors:
             if anchor in erased:

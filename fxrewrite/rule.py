@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from fxrewrite import meta
-from fxrewrite.canonicalize import canonicalize
+from fxrewrite.canonicalize import CAST, canonicalize
 
 
 class RuleError(ValueError):
@@ -159,6 +159,16 @@ class CompiledRule:
     anchor: fx.Node
     outputs: list[fx.Node]
     op_count: int
+
+    @property
+    def anchor_targets(self) -> set[Any]:
+        """Targets a graph node may have to start a match: the anchor's, and where the anchor is
+        a cast (which the graph may not need), its input's."""
+        targets = {self.anchor.target}
+        inner = self.anchor.args[0] if self.anchor.target is CAST else None
+        if isinstance(inner, fx.Node) and inner.op == "call_function":
+            targets.add(inner.target)
+        return targets
 
     @classmethod
     def build(cls, rule: Rule) -> CompiledRule:

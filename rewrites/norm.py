@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
-from fxrewrite.rule import Bindings, Rule, Scalar
+from fxrewrite.rule import Bindings, InPlace, Rule, Scalar
 
 EPS = Scalar(float, lambda v: 0.0 < v < 0.1)
 DTYPE = Scalar(torch.dtype)
@@ -80,13 +80,30 @@ def gemma_add_rms_norm_replacement(x, residual, weight, eps):
     return out[0], out[1]
 
 
+# The in-place kernels (sgl-kernel, flashinfer) overwrite x with the norm and residual with the
+# sum; used where the matcher proves both dead after the match and neither an input nor a view.
+def add_rms_norm_inplace(x, residual, weight, eps):
+    out = torch.ops.fxr.fused_add_rms_norm_(x, residual, weight, eps)
+    return out[0], out[1]
+
+
+def gemma_add_rms_norm_inplace(x, residual, weight, eps):
+    out = torch.ops.fxr.gemma_fused_add_rms_norm_(x, residual, weight, eps)
+    return out[0], out[1]
+
+
+OVERWRITES = ("x", "residual")
 RMS_NORM = Rule("rms_norm", rms_norm_pattern, rms_norm_replacement, norm_guard, WILDCARDS)
-ADD_RMS_NORM = Rule("add_rms_norm", add_rms_norm_pattern, add_rms_norm_replacement, add_norm_guard, WILDCARDS)
+ADD_RMS_NORM = Rule(
+    "add_rms_norm", add_rms_norm_pattern, add_rms_norm_replacement, add_norm_guard, WILDCARDS,
+    inplace=InPlace(add_rms_norm_inplace, OVERWRITES),
+)  # fmt: skip
 
 GEMMA_RMS_NORM = Rule("gemma_rms_norm", gemma_rms_norm_pattern, gemma_rms_norm_replacement, norm_guard, WILDCARDS)
 GEMMA_ADD_RMS_NORM = Rule(
-    "gemma_add_rms_norm", gemma_add_rms_norm_pattern, gemma_add_rms_norm_replacement, add_norm_guard, WILDCARDS
-)
+    "gemma_add_rms_norm", gemma_add_rms_norm_pattern, gemma_add_rms_norm_replacement, add_norm_guard, WILDCARDS,
+    inplace=InPlace(gemma_add_rms_norm_inplace, OVERWRITES),
+)  # fmt: skip
 
 # add + norm first: it contains the plain norm, which would otherwise claim its sites. Gemma
 # before plain: in float32 (casts elided) the plain pattern also matches Gemma's norm, binding

@@ -268,11 +268,43 @@ def define_op(op: OpDef) -> Any:
     """Register ``torch.ops.fxr.<op.name>``: body the reference (CPU and every device without a
     kernel), fake impl, CUDA impl :meth:`OpDef.cuda`. Returns the ``CustomOpDef``. Safe to run
     again (re-import, reload): ``torch.library.custom_op`` replaces an earlier definition.
+
+    In-place ops (``mutates_args``) return the tensors they overwrite, aliased, as ATen's
+    ``add_`` returns ``self``: a graph then reads the results from the op's outputs, so the data
+    flow stays explicit across split pieces and CUDA-graph static buffers.
     """
+    if op.mutates_args:
+        return _define_inplace(op)
     custom = torch.library.custom_op(f"fxr::{op.name}", op.reference, mutates_args=op.mutates_args)
     custom.register_fake(op.fake)
     custom.register_kernel("cuda")(op.cuda)
     return custom
+
+
+_LIB = torch.library.Library("fxr", "FRAGMENT")  # only the in-place ops: custom_op cannot alias
+
+
+def _define_inplace(op: OpDef) -> Any:
+    qualname = f"fxr::{op.name}"
+    if hasattr(torch.ops.fxr, op.name):
+        return getattr(torch.ops.fxr, op.name)  # already defined by an earlier import
+    schema = torch.library.infer_schema(op.reference, mutates_args=op.mutates_args)
+    names = [a.split()[-1] for a in schema[schema.index("(") + 1 : schema.index(") ->")].split(", ")]
+    index = [names.index(m) for m in op.mutates_args]
+    tags = [schema.split(", ")[i].split()[0].removeprefix("(") for i in index]  # Tensor(a0!) ...
+    _LIB.define(op.name + schema.rsplit("->", 1)[0] + "-> (" + ", ".join(tags) + ")")
+
+    def returning(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> tuple[Any, ...]:
+            fn(*args)
+            return tuple(args[i] for i in index)
+
+        return run
+
+    _LIB.impl(op.name, returning(op.reference), "CompositeExplicitAutograd")
+    _LIB.impl(op.name, returning(op.cuda), "CUDA")
+    torch.library.register_fake(qualname, lambda *args: tuple(args[i] for i in index), lib=_LIB)
+    return getattr(torch.ops.fxr, op.name)
 
 
 # --------------------------------------------------------------------------- constraints
