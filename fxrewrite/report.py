@@ -20,6 +20,7 @@ class Site:
     source: str
     module: str
     inplace: bool = False
+    note: str = ""
 
 
 @dataclasses.dataclass
