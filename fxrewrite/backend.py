@@ -116,6 +116,10 @@ class Backend:
         if extra_rules:
             overrides["extra_rules"] = tuple(config.extra_rules) + tuple(extra_rules)
         self.config = dataclasses.replace(config, **overrides).resolved()
+        from fxrewrite.runtime import providers
+
+        if self.config.provider is not None:
+            providers.configure(self.config.provider)  # raises if it names a missing library
         if self.config.dump_dir:
             prepare_dump_dir(self.config.dump_dir)
         self._check_rules()
@@ -153,12 +157,9 @@ class Backend:
             stats = getattr(r, "stats", None)
             if callable(stats):
                 g.runtime = stats()
-        try:
-            from fxrewrite.runtime import providers
+        from fxrewrite.runtime import providers
 
-            self.report.providers = providers.served()
-        except (ImportError, AttributeError):
-            pass
+        self.report.providers = providers.served()
 
 
 def compile(model: Any, config: Config | None = None, *, dynamic: bool = True, **kw: Any) -> tuple[Any, Backend]:
