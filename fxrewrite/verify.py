@@ -1,0 +1,402 @@
+"""Verification: run every distinct matched site and its replacement on random inputs, compare.
+
+With ``Config(verify=True)`` (or ``FXREWRITE_VERIFY=1``) the backend calls :func:`verify_match`
+with each checked match before applying it. The match's internal nodes are copied into a
+standalone graph whose placeholders are the bound inputs; that graph and the rule's replacement
+(the in-place one, on clones, where the matcher would apply it) run on the same fresh random
+inputs, and their outputs are compared with the tolerance of their dtype
+(:data:`fxrewrite.testing.TOLERANCES`). A mismatch refuses the rewrite: the original nodes stay,
+and the report lists the site under ``rejected`` with the reason::
+
+    # matched in the model graph                     # standalone graph that verify runs
+    %add_7   = aten.add.Tensor(%variance_1, %item_4)     def forward(x, weight, eps):
+    %rsqrt_1 = aten.rsqrt.default(%add_7)                    pow_1 = aten.pow(x, 2) ...
+    ...                                                  -> compared with fxr.rms_norm(x, weight, eps)
+
+    REJECTED bad_rms_norm at hidden_states_3 (modeling_llama.py:66): verify: max abs error
+    2.1 > tol 1e-05 (fp32) in output 0 on x=fp32[1, 8, 64], weight=fp32[64], eps=1e-06 (symbolic)
+
+Inputs: symbolic sizes take their hints (the sizes of the example inputs Dynamo traced with);
+floating tensors are ``randn`` with each row scaled by 10**u, u uniform in [-3, 1], so that
+terms that only matter for small rows (an RMSNorm's eps) are exercised; integer tensors are
+drawn from [0, 8); a symbolic float (eps read with ``.item()``) takes its hint, or 1e-6 without
+one. The random stream is seeded from the site signature, so a verdict is a pure function of it.
+
+A site that cannot be checked (unknown metadata, an input the generator cannot make, an
+original subgraph that raises on random inputs) is refused too, with the reason: under
+``verify=True`` only checked rewrites are applied.
+
+Cost: one check per distinct *signature* (rule, the bound inputs' shapes / dtypes / devices,
+bound scalar values, the matched targets, in-place or not). A 32-layer model repeats a handful of
+signatures, so the check runs a few times per model, not per layer (measured in
+``bench/VERIFY_COST.md``).
+
+Cache: :class:`Verifier` keeps verdicts per signature. :func:`verify_match`, which the backend
+calls, uses one module-level :class:`Verifier` (an LRU of at most ``MAX_ENTRIES`` verdicts) so that
+recompilations (new shapes, several Dynamo graphs, several Backends in one process) skip sites
+already checked. Sharing it between Backends never changes a verdict, only saves time: the key
+holds the rule object itself (two rules of one name never share), the device and the provider
+override (``FXREWRITE_PROVIDER``), and the inputs are seeded from the key. ``clear_cache()``
+empties it; ``stats()`` says how much it did.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import os
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxrewrite import meta
+from fxrewrite.match import Match, inplace_blocker
+
+log = logging.getLogger(__name__)
+
+MAX_ENTRIES = 4096
+SYMBOLIC_EPS = 1e-6  # value given to a symbolic float scalar that has no hint
+ROW_SCALE_LOG10 = (-3.0, 1.0)  # rows of float inputs are scaled by 10**u, u in this range
+_SHORT = {
+    torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "bool",
+    torch.float8_e4m3fn: "fp8e4m3", torch.float8_e5m2: "fp8e5m2",
+}  # fmt: skip
+
+
+class _CannotVerify(Exception):
+    """The site cannot be checked; the message says why."""
+
+
+@dataclasses.dataclass
+class VerifyStats:
+    """What a Verifier did: checks run, verdicts reused, rewrites refused, seconds spent."""
+
+    checked: int = 0
+    cached: int = 0
+    refused: int = 0
+    seconds: float = 0.0
+
+
+class Verifier:
+    """``Verifier()(match) -> None | reason``: checks each distinct site signature once.
+
+    Use one per compilation to keep verdicts private; :func:`verify_match` uses a shared one.
+    """
+
+    def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
+        self.max_entries = max_entries
+        self._verdicts: collections.OrderedDict[tuple[Any, ...], str | None] = collections.OrderedDict()
+        self.stats = VerifyStats()
+
+    def __call__(self, m: Match) -> str | None:
+        t0 = time.perf_counter()
+        try:
+            return self._verdict(m)
+        finally:
+            self.stats.seconds += time.perf_counter() - t0
+
+    def _verdict(self, m: Match) -> str | None:
+        try:
+            key = signature(m)
+        except _CannotVerify as e:
+            self.stats.refused += 1
+            return f"verify: cannot check this site: {e}"
+        if key in self._verdicts:
+            self._verdicts.move_to_end(key)
+            self.stats.cached += 1
+            verdict = self._verdicts[key]
+        else:
+            verdict = check(m, seed=zlib.crc32(repr(key[1:]).encode()))
+            self._verdicts[key] = verdict
+            if len(self._verdicts) > self.max_entries:
+                self._verdicts.popitem(last=False)
+            self.stats.checked += 1
+            if verdict is not None:
+                log.warning("rule %s refused at %s: %s", m.rule.name, m.anchor.name, verdict)
+        if verdict is not None:
+            self.stats.refused += 1
+        return verdict
+
+    def clear(self) -> None:
+        self._verdicts.clear()
+        self.stats = VerifyStats()
+
+
+_SHARED = Verifier()
+
+
+def verify_match(match: Match) -> str | None:
+    """None if ``match``'s replacement computes what the matched subgraph computes on random
+    inputs of the site's shapes and dtypes; otherwise the reason (``"verify: ..."``)."""
+    return _SHARED(match)
+
+
+def clear_cache() -> None:
+    """Forget every verdict of the shared verifier (and its statistics)."""
+    _SHARED.clear()
+
+
+def stats() -> VerifyStats:
+    """Statistics of the shared verifier since the last ``clear_cache()``."""
+    return _SHARED.stats
+
+
+# --------------------------------------------------------------------------- signature
+
+
+def _hint(v: Any) -> Any:
+    """A concrete value for an int / float / bool that may be symbolic; None when unknown."""
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        node = v.node
+        hint = getattr(node, "hint", None)
+        if hint is None:
+            try:
+                hint = node.require_hint() if hasattr(node, "require_hint") else None
+            except Exception:  # noqa: BLE001 - an unbacked symbol has no hint
+                hint = None
+        return hint
+    return v
+
+
+def _concrete_shape(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    shape, stride = [], []
+    for s in t.shape:
+        h = _hint(s)
+        if h is None:
+            raise _CannotVerify(f"size {s} has no hint")
+        shape.append(int(h))
+    try:
+        for s in t.stride():
+            h = _hint(s)
+            stride.append(int(h) if h is not None else -1)
+    except Exception:  # noqa: BLE001 - sparse / nested tensors have no strides
+        stride = []
+    return tuple(shape), tuple(stride)
+
+
+def _describe_value(v: Any) -> Any:
+    """The part of a bound value a verdict depends on."""
+    if isinstance(v, fx.Node):
+        mv = meta.value(v)
+        if isinstance(mv, torch.Tensor):
+            shape, stride = _concrete_shape(mv)
+            return ("tensor", shape, stride, mv.dtype, _device(mv).type)
+        if isinstance(mv, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return ("symbolic", type(mv).__name__, _hint(mv))
+        if isinstance(mv, (int, float, bool)):
+            return ("scalar", mv)
+        raise _CannotVerify(f"`{v.name}` has no known value (meta {type(mv).__name__})")
+    return ("literal", repr(v))
+
+
+def signature(m: Match) -> tuple[Any, ...]:
+    """What a verdict depends on: the rule (by identity), bound values' shapes, dtypes and
+    scalars, the matched targets, in-place or not, and the provider override."""
+    bound = tuple((name, _describe_value(m.bindings[name])) for name in sorted(m.bindings))
+    targets = tuple(str(n.target) for n in m.internal)
+    inplace = m.rule.inplace is not None and inplace_blocker(m) is None
+    provider = os.environ.get("FXREWRITE_PROVIDER", "")
+    return (m.rule, m.rule.name, bound, targets, inplace, provider)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _device(t: torch.Tensor) -> torch.device:
+    d = t.device
+    if d.type == "meta" or (d.type == "cuda" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return d
+
+
+def _random_tensor(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    shape, _ = _concrete_shape(t)
+    dtype = t.dtype
+    if dtype.is_floating_point or dtype.is_complex:
+        base = torch.randn(shape, generator=gen, dtype=torch.float64)
+        if len(shape) >= 2 and shape[-1] > 0:
+            lo, hi = ROW_SCALE_LOG10
+            u = torch.rand((*shape[:-1], 1), generator=gen, dtype=torch.float64) * (hi - lo) + lo
+            base = base * torch.pow(10.0, u)
+        try:
+            out = base.to(dtype)
+        except (RuntimeError, TypeError) as e:
+            raise _CannotVerify(f"cannot make a random {dtype} tensor: {e}") from e
+    elif dtype is torch.bool:
+        out = torch.rand(shape, generator=gen) < 0.5
+    else:
+        out = torch.randint(0, 8, shape, generator=gen).to(dtype)
+    return out.to(_device(t))
+
+
+def _materialize(node: fx.Node, gen: torch.Generator) -> Any:
+    mv = meta.value(node)
+    if isinstance(mv, torch.Tensor):
+        return _random_tensor(mv, gen)
+    if isinstance(mv, torch.SymFloat):
+        h = _hint(mv)
+        return float(h) if h is not None else SYMBOLIC_EPS
+    if isinstance(mv, (torch.SymInt, torch.SymBool)):
+        h = _hint(mv)
+        if h is None:
+            raise _CannotVerify(f"`{node.name}` is a symbolic {type(mv).__name__} without a hint")
+        return h
+    if isinstance(mv, (int, float, bool)):
+        return mv
+    raise _CannotVerify(f"`{node.name}` has no known value")
+
+
+# --------------------------------------------------------------------------- the check
+
+
+def extract(m: Match) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """The matched subgraph as a standalone GraphModule.
+
+    Its placeholders stand for the graph nodes the match reads from outside (the bound inputs
+    and anything else an internal node reads), in the order returned; it returns the values of
+    the pattern's outputs.
+    """
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[fx.Node] = []
+    internal = m.internal
+    inside = set(internal)
+
+    def arg(n: fx.Node) -> fx.Node:
+        if n not in env:
+            if n in inside:
+                raise _CannotVerify(f"internal node `{n.name}` read before it is computed")
+            env[n] = graph.placeholder(f"in{len(inputs)}_{n.name}")
+            inputs.append(n)
+        return env[n]
+
+    for n in internal:
+        env[n] = graph.node_copy(n, arg)
+    outs = []
+    for o in m.rule.compiled.outputs:
+        g = m.nodes[o]
+        outs.append(env[g] if g in env else arg(g))
+    graph.output(tuple(outs))
+    return fx.GraphModule(torch.nn.Module(), graph), inputs
+
+
+def _replacement(m: Match) -> fx.GraphModule:
+    cr = m.rule.compiled
+    if cr.inplace is not None and inplace_blocker(m) is None:
+        return cr.inplace
+    return cr.replacement
+
+
+def _run(gm: fx.GraphModule, args: Sequence[Any]) -> list[Any]:
+    with torch.no_grad():
+        out = gm(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def check(m: Match, seed: int = 0) -> str | None:
+    """Run the matched subgraph and the replacement on the same random inputs; None if every
+    output agrees within its dtype's tolerance, else the reason."""
+    from fxrewrite.testing import TOLERANCES  # late: testing imports the backend
+
+    try:
+        sub, ext = extract(m)
+        gen = torch.Generator().manual_seed(seed)
+        values = {n: _materialize(n, gen) for n in ext}
+    except _CannotVerify as e:
+        return f"verify: cannot check this site: {e}"
+    where = _where(m, values)
+    try:
+        expected = _run(sub, [values[n] for n in ext])
+    except Exception as e:  # noqa: BLE001 - any failure means the site is unchecked
+        return f"verify: the matched subgraph fails on random inputs ({type(e).__name__}: {e}) on {where}"
+    rep = _replacement(m)
+    args = []
+    for p in rep.graph.nodes:
+        if p.op == "placeholder":
+            b = m.bindings[p.target]
+            args.append(values[b] if isinstance(b, fx.Node) else b)
+    try:
+        got = _run(rep, args)
+    except Exception as e:  # noqa: BLE001 - the replacement is what we check
+        return f"verify: the replacement raised {type(e).__name__}: {e} on {where}"
+    if len(got) != len(expected):
+        return f"verify: the replacement returns {len(got)} value(s), the subgraph {len(expected)} on {where}"
+    for i, (a, b) in enumerate(zip(got, expected)):
+        why = compare(a, b, TOLERANCES)
+        if why is not None:
+            out = f" in output {i}" if len(expected) > 1 else ""
+            return f"verify: {why}{out} on {where}"
+    return None
+
+
+def compare(actual: Any, expected: Any, tolerances: dict[torch.dtype, tuple[float, float]]) -> str | None:
+    """None if ``actual`` matches ``expected`` (allclose with the dtype's rtol/atol, NaN where
+    NaN), else what differs."""
+    if not isinstance(expected, torch.Tensor):
+        if isinstance(actual, torch.Tensor) or actual != expected:
+            return f"value {actual!r} != {expected!r}"
+        return None
+    if not isinstance(actual, torch.Tensor):
+        return f"a {type(actual).__name__} where the subgraph gives a tensor"
+    if actual.dtype != expected.dtype:
+        return f"dtype {_short(actual.dtype)} != {_short(expected.dtype)}"
+    if tuple(actual.shape) != tuple(expected.shape):
+        return f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    rtol, atol = tolerance(expected.dtype, tolerances)
+    a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
+    nan_a, nan_e = torch.isnan(a), torch.isnan(e)
+    if not torch.equal(nan_a, nan_e):
+        return f"NaN at {int((nan_a ^ nan_e).sum())} position(s) where the other has a number"
+    a, e = a.masked_fill(nan_a, 0.0), e.masked_fill(nan_e, 0.0)
+    same_inf = torch.isinf(e) & (a == e)
+    err = (a - e).abs().masked_fill(same_inf, 0.0)
+    allowed = atol + rtol * e.abs().masked_fill(torch.isinf(e), 0.0)
+    excess = err - allowed
+    if excess.numel() == 0 or not bool((excess > 0).any()):
+        return None
+    worst = int(excess.argmax())
+    max_err = float(err.max())
+    return f"max abs error {_num(max_err)} > tol {_num(float(allowed.reshape(-1)[worst]))} ({_short(expected.dtype)})"
+
+
+def tolerance(dtype: torch.dtype, tolerances: dict[torch.dtype, tuple[float, float]]) -> tuple[float, float]:
+    """(rtol, atol) for ``dtype``: from ``tolerances``; another floating dtype (FP8) gets two
+    units of its precision, ``2 * finfo(dtype).eps``, for both; integers and bool compare exactly."""
+    if dtype in tolerances:
+        return tolerances[dtype]
+    if dtype.is_floating_point:
+        eps = 2 * torch.finfo(dtype).eps
+        return eps, eps
+    return 0.0, 0.0
+
+
+def _num(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.2g}"
+
+
+def _short(dtype: torch.dtype) -> str:
+    return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _where(m: Match, values: dict[fx.Node, Any]) -> str:
+    """``x=bf16[1, 8, 64], weight=bf16[64], eps=1e-06 (symbolic)``: the site's bound inputs."""
+    parts = []
+    for name in m.rule.compiled.params:
+        if name not in m.bindings:
+            continue
+        b = m.bindings[name]
+        v = values.get(b) if isinstance(b, fx.Node) else b
+        if isinstance(v, torch.Tensor):
+            parts.append(f"{name}={_short(v.dtype)}{list(v.shape)}")
+        elif isinstance(b, fx.Node):
+            parts.append(f"{name}={v!r} (symbolic)")
+        else:
+            parts.append(f"{name}={v!r}")
+    return ", ".join(parts)

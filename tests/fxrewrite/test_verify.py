@@ -1,0 +1,274 @@
+"""Verification (``Config(verify=True)`` / ``FXREWRITE_VERIFY=1``): every distinct matched site is
+run against its replacement on random inputs; a wrong rule is refused, the defaults pass.
+
+The planted wrong rule is the RMSNorm rule with an eps 100x too large: harmless on rows of
+ordinary size, wrong on small rows, which verification draws on purpose.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxrewrite.runtime.ops  # noqa: F401  (torch.ops.fxr.*)
+from fxrewrite import Backend, InPlace, Rule, models, verify
+from fxrewrite.rewrites import activation, norm
+from fxrewrite.testing import TOLERANCES, assert_close, compile_once
+
+# -- planted rules ------------------------------------------------------------------------------
+
+
+def eps_off_replacement(x, weight, eps):
+    return torch.ops.fxr.rms_norm(x, weight, eps * 100)
+
+
+# RMSNorm -> fxr.rms_norm with eps 100x off (wrong)
+EPS_OFF = Rule("eps_off_rms_norm", norm.rms_norm_pattern, eps_off_replacement, norm.norm_guard, norm.WILDCARDS)
+
+
+def silu_pattern(x):
+    return F.silu(x)
+
+
+def gelu_replacement(x):
+    return F.gelu(x)
+
+
+# silu(x) -> gelu(x) (wrong)
+SILU_TO_GELU = Rule("silu_to_gelu", silu_pattern, gelu_replacement)
+
+
+def swapped_inplace(x, residual, weight, eps):
+    out = torch.ops.fxr.fused_add_rms_norm_(x, residual, weight, eps)
+    return out[1], out[0]
+
+
+# add + RMSNorm whose functional form is right and whose in-place form swaps its outputs (wrong)
+BAD_INPLACE = Rule(
+    "bad_inplace_add_rms_norm", norm.add_rms_norm_pattern, norm.add_rms_norm_replacement, norm.add_norm_guard,
+    norm.WILDCARDS, inplace=InPlace(swapped_inplace, norm.OVERWRITES),
+)  # fmt: skip
+
+
+@torch.library.custom_op("fxrtest_verify::boom", mutates_args=())
+def boom(x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("boom at run time")
+
+
+boom.register_fake(lambda x: torch.empty_like(x))
+
+
+def boom_replacement(x):
+    return torch.ops.fxrtest_verify.boom(x)
+
+
+# silu(x) -> an op that raises when it runs
+RAISES = Rule("raises_at_run_time", silu_pattern, boom_replacement)
+
+# -- models -------------------------------------------------------------------------------------
+
+
+class RMSNorm(torch.nn.Module):
+    """HF Llama's RMSNorm."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+class Norms(torch.nn.Module):
+    """Norms of the given widths, each on its own input, each followed by a SiLU."""
+
+    def __init__(self, *dims: int) -> None:
+        super().__init__()
+        self.norms = torch.nn.ModuleList(RMSNorm(d) for d in dims)
+
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(F.silu(n(x)) for n, x in zip(self.norms, xs))
+
+
+class AddNorm(torch.nn.Module):
+    """``s = x + r; norm(s), s``; with ``scale`` x and r are intermediates (in place allowed),
+    without they are graph inputs (in place refused)."""
+
+    def __init__(self, dim: int, scale: bool) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.scale:
+            x, r = x * 2, r * 3
+        s = x + r
+        return self.norm(s), s
+
+
+def private_verifier() -> verify.Verifier:
+    """A verifier with its own cache, passed as the match filter (``verify`` itself left off)."""
+    return verify.Verifier()
+
+
+# -- the planted rule on llama --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "dynamic"), [(torch.float32, True), (torch.bfloat16, False)])
+def test_verify_rejects_the_planted_rule_and_passes_the_defaults_on_llama(dtype: torch.dtype, dynamic: bool) -> None:
+    model = models.build("llama", layers=2, dtype=dtype)
+    (ids,) = models.example_inputs(model)
+    rules = [EPS_OFF, *norm.RULES, *activation.RULES]  # planted first: it claims every norm site
+    r = compile_once(lambda i: model(i).last_hidden_state, ids, rules=rules, verify=True, dynamic=dynamic)
+
+    rejected = r.report.rejected
+    assert {x.rule for x in rejected} == {"eps_off_rms_norm"}
+    assert len(rejected) == 5  # 2 layers x 2 norms + the final norm
+    first = rejected[0]
+    assert first.source.startswith("modeling_llama.py:")
+    assert first.reason.startswith("verify: max abs error ")
+    assert "> tol" in first.reason and ("(fp32)" if dtype == torch.float32 else "(bf16)") in first.reason
+    assert f"x={'fp32' if dtype == torch.float32 else 'bf16'}[1, 8, 64]" in first.reason
+    assert ("eps=1e-06 (symbolic)" if dynamic else "eps=1e-06") in first.reason
+    # the defaults fused the sites the planted rule gave back, and nothing else was refused
+    fused = r.report.rules()
+    assert (fused["add_rms_norm"], fused["rms_norm"], fused["silu_and_mul"]) == (4, 1, 2)
+    assert "eps_off_rms_norm" not in fused
+    assert_close(r.output, r.eager)
+
+
+def test_the_planted_rule_without_verify_changes_the_output() -> None:
+    """The twin: with verify off the planted rule is applied and the output drifts."""
+    mod = Norms(64)
+    x = torch.randn(4, 64) * 1e-3
+    r = compile_once(mod, x, rules=[EPS_OFF], verify=False)
+    assert r.report.rules() == {"eps_off_rms_norm": 1}
+    with pytest.raises(AssertionError):
+        assert_close(r.output, r.eager)
+
+
+def test_env_var_turns_verification_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FXREWRITE_VERIFY", "1")
+    assert Backend().config.verify is True
+    r = compile_once(Norms(32), torch.randn(4, 32), rules=[EPS_OFF])
+    assert [x.rule for x in r.report.rejected] == ["eps_off_rms_norm"]
+    monkeypatch.setenv("FXREWRITE_VERIFY", "0")
+    assert Backend().config.verify is False
+
+
+def test_silu_to_gelu_is_rejected_and_the_output_stays_eager() -> None:
+    r = compile_once(Norms(16, 16), torch.randn(3, 16), torch.randn(3, 16), rules=[norm.RMS_NORM, SILU_TO_GELU],
+                     verify=True)  # fmt: skip
+    assert r.report.rules() == {"rms_norm": 2}
+    assert [x.rule for x in r.report.rejected] == ["silu_to_gelu", "silu_to_gelu"]
+    assert r.report.rejected[0].reason.startswith("verify: max abs error")
+    assert_close(r.output, r.eager)
+
+
+# -- what is checked, and how often ---------------------------------------------------------------
+
+
+def test_one_check_per_distinct_signature() -> None:
+    v = private_verifier()
+    xs = [torch.randn(2, 5, 32) for _ in range(3)] + [torch.randn(2, 5, 64)]
+    r = compile_once(Norms(32, 32, 32, 64), *xs, rules=[norm.RMS_NORM], match_filter=v, dynamic=False)
+    assert r.report.rules() == {"rms_norm": 4}
+    assert (v.stats.checked, v.stats.cached, v.stats.refused) == (2, 2, 0)  # widths 32 and 64
+    assert not r.report.rejected
+
+
+def test_the_shared_cache_keeps_rules_of_one_name_apart() -> None:
+    """A wrong rule named like a right one does not inherit its verdict (the key holds the rule)."""
+    impostor = Rule("rms_norm", norm.rms_norm_pattern, eps_off_replacement, norm.norm_guard, norm.WILDCARDS)
+    verify.clear_cache()
+    x = torch.randn(4, 32)
+    good = compile_once(Norms(32), x, rules=[norm.RMS_NORM], verify=True)
+    bad = compile_once(Norms(32), x, rules=[impostor], verify=True)
+    assert not good.report.rejected
+    assert [x.rule for x in bad.report.rejected] == ["rms_norm"]
+    assert verify.stats().checked == 2
+
+
+def test_the_inplace_form_is_checked_where_it_would_be_applied() -> None:
+    a, b = torch.randn(2, 4, 32), torch.randn(2, 4, 32)
+    # intermediates: the in-place form would run, and it swaps its outputs
+    r = compile_once(AddNorm(32, scale=True), a, b, rules=[BAD_INPLACE], match_filter=private_verifier())
+    assert len(r.report.rejected) == 1
+    assert "in output 0" in r.report.rejected[0].reason
+    assert_close(r.output, r.eager)
+    # graph inputs: only the (right) functional form can run, and it is accepted
+    r = compile_once(AddNorm(32, scale=False), a, b, rules=[BAD_INPLACE], match_filter=private_verifier())
+    assert not r.report.rejected
+    assert r.report.rules() == {"bad_inplace_add_rms_norm": 1}
+    assert not any(s.inplace for s in r.report.sites)
+
+
+def test_the_default_inplace_form_passes() -> None:
+    a, b = torch.randn(2, 4, 32), torch.randn(2, 4, 32)
+    r = compile_once(AddNorm(32, scale=True), a, b, rules=[norm.ADD_RMS_NORM], match_filter=private_verifier())
+    assert not r.report.rejected
+    assert [s.inplace for s in r.report.sites] == [True]
+    assert_close(r.output, r.eager)
+
+
+def test_a_replacement_that_raises_is_refused_with_its_error() -> None:
+    r = compile_once(Norms(16), torch.randn(3, 16), rules=[RAISES], match_filter=private_verifier())
+    (rej,) = r.report.rejected
+    assert rej.reason.startswith("verify: the replacement raised RuntimeError: boom at run time on x=fp32[3, 16]")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_default_rules_pass_in_every_dtype(dtype: torch.dtype) -> None:
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = RMSNorm(32)
+            self.up = torch.nn.Linear(32, 64, bias=False)
+
+        def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+            s = x * 2 + r
+            h = self.up(self.norm(s))
+            return F.silu(h[..., :32]) * h[..., 32:] + s
+
+    x, res = torch.randn(2, 3, 32, dtype=dtype), torch.randn(2, 3, 32, dtype=dtype)
+    r = compile_once(Block().to(dtype), x, res, match_filter=private_verifier())
+    assert not r.report.rejected
+    assert r.report.rules().get("add_rms_norm") == 1 and r.report.rules().get("silu_and_mul") == 1
+    assert_close(r.output, r.eager)
+
+
+# -- the pieces ---------------------------------------------------------------------------------
+
+
+def test_compare_says_what_differs() -> None:
+    t = torch.tensor([1.0, 2.0, float("nan"), float("inf")])
+    assert verify.compare(t, t.clone(), TOLERANCES) is None
+    assert verify.compare(t + 1e-7, t, TOLERANCES) is None
+    why = verify.compare(torch.tensor([1.0, 2.5]), torch.tensor([1.0, 2.0]), TOLERANCES)
+    assert why == "max abs error 0.5 > tol 3e-05 (fp32)"
+    assert verify.compare(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0]), TOLERANCES).startswith("NaN at 1")
+    assert verify.compare(t.bfloat16(), t, TOLERANCES) == "dtype bf16 != fp32"
+    assert verify.compare(t[:2], t[:3], TOLERANCES) == "shape (2,) != (3,)"
+    b = torch.tensor([1.0, 100.0], dtype=torch.bfloat16)
+    assert verify.compare(b * 1.01, b, TOLERANCES) is None  # within bf16's 2e-2
+    assert verify.compare(b * 1.1, b, TOLERANCES).endswith("(bf16)")
+
+
+def test_fp8_and_integer_tolerances() -> None:
+    assert verify.tolerance(torch.float8_e4m3fn, TOLERANCES) == (0.25, 0.25)
+    assert verify.tolerance(torch.int32, TOLERANCES) == (0.0, 0.0)
+    assert verify.compare(torch.tensor([1, 2]), torch.tensor([1, 3]), TOLERANCES) == "max abs error 1 > tol 0 (i64)"
+
+
+def test_verdicts_are_deterministic() -> None:
+    """Seeded from the signature: two private verifiers agree to the character."""
+    x = torch.randn(4, 32)
+    reasons = []
+    for _ in range(2):
+        r = compile_once(Norms(32), x, rules=[EPS_OFF], match_filter=private_verifier())
+        reasons.append(r.report.rejected[0].reason)
+    assert reasons[0] == reasons[1]
