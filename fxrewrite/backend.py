@@ -32,11 +32,16 @@ log = logging.getLogger(__name__)
 
 
 def default_rule_groups() -> list[tuple[str, list[Rule]]]:
-    """The default library as ordered, named passes: norms (add + norm before plain norm), then
-    activations."""
-    from fxrewrite.rewrites import activation, norm
+    """The default library as ordered, named passes: norm + FP8 quant, norms (add + norm before
+    plain norm), activations, then FP8 quant of fused activations."""
+    from fxrewrite.rewrites import activation, norm, quant
 
-    return [("fuse_norm", norm.RULES), ("fuse_activation", activation.RULES)]
+    return [
+        ("fuse_norm_quant", quant.NORM_RULES),
+        ("fuse_norm", norm.RULES),
+        ("fuse_activation", activation.RULES),
+        ("fuse_activation_quant", quant.ACTIVATION_RULES),
+    ]
 
 
 def _canonicalize_pass(gm: fx.GraphModule) -> PassResult:
@@ -138,6 +143,8 @@ class Backend:
         for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
             if isinstance(value, torch.nn.Parameter):
                 node.meta["fxr_param"] = value  # real weights, for passes that re-lay them
+            elif isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu":
+                node.meta["fxr_real"] = value.detach().clone()  # a lifted scalar (see meta.constant)
         pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs))
         graph_report = pm.run(gm)
         self.graphs.append(gm)

@@ -53,7 +53,7 @@ ADD, SUB, MUL, DIV, RSUB = A.add.Tensor, A.sub.Tensor, A.mul.Tensor, A.div.Tenso
 POW, RSQRT, SQRT, RECIP = A.pow.Tensor_Scalar, A.rsqrt.default, A.sqrt.default, A.reciprocal.default
 MEAN, SLICE, RESHAPE, LINEAR = A.mean.dim, A.slice.Tensor, A.reshape.default, A.linear.default
 SILU, GELU, SIGMOID, NEG = A.silu.default, A.gelu.default, A.sigmoid.default, A.neg.default
-CLAMP = A.clamp.default
+CLAMP, AMAX = A.clamp.default, A.amax.default
 
 COMMUTATIVE = frozenset({ADD, MUL})
 
@@ -186,13 +186,15 @@ class _Canon:
         if key in (("call_function", torch.square), ("call_method", "square")):
             return self.set(node, POW, (node.args[0], 2))
         if key in (("call_function", torch.mean), ("call_method", "mean")):
-            return self.mean(node)
+            return self.reduce(node, MEAN)
+        if key in (("call_function", torch.amax), ("call_method", "amax")):
+            return self.reduce(node, AMAX)
         if key in _CLAMP:
             lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
             hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
             if node.target in ("clamp_max", torch.clamp_max):  # the one bound is the upper one
                 lo, hi = None, node.args[1] if len(node.args) > 1 else node.kwargs.get("max")
-            if isinstance(lo, fx.Node) or isinstance(hi, fx.Node):
+            if meta.is_tensor(lo) or meta.is_tensor(hi):
                 return None  # tensor bounds: clamp.Tensor, not a form rules use
             return self.set(node, CLAMP, (node.args[0], lo, hi))
         if key in (("call_function", F.gelu),):
@@ -221,6 +223,8 @@ class _Canon:
     # -- forms ---------------------------------------------------------------------------------
     def unary(self, node: fx.Node, op: Any) -> None:
         x = node.args[0]
+        if not meta.is_tensor(x):
+            return  # -s on a symbolic scalar stays a Python operator
         if op is RECIP and isinstance(x, fx.Node) and x.target is SQRT and len(x.users) == 1:
             self.set(node, RSQRT, (x.args[0],))
             self.graph.erase_node(x)
@@ -271,14 +275,14 @@ class _Canon:
             return self.set(node, SQRT, (x,))
         self.set(node, POW, (x, e))
 
-    def mean(self, node: fx.Node) -> None:
+    def reduce(self, node: fx.Node, op: Any) -> None:
         x = node.args[0]
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         if dim is None or "dtype" in node.kwargs or "out" in node.kwargs:
             return
         dims = [self.neg_dim(x, d) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
-        self.set(node, MEAN, (x, dims, keepdim))
+        self.set(node, op, (x, dims, keepdim))
 
     def to(self, node: fx.Node) -> None:
         x, rest = node.args[0], list(node.args[1:])

@@ -157,6 +157,10 @@ class _Walker:
                 return
             yield from self.seq(list(p), list(g), st, [where] * len(p))
         elif isinstance(g, fx.Node):
+            c = meta.constant(g)
+            if c is not None and _lit_eq(p, c):
+                yield st  # a lifted constant (Dynamo makes global floats symbolic) equal to p
+                return
             self.fail(st, f"{_arg(where)}expected literal {p!r}, found node {_describe(g)}", g)
         elif _lit_eq(p, g):
             yield st
@@ -323,6 +327,8 @@ def inplace_blocker(m: Match) -> str | None:
 
 
 def _is_view(n: fx.Node) -> bool:
+    if n.target is operator.getitem and isinstance(meta.value(n.args[0]), (tuple, list)):
+        return False  # one output of a multi-output op, not a view of a tensor
     return (n.op == "call_function" and n.target in VIEW_TARGETS) or (
         n.op == "call_method" and n.target in VIEW_METHODS
     )

@@ -173,3 +173,20 @@ def module_path(node: fx.Node) -> str:
         return ""
     path, _cls = list(stack.values())[-1]
     return str(path)
+
+
+def constant(node: fx.Node) -> float | int | None:
+    """The compile-time value of a scalar node that reads a lifted constant, else None.
+
+    Under ``dynamic=True`` Dynamo turns Python float globals and module attributes into 1-element
+    tensor inputs read with ``.item()``. The backend records their values at compile time in
+    ``meta["fxr_real"]``; a pattern literal may match such a node when the values are equal (the
+    rewritten op then uses the compile-time value).
+    """
+    if node.op == "call_method" and node.target == "item" and isinstance(node.args[0], fx.Node):
+        real = node.args[0].meta.get("fxr_real")
+        return real.item() if isinstance(real, torch.Tensor) else None
+    if node.op == "call_function" and node.target is operator.neg and isinstance(node.args[0], fx.Node):
+        c = constant(node.args[0])
+        return -c if c is not None else None
+    return None
