@@ -124,7 +124,8 @@ def _meta_mismatch(olds: list[fx.Node], outs: list[Any]) -> str | None:
     for old, out in zip(olds, outs):
         a, b = meta.tensor(old), meta.tensor(out)
         if a is not None and b is None and isinstance(out, fx.Node):
-            return f"replacement output `{out.name}` has no fake value (no fake kernel?): its shape and dtype cannot be checked"
+            name = out.name
+            return f"replacement output `{name}` has no fake value (no fake kernel?): shape and dtype unchecked"
         if a is None or b is None:
             continue
         if a.dtype != b.dtype:
