@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fxrewrite  # noqa: E402
-from engine_model import EngineLlama, build_model, make_batch, tiny  # noqa: E402
+from engine_model import EngineLlama, build_model, make_batch, mark_static_metadata, tiny  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -92,7 +92,7 @@ def _model(layers: int) -> tuple[EngineLlama, dict[str, torch.Tensor]]:
     cfg = tiny(num_layers=layers)
     model = build_model(cfg, device=DEVICE, dtype=DTYPE, seed=0)
     model.allocate_kv_cache(1, MAX_LEN)
-    return model, make_batch(cfg, "prefill", TOKENS, max_len=MAX_LEN, device=DEVICE)
+    return model, mark_static_metadata(make_batch(cfg, "prefill", TOKENS, max_len=MAX_LEN, device=DEVICE))
 
 
 def _sync() -> None:

@@ -30,10 +30,16 @@ Step metadata travels as tensors (see :func:`make_batch`), never as Python ints,
 replayed around the attention op stays valid from step to step:
 
     slots       [T] int64   flat cache index ``row * max_len + position`` of each new token
-    query_start [S+1] int32 token offsets of the sequences in the flat batch
     seq_lens    [S] int32   context length of each sequence after this step
-    kv_range    [L] int32   ``arange(max(seq_lens))``: its *length* bounds the keys read, so the
-                            bound is a (dynamic) shape and not a recompile or a host sync
+    kv_range    [L] int32   ``arange(L)``, L = max(seq_lens) or more: its *length* bounds the keys
+                            read, so the bound is a shape, not a host sync
+    query_start [S+1] int32 token offsets of the sequences; only a prefill of several sequences
+                            needs it (None otherwise)
+
+Under ``dynamic=True`` every input length Dynamo cannot relate to the token count becomes a
+symbol of its own; :func:`mark_static_metadata` fixes those (the decode key bound, the sequence
+count of a prefill), leaving the token count the one dynamic dimension a CUDA-graph runner
+keys on.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ __all__ = [
     "fused_twin",
     "llama_8b",
     "make_batch",
+    "mark_static_metadata",
     "tiny",
 ]
 
@@ -137,13 +144,35 @@ def _decode(
     q [B, kv, group, d] x k [B, kv, L, d], masked by ``position < seq_lens[b]``.
     """
     batch, heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
+    rows, kv_heads = k_cache.shape[0], k_cache.shape[2]
     length = kv_range.shape[0]
-    k = k_cache[:batch, :length].transpose(1, 2)
-    v = v_cache[:batch, :length].transpose(1, 2)
-    mask = (kv_range[None, :] < seq_lens[:, None])[:, None, None, :]
+    # More sequences than cache rows is never a real step (make_batch refuses it); it is a
+    # CUDA-graph runner warming up at a size the engine does not run. Read rows modulo then, so
+    # the op stays total. Likewise zeros in seq_lens (padding) would mask every key: SDPA would
+    # return NaN; a real sequence always has at least its new token.
+    rows_read = slice(0, batch) if batch <= rows else torch.arange(batch, device=q.device) % rows
+    k = k_cache[rows_read, :length].transpose(1, 2)
+    v = v_cache[rows_read, :length].transpose(1, 2)
+    mask = (kv_range[None, :] < seq_lens.clamp(min=1)[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(q.view(batch, kv_heads, heads // kv_heads, dim), k, v, attn_mask=mask)
     return out.reshape(batch, heads, dim)
+
+
+def _path(q: torch.Tensor, seq_lens: torch.Tensor, kv_range: torch.Tensor) -> str:
+    """Which computation a step needs, from shapes alone: "decode" (one token per sequence),
+    "prefill" (one sequence from position 0), "chunk" (one sequence with a cached prefix) or
+    "many" (several sequences: a host loop).
+
+    The fake impl takes the same decision. Under Dynamo the comparisons become guards, which
+    tie each metadata length to the token count where they are equal: without them a recompile
+    gives every input read only by this opaque op a symbol of its own.
+    """
+    num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
+    if num_seqs == num_tokens:
+        return "decode"
+    if num_seqs == 1:
+        return "prefill" if kv_range.shape[0] == num_tokens else "chunk"
+    return "many"
 
 
 @torch.library.custom_op("fxbench::attention", mutates_args=("k_cache", "v_cache"))
@@ -154,25 +183,27 @@ def attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
-    query_start: torch.Tensor,
     seq_lens: torch.Tensor,
     kv_range: torch.Tensor,
+    query_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k, v [T, kv_heads, d] at ``slots``, then attend q [T, heads, d] causally. -> [T, heads, d].
 
-    Capture-safe (no host sync, shapes decide the path) for decode (one token per sequence) and
-    for a single-sequence prefill; a prefill of several sequences reads their lengths on the host
-    and must run eagerly (it does, between the pieces of a piecewise graph).
+    Capture-safe (no host sync; shapes decide the path) for decode and for a one-sequence
+    prefill; a prefill of several sequences reads their lengths on the host and must run
+    eagerly (it does, between the pieces of a piecewise graph).
     """
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, kv_heads, dim).index_copy_(0, slots, k)
     v_cache.view(-1, kv_heads, dim).index_copy_(0, slots, v)
-    num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
-    if num_tokens == num_seqs:
+    path = _path(q, seq_lens, kv_range)
+    if path == "decode":
         return _decode(q, k_cache, v_cache, seq_lens, kv_range)
-    if num_seqs == 1:
+    if path in ("prefill", "chunk"):
         length = kv_range.shape[0]
         return _attend_one(q, k_cache[0, :length], v_cache[0, :length], kv_range)
+    if query_start is None:
+        raise ValueError("fxbench::attention: a prefill of several sequences needs query_start")
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("fxbench::attention: a prefill of several sequences cannot be captured")
     out = torch.empty_like(q)
@@ -184,13 +215,15 @@ def attention(
 
 
 @attention.register_fake
-def _(q, k, v, k_cache, v_cache, slots, query_start, seq_lens, kv_range):  # type: ignore[no-untyped-def]
+def _(q, k, v, k_cache, v_cache, slots, seq_lens, kv_range, query_start=None):  # type: ignore[no-untyped-def]
+    torch._check(slots.shape[0] == q.shape[0], lambda: "one cache slot per new token")
+    _path(q, seq_lens, kv_range)
     return torch.empty_like(q)
 
 
-# The attention op as it may appear in a captured graph: Dynamo records the packet the model
-# calls; lower levels (AOTAutograd) see the overload. Both belong in ``Config.splitting_ops``.
-SPLITTING_OPS: tuple[object, ...] = (torch.ops.fxbench.attention, torch.ops.fxbench.attention.default)
+# What ``Config.splitting_ops`` must name. The model calls the overload (``.default``), not the
+# packet, so that the captured graph and every lower level show the same target.
+SPLITTING_OPS: tuple[object, ...] = (torch.ops.fxbench.attention.default,)
 
 
 # --------------------------------------------------------------------------- modules
@@ -228,8 +261,8 @@ class FusedRMSNorm(RMSNorm):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return torch.ops.fxr.rms_norm(x, self.weight, self.eps)
-        out, total = torch.ops.fxr.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return torch.ops.fxr.rms_norm.default(x, self.weight, self.eps)
+        out, total = torch.ops.fxr.fused_add_rms_norm.default(x, residual, self.weight, self.eps)
         return out, total
 
 
@@ -245,7 +278,7 @@ class FusedSiluAndMul(SiluAndMul):
     """The same activation through ``fxr.silu_and_mul``."""
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return torch.ops.fxr.silu_and_mul(gate_up)
+        return torch.ops.fxr.silu_and_mul.default(gate_up)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -283,17 +316,17 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         slots: torch.Tensor,
-        query_start: torch.Tensor,
         seq_lens: torch.Tensor,
         kv_range: torch.Tensor,
+        query_start: torch.Tensor | None = None,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = torch.ops.fxbench.attention(
-            q, k, v, self.k_cache, self.v_cache, slots, query_start, seq_lens, kv_range
+        out = torch.ops.fxbench.attention.default(
+            q, k, v, self.k_cache, self.v_cache, slots, seq_lens, kv_range, query_start
         )
         return self.o_proj(out.view(-1, self.q_size))
 
@@ -330,16 +363,16 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         slots: torch.Tensor,
-        query_start: torch.Tensor,
         seq_lens: torch.Tensor,
         kv_range: torch.Tensor,
+        query_start: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, slots, query_start, seq_lens, kv_range)
+        hidden = self.self_attn(hidden, cos, sin, slots, seq_lens, kv_range, query_start)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -366,15 +399,15 @@ class EngineLlama(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        query_start: torch.Tensor,
         seq_lens: torch.Tensor,
         kv_range: torch.Tensor,
+        query_start: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, slots, query_start, seq_lens, kv_range)
+            hidden, residual = layer(hidden, residual, cos, sin, slots, seq_lens, kv_range, query_start)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -499,8 +532,27 @@ def make_batch(
         "input_ids": torch.randint(0, cfg.vocab_size, (len(positions),), generator=g),
         "positions": positions,
         "slots": rows * max_len + positions,
-        "query_start": torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32),
         "seq_lens": seq_lens,
         "kv_range": torch.arange(int(seq_lens.max()), dtype=torch.int32),
     }
+    if kind == "prefill" and num_seqs > 1:
+        batch["query_start"] = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
     return {name: t.to(device) for name, t in batch.items()}
+
+
+def mark_static_metadata(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Mark the metadata lengths that are not the token count static (``torch._dynamo.mark_static``)
+    and return the batch.
+
+    Under ``dynamic=True`` Dynamo gives each such length a symbol of its own; a CUDA-graph runner
+    keys on one, the token count. Decode: ``kv_range`` (the key bound: one compiled graph per
+    bound, as an engine buckets its maximum context). Prefill of several sequences:
+    ``seq_lens`` and ``query_start`` (one graph per sequence count). A one-sequence prefill from
+    position 0 needs nothing: its lengths are 1 (specialized) or the token count itself.
+    """
+    num_tokens = batch["input_ids"].shape[0]
+    for name in ("seq_lens", "kv_range", "query_start"):
+        t = batch.get(name)
+        if t is not None and t.shape[0] not in (0, 1, num_tokens):
+            torch._dynamo.mark_static(t, 0)
+    return batch

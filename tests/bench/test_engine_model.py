@@ -16,6 +16,7 @@ from engine_model import (  # noqa: E402
     build_model,
     fused_twin,
     make_batch,
+    mark_static_metadata,
     tiny,
 )
 
@@ -104,9 +105,22 @@ class _GraphCounter:
         return gm.forward
 
 
+def _free_symbols(gm: torch.fx.GraphModule) -> set[object]:
+    """The symbols in the shapes of the graph's inputs."""
+    symbols: set[object] = set()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            for size in value.shape:
+                if isinstance(size, torch.SymInt):
+                    symbols |= size.node.expr.free_symbols
+    return symbols
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "hand-fused"])
 def test_fullgraph_dynamic_capture(fused: bool) -> None:
-    """One graph per shape class, no graph break, one attention op per layer, eager numerics."""
+    """One graph per shape class, no graph break, one attention op per layer, eager numerics,
+    and with the metadata marked, the token count as the only dynamic dimension."""
     if fused and (missing := _missing_fused_ops()):
         pytest.skip(f"fused ops not registered yet: {missing}")
     torch._dynamo.reset()
@@ -115,7 +129,7 @@ def test_fullgraph_dynamic_capture(fused: bool) -> None:
     counter = _GraphCounter()
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
     for kind, size, context in (("prefill", 7, 0), ("prefill", 11, 0), ("decode", 2, 11), ("decode", 3, 11)):
-        batch = _batch(kind, size, context, seed=size)
+        batch = mark_static_metadata(_batch(kind, size, context, seed=size))
         expected = model(**batch)
         torch.testing.assert_close(compiled(**batch), expected, rtol=1e-6, atol=1e-6)
     # one graph for single-sequence prefill, one for decode (sizes 2 and 3 share it)
@@ -123,4 +137,5 @@ def test_fullgraph_dynamic_capture(fused: bool) -> None:
     for gm in counter.graphs:
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         assert sum(t in SPLITTING_OPS for t in targets) == CFG.num_layers
+        assert len(_free_symbols(gm)) == 1, _free_symbols(gm)
     torch._dynamo.reset()

@@ -1,0 +1,547 @@
+"""End-to-end step latency of the serving-engine Llama under every system, in one run, one table.
+
+On the GPU machine (with the devkit, so that the fused ops are served by sgl-kernel):
+
+    source .devkit/setup.sh && python bench/bench_e2e.py --shape 8b --out bench/e2e.md
+
+Smoke test on a CPU (tiny model, the rows that make sense there, about a minute):
+
+    python bench/bench_e2e.py --shape tiny --device cpu --out /tmp/e2e.md
+
+Rows (systems) and what each one is:
+
+    eager                   the model as written
+    piecewise, no rewrites  ``fxrewrite.Backend(rules=[])``, mode "piecewise": what a serving
+                            engine's eager compiler does today (CUDA graphs, no fusions)
+    fxrewrite piecewise     ``fxrewrite.Backend()`` (default rules), mode "piecewise"
+    fxrewrite full          default rules, mode "full": one CUDA graph per step, decode only
+    inductor                ``torch.compile(model)``
+    inductor + CUDA graphs  ``torch.compile(model, mode="reduce-overhead")``
+    hand-fused eager        the hand-fused twin (``fxr`` ops called directly), as written
+    hand-fused piecewise    the twin under ``fxrewrite.Backend(rules=[])``, mode "piecewise": the
+                            ceiling fxrewrite piecewise should reach
+    HBM floor               (weight bytes + KV-cache bytes a step reads) / copy bandwidth, the
+                            bandwidth measured in this run (device-to-device copy, read + write)
+
+Columns: decode (one new token per sequence at a context of ``--context`` cached tokens) at
+batch 1, 8, 64, and prefill of 512 and 4096 tokens (one sequence each, ``--prefill-seqs``); then
+"first call" (seconds of the system's very first call: Dynamo, the backend, anything it captures
+then), "start-up" (seconds all warm-up calls of all columns took above the steady step time:
+the first call, recompiles at new shapes, CUDA graph captures and recordings) and the largest
+relative error ``max|y - ref| / max|ref|`` over the columns, against a float32 eager reference
+on fresh random inputs. Step times are medians of many calls, each timed with CUDA events from
+an idle GPU (so launch overhead counts), after warm-up calls.
+
+Every system compiles cold (``force_disable_caches``) after ``torch._dynamo.reset()``. A system
+or a column that fails prints why and the run goes on. The table is rewritten to ``--out``
+after every system, so a run cut short still leaves what it measured; ``--budget-s`` skips what
+would start after that many seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import shlex
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_model import (  # noqa: E402
+    SPLITTING_OPS,
+    EngineLlama,
+    ModelConfig,
+    build_model,
+    fused_twin,
+    llama_8b,
+    make_batch,
+    mark_static_metadata,
+    tiny,
+)
+
+Batch = dict[str, torch.Tensor]
+Step = Callable[..., torch.Tensor]
+CHECK_SEED, FILL_SEED = 1234, 7
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One column: a decode or prefill step."""
+
+    name: str
+    kind: str  # "decode" | "prefill"
+    size: int  # sequences (decode) or tokens (prefill)
+    context: int  # tokens already cached per sequence
+    num_seqs: int = 1
+
+
+def scenarios(shape: str, context: int, prefill_seqs: int) -> list[Scenario]:
+    """The columns: decode at batch 1, 8, 64 and two prefill sizes (smaller for ``tiny``)."""
+    prefill = (512, 4096) if shape == "8b" else (64, 256)
+    ctx = context if shape == "8b" else min(context, 64)
+    cols = [Scenario(f"decode {b}", "decode", b, ctx) for b in (1, 8, 64)]
+    cols += [Scenario(f"prefill {t}", "prefill", t, 0, min(prefill_seqs, t)) for t in prefill]
+    return cols
+
+
+@dataclasses.dataclass
+class System:
+    """One row: how to build its step function, which kinds of step it runs."""
+
+    key: str
+    label: str
+    build: Callable[[], tuple[Step, Any]]  # -> (step function, fxrewrite backend or None)
+    kinds: tuple[str, ...] = ("decode", "prefill")
+    needs_cuda: bool = False
+    inductor: bool = False
+
+
+@dataclasses.dataclass
+class Result:
+    """What one system measured."""
+
+    cells: dict[str, str] = dataclasses.field(default_factory=dict)
+    ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    first_call_s: float | None = None
+    startup_s: float = 0.0
+    max_err: float | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+class Clock:
+    """Wall time of single calls, and step latency: CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def wall(self, fn: Callable[[], Any]) -> float:
+        """Seconds of one call, from an idle device to its end."""
+        self.sync()
+        start = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - start
+
+    def median_ms(self, fn: Callable[[], Any], reps: int) -> float:
+        """Median milliseconds of ``reps`` calls, each started on an idle device."""
+        if not self.cuda:
+            return 1e3 * statistics.median(self.wall(fn) for _ in range(reps))
+        events = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in events)
+
+    def copy_bandwidth(self, device: torch.device, nbytes: int) -> float:
+        """Bytes per second of a large device-to-device copy, counting read + write."""
+        src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+        dst = torch.empty_like(src)
+        for _ in range(3):
+            dst.copy_(src)
+        ms = self.median_ms(lambda: dst.copy_(src), 20)
+        return 2 * nbytes / (ms / 1e3)
+
+
+def hbm_floor_ms(model: EngineLlama, batch: Batch, bandwidth: float) -> float:
+    """Milliseconds to read the step's bytes once: all weights (the embedding's used rows only)
+    and every cached key and value the step attends to."""
+    cfg = model.config
+    elt = model.embed_tokens.weight.element_size()
+    weights = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(("embed_tokens", "lm_head")))
+    tokens = batch["input_ids"].numel()
+    kv = int(batch["seq_lens"].sum()) * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers
+    return 1e3 * (weights + tokens * cfg.hidden_size + kv) * elt / bandwidth
+
+
+# --------------------------------------------------------------------------- reference
+
+
+@contextlib.contextmanager
+def _as_float32(module: torch.nn.Module) -> Iterator[None]:
+    """Swap the module's floating parameters and buffers for float32 copies; restore them after."""
+    saved = []
+    for m in module.modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in store.items():
+                if t is not None and t.is_floating_point() and t.dtype != torch.float32:
+                    saved.append((store, name, t))
+                    store[name] = t.float()
+    try:
+        yield
+    finally:
+        for store, name, t in saved:
+            store[name] = t
+
+
+def float32_reference(model: EngineLlama, batch: Batch) -> torch.Tensor:
+    """The model's output computed in float32, one block at a time (an 8B float32 copy would
+    not fit beside the bf16 one): each top-level block runs on float32 copies of its weights
+    and KV cache, which are dropped after it. The real cache is left untouched."""
+    blocks = [model.embed_tokens, *model.layers, model.norm]
+    stacks: dict[int, contextlib.ExitStack] = {}
+
+    def enter(m: torch.nn.Module, _args: Any) -> None:
+        stacks[id(m)] = contextlib.ExitStack()
+        stacks[id(m)].enter_context(_as_float32(m))
+
+    def leave(m: torch.nn.Module, _args: Any, _out: Any) -> None:
+        stacks.pop(id(m)).close()
+
+    handles = [h for b in blocks for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))]
+    try:
+        return model(**batch).float()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max|out - ref| / max|ref|`` (NaN or inf in ``out`` gives inf)."""
+    diff = (out.float() - ref).abs().max()
+    return float("inf") if not torch.isfinite(diff) else float(diff / ref.abs().max())
+
+
+# --------------------------------------------------------------------------- systems
+
+
+def systems(model: EngineLlama, twin: EngineLlama | None, capture: dict[str, tuple[int, ...]]) -> list[System]:
+    """Every row, in the order they run (the ones the goals compare first)."""
+
+    def fx(target: torch.nn.Module | None, mode: str, rules: list[Any] | None, sizes: tuple[int, ...]) -> Callable[[], tuple[Step, Any]]:
+        def build() -> tuple[Step, Any]:
+            if target is None:
+                raise RuntimeError("no hand-fused twin (fused ops missing)")
+            import fxrewrite
+
+            config = fxrewrite.Config(mode=mode, splitting_ops=SPLITTING_OPS, capture_sizes=sizes)
+            backend = fxrewrite.Backend(config=config, rules=rules)
+            return torch.compile(target, backend=backend, fullgraph=True, dynamic=True), backend
+
+        return build
+
+    def plain(target: torch.nn.Module | None) -> Callable[[], tuple[Step, Any]]:
+        def build() -> tuple[Step, Any]:
+            if target is None:
+                raise RuntimeError("no hand-fused twin (fused ops missing)")
+            return target, None
+
+        return build
+
+    def inductor(mode: str | None) -> Callable[[], tuple[Step, Any]]:
+        return lambda: (torch.compile(model, mode=mode, fullgraph=True), None)
+
+    every, decode = capture["all"], capture["decode"]
+    return [
+        System("eager", "eager", plain(model)),
+        System("fxrewrite", "fxrewrite piecewise", fx(model, "piecewise", None, every)),
+        System("fused-piecewise", "hand-fused piecewise", fx(twin, "piecewise", [], every)),
+        System("fxrewrite-full", "fxrewrite full", fx(model, "full", None, decode), kinds=("decode",)),
+        System("piecewise-norewrite", "piecewise, no rewrites", fx(model, "piecewise", [], every)),
+        System("fused-eager", "hand-fused eager", plain(twin)),
+        System("inductor-cg", "inductor + CUDA graphs", inductor("reduce-overhead"), needs_cuda=True, inductor=True),
+        System("inductor", "inductor", inductor(None), inductor=True),
+    ]
+
+
+def _short(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().replace("\n", " ").replace("|", "/")
+    return text[:300] + ("..." if len(text) > 300 else "")
+
+
+RUNTIME_KEYS = ("reason", "capture_s", "graphs", "replays", "eager_calls", "eager_reasons",
+                "static_input_copies_last", "activation_copies_last")
+
+
+def _backend_notes(backend: Any) -> list[str]:
+    """What the fxrewrite report says, in short: fused ops and the CUDA-graph runtime per graph.
+    The whole report goes to stderr."""
+    if backend is None:
+        return []
+    with contextlib.suppress(Exception):
+        backend.refresh_runtime()
+    report = getattr(backend, "report", None)
+    with contextlib.suppress(Exception):
+        log(report.table())
+    notes = []
+    for i, g in enumerate(getattr(report, "graphs", [])):
+        fused = ", ".join(f"{k} x{v}" for k, v in sorted(getattr(g, "fused_ops", {}).items())) or "none"
+        line = f"graph {i}: {getattr(g, 'nodes_before', '?')} -> {getattr(g, 'nodes_after', '?')} nodes, fused: {fused}"
+        runtime = getattr(g, "runtime", None) or {}
+        kept = [f"{k}={runtime[k]:.2f}" if isinstance(runtime[k], float) else f"{k}={runtime[k]}" for k in RUNTIME_KEYS if runtime.get(k)]
+        notes.append(line + ("; " + ", ".join(kept) if kept else ""))
+    return notes
+
+
+def run_system(system: System, cols: list[Scenario], ctx: RunContext) -> Result:
+    """Warm up, time, and check one system on every column it runs; failures become notes."""
+    res = Result()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    torch._dynamo.reset()
+    try:
+        step, backend = system.build()
+    except Exception as e:  # noqa: BLE001  (a row that cannot be built says why, the run goes on)
+        res.notes.append(f"not built: {_short(e)}")
+        res.cells = {c.name: "failed" for c in cols}
+        return res
+    errors = []
+    for col in cols:
+        if col.kind not in system.kinds:
+            res.cells[col.name] = "n/a"
+            continue
+        if ctx.over_budget():
+            res.cells[col.name] = "skipped"
+            res.notes.append(f"{col.name}: skipped, past --budget-s")
+            continue
+        batch = ctx.batches[col.name]
+        try:
+            warm = [ctx.clock.wall(lambda: step(**batch)) for _ in range(ctx.args.warmup)]
+            if res.first_call_s is None:
+                res.first_call_s = warm[0]
+            reps = max(ctx.args.min_reps, min(ctx.args.max_reps, int(ctx.args.target_s / max(warm[-1], 1e-5))))
+            ms = ctx.clock.median_ms(lambda: step(**batch), reps)
+            res.startup_s += max(0.0, sum(warm) - len(warm) * ms / 1e3)
+            ctx.model.fill_kv_cache_random(FILL_SEED)  # undo what captures wrote with dummy inputs
+            errors.append(rel_err(step(**ctx.checks[col.name]), ctx.refs[col.name]))
+            res.ms[col.name] = ms
+            res.cells[col.name] = f"{ms:.2f}"
+            log(f"  {system.label:24s} {col.name:13s} {ms:9.3f} ms  ({reps} runs)  rel err {errors[-1]:.1e}")
+        except Exception as e:  # noqa: BLE001
+            res.cells[col.name] = "failed"
+            res.notes.append(f"{col.name}: {_short(e)}")
+            log(traceback.format_exc(limit=-6))
+            _free_memory()
+    res.max_err = max(errors) if errors else None
+    graphs = counters["stats"].get("unique_graphs", 0)
+    if graphs:
+        res.notes.append(f"Dynamo graphs: {graphs}")
+    if counters["inductor"].get("cudagraph_skips"):
+        skips = counters["inductor"]["cudagraph_skips"]
+        res.notes.append(f"Inductor skipped CUDA graphs {skips} time(s) (TORCH_LOGS=perf_hints says why)")
+    res.notes += _backend_notes(backend)
+    del step, backend
+    torch._dynamo.reset()
+    _free_memory()
+    return res
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass
+class RunContext:
+    """Everything the systems share: the model, its inputs, the references, the clock."""
+
+    args: argparse.Namespace
+    clock: Clock
+    model: EngineLlama
+    batches: dict[str, Batch]
+    checks: dict[str, Batch]
+    refs: dict[str, torch.Tensor]
+    start: float = dataclasses.field(default_factory=time.monotonic)
+
+    def over_budget(self) -> bool:
+        return time.monotonic() - self.start > self.args.budget_s
+
+
+def _ratio_line(what: str, value: float | None, goal: float) -> str:
+    if value is None:
+        return f"- {what}: not measured"
+    verdict = "met" if value <= goal else f"missed by {100 * (value / goal - 1):.1f}%"
+    return f"- {what}: {value:.3f} (goal <= {goal:g}): {verdict}"
+
+
+def goal_lines(results: dict[str, Result], floor: dict[str, float], cols: list[Scenario]) -> list[str]:
+    """The issue's goals, checked on this run: decode 8 against the floor and the hand-fused
+    ceiling, fxrewrite against Inductor + CUDA graphs per column, compile time against Inductor."""
+    fx, full, fused, icg = (results.get(k, Result()) for k in ("fxrewrite", "fxrewrite-full", "fused-piecewise", "inductor-cg"))
+
+    def best(name: str) -> float | None:
+        times = [r.ms[name] for r in (fx, full) if name in r.ms]
+        return min(times) if times else None
+
+    def over(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    lines = [
+        _ratio_line("decode 8, best fxrewrite / HBM floor", over(best("decode 8"), floor.get("decode 8")), 1.25),
+        _ratio_line("decode 8, fxrewrite piecewise / hand-fused piecewise", over(fx.ms.get("decode 8"), fused.ms.get("decode 8")), 1.02),
+    ]
+    lines += [_ratio_line(f"{c.name}, best fxrewrite / inductor + CUDA graphs", over(best(c.name), icg.ms.get(c.name)), 1.0) for c in cols]
+    inductor_first = [r.first_call_s for k, r in results.items() if k.startswith("inductor") and r.first_call_s]
+    lines.append(_ratio_line("first call, fxrewrite piecewise / fastest inductor", over(fx.first_call_s, min(inductor_first, default=None)), 0.2))
+    return lines
+
+
+def render(header: list[str], results: dict[str, Result], labels: dict[str, str], floor: dict[str, float], cols: list[Scenario]) -> str:
+    """Header, goals and notes, then the one table (last)."""
+    out = [*header, "", "Goals (issue 6), from this run:", *goal_lines(results, floor, cols), "", "Notes:"]
+    out += [f"- {labels[k]}: {n}" for k, r in results.items() for n in r.notes] or ["- none"]
+    names = [c.name for c in cols]
+    out += ["", "| system | " + " | ".join(f"{n} ms" for n in names) + " | first call s | start-up s | max rel err |"]
+    out.append("|" + "---|" * (len(names) + 4))
+    for key, r in results.items():
+        first = f"{r.first_call_s:.1f}" if r.first_call_s is not None else "-"
+        startup = f"{r.startup_s:.1f}" if r.first_call_s is not None else "-"
+        err = f"{r.max_err:.1e}" if r.max_err is not None else "-"
+        cells = [r.cells.get(n, "-") for n in names]
+        out.append(f"| {labels[key]} | " + " | ".join(cells) + f" | {first} | {startup} | {err} |")
+    out.append("| HBM floor | " + " | ".join(f"{floor[n]:.2f}" for n in names) + " | - | - | - |")
+    return "\n".join(out) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=("8b", "tiny"), default="8b")
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 on cuda, fp32 on cpu")
+    p.add_argument("--out", type=Path, default=None, help="write the markdown here (rewritten after every system)")
+    p.add_argument("--systems", default=None, help="comma-separated keys: eager, fxrewrite, fused-piecewise, fxrewrite-full, piecewise-norewrite, fused-eager, inductor-cg, inductor")
+    p.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
+    p.add_argument("--context", type=int, default=1024, help="cached tokens per sequence in decode (tiny: at most 64)")
+    p.add_argument("--prefill-seqs", type=int, default=1, help="sequences per prefill step (>1 runs attention's host loop)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up calls per column (reduce-overhead records at call 2)")
+    p.add_argument("--min-reps", type=int, default=10)
+    p.add_argument("--max-reps", type=int, default=200)
+    p.add_argument("--target-s", type=float, default=1.0 if cuda else 0.3, help="timing seconds per cell")
+    p.add_argument("--budget-s", type=float, default=480.0, help="start nothing after this many seconds")
+    p.add_argument("--inductor", action="store_true", help="run the Inductor rows on CPU too (slow C++ compiles)")
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    return args
+
+
+def _warm_process(device: torch.device, inductor: bool) -> None:
+    """Pay the process's one-time costs (Dynamo and Inductor imports, compile workers) before
+    any measured first call."""
+    x = torch.randn(64, device=device)
+    torch.compile(lambda t: torch.sin(t) + 1, backend="eager")(x)
+    if inductor:
+        torch.compile(lambda t: torch.sin(t) + 2)(x)
+    torch._dynamo.reset()
+
+
+def _hand_fused(model: EngineLlama) -> tuple[EngineLlama | None, str | None]:
+    try:
+        import fxrewrite.runtime.ops  # noqa: F401
+
+        missing = [op for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul") if not hasattr(torch.ops.fxr, op)]
+        if missing:
+            return None, f"fused ops missing: {missing}"
+        return fused_twin(model), None
+    except Exception as e:  # noqa: BLE001
+        return None, _short(e)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    torch.set_grad_enabled(False)
+    torch._inductor.config.force_disable_caches = True  # cold compiles: a first model start
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        torch._dynamo.config.fail_on_recompile_limit_hit = True  # never fall back to eager silently
+    cfg: ModelConfig = llama_8b() if args.shape == "8b" else tiny()
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
+    cols = scenarios(args.shape, args.context, args.prefill_seqs)
+    max_seqs = max(c.size if c.kind == "decode" else c.num_seqs for c in cols)
+    max_len = max(c.context + (1 if c.kind == "decode" else c.size) for c in cols)
+    clock = Clock(device)
+
+    log(f"building {args.shape} ({cfg.num_layers} layers) on {device} in {args.dtype}; KV cache {max_seqs} x {max_len}")
+    model = build_model(cfg, device=device, dtype=dtype, seed=0)
+    model.allocate_kv_cache(max_seqs, max_len)
+    model.fill_kv_cache_random(FILL_SEED)
+    twin, twin_error = _hand_fused(model)
+
+    def batch(c: Scenario, seed: int) -> Batch:
+        b = make_batch(cfg, c.kind, c.size, c.context, num_seqs=c.num_seqs, max_len=max_len, device=device, seed=seed)
+        return mark_static_metadata(b)  # the token count as the one dynamic dimension
+
+    batches = {c.name: batch(c, 0) for c in cols}
+    checks = {c.name: batch(c, CHECK_SEED) for c in cols}
+    log("float32 references ...")
+    refs = {c.name: float32_reference(model, checks[c.name]) for c in cols}
+    bandwidth = clock.copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (256 << 20))
+    floor = {c.name: hbm_floor_ms(model, batches[c.name], bandwidth) for c in cols}
+    tokens = sorted({int(b["input_ids"].numel()) for b in batches.values()})
+    capture = {"all": tuple(t for t in tokens if t <= 512), "decode": tuple(c.size for c in cols if c.kind == "decode")}
+
+    chosen = systems(model, twin, capture)
+    if args.systems:
+        keys = args.systems.split(",")
+        chosen = [s for s in chosen if s.key in keys]
+    run_inductor = any(s.inductor for s in chosen) and (device.type == "cuda" or args.inductor)
+    _warm_process(device, run_inductor)
+
+    weight_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    header = [
+        f"# Serving-engine Llama ({args.shape}): step latency by system",
+        "",
+        f"- command: `python {' '.join(shlex.quote(a) for a in [Path(__file__).as_posix(), *(argv if argv is not None else sys.argv[1:])])}`",
+        f"- device: {gpu}; torch {torch.__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP {cfg.intermediate_size}, heads {cfg.num_heads}/{cfg.num_kv_heads} KV, "
+        f"{args.dtype}, {weight_gb:.2f} GB of weights, LM head left out; KV cache {max_seqs} rows x {max_len} tokens",
+        f"- decode: one new token per sequence after {cols[0].context} cached; prefill: {args.prefill_seqs} sequence(s) from position 0",
+        f"- copy bandwidth (read + write): {bandwidth / 1e12:.3f} TB/s; CUDA graph capture sizes: {capture['all']} (full: {capture['decode']})",
+        "- step ms: median over many calls from an idle device after warm-up; first call and start-up in s; rel err vs float32 eager",
+    ]
+    labels = {s.key: s.label for s in chosen}
+    results: dict[str, Result] = {}
+    ctx = RunContext(args, clock, model, batches, checks, refs)
+    for system in chosen:
+        log(f"{system.label} ...")
+        if system.needs_cuda and device.type != "cuda":
+            results[system.key] = Result(cells={c.name: "n/a" for c in cols}, notes=["needs CUDA"])
+        elif system.inductor and not run_inductor:
+            results[system.key] = Result(cells={c.name: "n/a" for c in cols}, notes=["Inductor rows off on CPU (--inductor runs them)"])
+        else:
+            results[system.key] = run_system(system, cols, ctx)
+        if system.key.startswith("fused") and twin_error:
+            results[system.key].notes.insert(0, twin_error)
+        text = render(header, results, labels, floor, cols)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
