@@ -1,4 +1,5 @@
-"""Command line: ``python -m fxrewrite report --model llama --layers 2 [--json] [--dump DIR]``.
+"""Command line: ``python -m fxrewrite report --model llama --layers 2 [--json] [--dump DIR]``
+and ``python -m fxrewrite bisect --model llama --rules pkg.module:RULES --tol 1e-4``.
 
 Compiles a built-in model (transformers config, tiny widths, random weights, no download) with
 the fxrewrite backend and prints the report: passes, fused sites, near misses, node counts, and
@@ -47,6 +48,27 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bisect(args: argparse.Namespace) -> int:
+    from fxrewrite import Config
+    from fxrewrite.bisect import BisectError, bisect, load_model, load_rules
+
+    try:
+        model, inputs = load_model(args.model, layers=args.layers, hidden=args.hidden, tokens=args.tokens,
+                                   dtype=DTYPES[args.dtype])  # fmt: skip
+        user = [r for spec in args.rules for r in load_rules(spec)]
+    except BisectError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rules, extra = (user, ()) if args.no_defaults else (None, user)
+    result = bisect(model, inputs, rules=rules, extra_rules=extra, tol=args.tol,
+                    config=Config(merge_siblings=not args.no_merge), dynamic=not args.static)  # fmt: skip
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, default=str))
+    else:
+        print(result.summary())
+    return 1 if result.found else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from fxrewrite.models import FAMILIES
 
@@ -63,6 +85,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep.add_argument("--json", action="store_true", help="print one JSON object")
     rep.add_argument("--dump", metavar="DIR", help="write NN.<pass>.before.py / .after.py graph dumps here")
     rep.set_defaults(run=_report)
+    bis = sub.add_parser(
+        "bisect",
+        help="find the rule, then the site, whose rewrite moves the output past a tolerance",
+        description="Exit status: 0 no rule moves the output past --tol, 1 a culprit was found, "
+        "2 bad arguments.",
+    )
+    bis.add_argument("--model", default="llama", help=f"built-in ({', '.join(FAMILIES)}) or pkg.module:factory "
+                     "returning (model, inputs)")  # fmt: skip
+    bis.add_argument("--rules", action="append", default=[], metavar="PKG.MODULE:RULES",
+                     help="user rules, after the defaults (repeatable)")  # fmt: skip
+    bis.add_argument("--no-defaults", action="store_true", help="apply only the --rules, in the order given")
+    bis.add_argument("--tol", type=float, default=1e-4, help="max abs output error vs eager (default 1e-4)")
+    bis.add_argument("--layers", type=int, default=2)
+    bis.add_argument("--hidden", type=int, default=64)
+    bis.add_argument("--tokens", type=int, default=8)
+    bis.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    bis.add_argument("--static", action="store_true", help="dynamic=False (default: dynamic=True)")
+    bis.add_argument("--no-merge", action="store_true", help="do not merge sibling linears")
+    bis.add_argument("--json", action="store_true", help="print one JSON object")
+    bis.set_defaults(run=_bisect)
     args = parser.parse_args(argv)
     return args.run(args)
 
