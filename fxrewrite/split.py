@@ -234,13 +234,20 @@ _TRANSFERS = {"to", "cuda", "cpu", "copy_", "_to_copy", "tensor", "as_tensor", "
 _ITEMS = {"item", "_local_scalar_dense"}
 
 
+def _qualified(target: Any) -> str:
+    """"ns::name" of a torch op (OpOverload or OpOverloadPacket), "" for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return ""
+
+
 def _op_name(node: Node) -> str:
     t = node.target
     if node.op == "call_method":
         return str(t)
-    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return t._schema.name.split("::")[-1] if isinstance(t, torch._ops.OpOverload) else t.__name__
-    return getattr(t, "__name__", str(t))
+    return _qualified(t).split("::")[-1] or getattr(t, "__name__", str(t))
 
 
 def _where(node: Node) -> str:
@@ -276,8 +283,7 @@ def _reason(node: Node, host_scalars: Collection[str]) -> str | None:
     if node.op == "call_method" and name in _HOST_METHODS:
         return "syncs with the host"
     if node.op == "call_function" and (node.target in _HOST_FUNCTIONS or (
-            isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
-            and node.target.namespace == "aten" and name in _HOST_OPS)):
+            _qualified(node.target).startswith("aten::") and name in _HOST_OPS)):
         return "syncs with the host or has a data-dependent result"
     if name in _TRANSFERS:
         src = {d for a in (*node.args, *node.kwargs.values()) for d in _devices(_value(a))} or {"cpu"}
