@@ -1,0 +1,633 @@
+"""Piecewise and full CUDA graphs: capture per token count, replay, pad, fall back to eager.
+
+``build_runner(gm, example_inputs, config)`` returns a :class:`Runner`, callable like ``gm``
+(same inputs, same outputs); ``Runner.stats()`` goes into the backend's Report.
+
+Modes (``Config.mode``): "none" runs ``gm`` as is. "piecewise" splits ``gm`` at
+``Config.splitting_ops`` (:mod:`fxrewrite.split`), captures every other piece once per capture
+size and runs the splitting pieces (attention) eagerly between replays. "full" captures the
+whole graph per size (attention must be capture-safe, e.g. decode with fixed metadata).
+
+Dispatch. The token count is Dynamo's dynamic dimension: under ``dynamic=True`` (or
+``mark_dynamic``) the graph has one symbol ``s0``, a SymInt placeholder and tensor
+placeholders with ``s0`` in a dim. Each call reads ``n``, checks every input shape against
+the graph (a :class:`ShapeError` naming expected and actual shapes otherwise), picks a size
+and replays it. Sizes outside the symbol's range are not captured (Dynamo compiles ``s0 >= 2``;
+counts 0 and 1 get graphs of their own). Two ways to land on a captured size:
+
+1. exact (``pad_inputs=False``): the engine pads its inputs to a capture size itself; another
+   count runs eagerly, counted.
+2. padded (``pad_inputs=True``): each token input is copied into its buffer for the next
+   capture size, padding rows are **zeros** (token id 0, position 0), and outputs are sliced
+   back to ``n`` rows. Correct when no real row depends on a later row: pointwise ops, norms,
+   GEMMs, causal attention. The engine must make padded rows harmless where it writes state
+   (KV-cache slots).
+
+Beyond the largest size the original graph runs eagerly (``eager_calls``). A static graph
+(``dynamic=False``) has one size, its compiled shapes; another shape is a ShapeError (Dynamo
+recompiles first; the error serves direct use of a Runner).
+
+Static addresses. A CUDA graph reads its inputs where they were at capture.
+- Parameters and buffers (Dynamo's ``_dynamo_static_input_type`` mark, ``nn.Parameter``,
+  ``torch._dynamo.mark_static_address``) are read in place, never copied; each call checks they
+  are the same tensors (one at another address makes that call eager, with a warning).
+- Other inputs read by captured pieces have one static buffer each, shared by all sizes (a size
+  uses a prefix). An input found elsewhere is copied in, counted per step
+  (``static_input_copies``); writing into ``Runner.static_inputs(n)`` avoids it. An input the
+  graph writes in place is copied back after the call.
+- A captured piece reads the outputs of earlier captured pieces where their replay wrote them:
+  no copy. Splitting pieces return fresh tensors: they are copied into the next piece's buffer
+  (``activation_copies``), unless the op writes into a buffer allocated by the piece before
+  it (an ``out=`` attention op): then nothing is copied.
+- Outputs are cloned (after slicing), so they stay valid after the next call.
+
+Host scalars. Under ``dynamic=True`` Dynamo lifts float module attributes (RMSNorm eps,
+attention scaling) to CPU scalar tensors read with ``.item()``. That does not sync the GPU, so
+capture allows it, but the value becomes a kernel argument: frozen at capture. The Runner
+compares the values at every call (about 0.5 us each); a changed one makes the call eager,
+with a warning. Every other host sync, device transfer or data-dependent shape in a captured
+piece is a :class:`CaptureHazardError` at build, naming the op and its source line.
+
+Capture happens at the first call or ``Runner.capture()``, largest size first. Per size the
+split module runs once on the static buffers: each captured piece gets an eager warm-up, a
+capture on a side stream and a replay (so later eager pieces see real values). All graphs share
+one pool (``torch.cuda.graph_pool_handle``); after a size is captured the Runner keeps
+non-owning references to its pool tensors, so later sizes reuse that memory. That is safe: one
+size's values are dead before another size runs, and inputs and outputs live outside the pool.
+gc is frozen and disabled; ``capture_begin`` / ``capture_end`` are called directly, skipping
+the ``gc.collect`` and ``empty_cache`` that ``torch.cuda.graph`` may do per capture.
+
+On CPU (no CUDA tensor in the inputs) piecewise and full run the same dispatch, buffers and
+copies, each captured piece emulated by an eager run copied into fixed output tensors
+(``stats()["cudagraphs"]`` is False): splitting, padding and copies are testable without a GPU.
+
+Example::
+
+    runner = build_runner(gm, example_inputs, Config(mode="piecewise", capture_sizes=(8, 16)))
+    out = runner(*args)                       # what gm(*args) returns
+    runner.stats()["activation_copies_last"]  # copies made by the last call
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import contextlib
+import dataclasses
+import gc
+import logging
+import operator
+import sys
+import time
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any
+
+import sympy
+import torch
+from torch.fx import GraphModule
+from torch.fx.experimental.symbolic_shapes import free_symbols
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from tqdm import tqdm
+
+from fxrewrite.config import Config
+from fxrewrite.split import (
+    CaptureHazardError,
+    Piece,
+    find_capture_hazards,
+    is_trivial,
+    mutated_placeholders,
+    split_graph,
+)
+
+logger = logging.getLogger(__name__)
+
+_STATIC_MARK = "_dynamo_static_input_type"
+_ITEM_TARGETS = ("item", torch.ops.aten._local_scalar_dense.default, torch.ops.aten._local_scalar_dense)
+
+
+class ShapeError(ValueError):
+    """A call with shapes the graph was not compiled (or captured) for."""
+
+
+def select_size(n: int, sizes: Sequence[int], pad: bool) -> int | None:
+    """The capture size serving ``n`` tokens (``sizes`` ascending), or None: run eagerly.
+
+    Exact: ``n`` itself when captured. Padded: the smallest size at least ``n``.
+
+        >>> select_size(5, (1, 2, 4, 8), pad=True), select_size(5, (1, 2, 4, 8), pad=False)
+        (8, None)
+        >>> select_size(9, (1, 2, 4, 8), pad=True) is None
+        True
+    """
+    i = bisect.bisect_left(sizes, n)
+    if i == len(sizes) or (not pad and sizes[i] != n):
+        return None
+    return sizes[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """How the Runner treats one graph input.
+
+    kind: "token" (tensor with the token symbol in ``token_dims``: buffer per size, padded),
+    "tensor" (other tensor a captured piece reads: one buffer), "static" (parameter or buffer:
+    used in place), "host" (CPU scalar read on the host: frozen at capture, checked per call),
+    "sym" (the token count itself), "pass" (handed over as is: read only by eager pieces).
+    """
+
+    name: str
+    kind: str
+    shape: tuple[Any, ...] = ()
+    token_dims: tuple[int, ...] = ()
+
+
+def _expr(d: Any) -> Any:
+    """A dim as an int, or a sympy expression when symbolic (specialized symbols become ints)."""
+    e = d.node.expr if isinstance(d, torch.SymInt) else d
+    return int(e) if not isinstance(e, sympy.Expr) or e.is_number else e
+
+
+def _concrete(v: Any) -> Any:
+    return v.node.hint if isinstance(v, torch.SymInt) else v
+
+
+class Dispatch:
+    """Device-free call handling: token count, shape checks, size choice, padding, slicing.
+
+    ``captured_inputs``: positions of the inputs read by captured pieces; the token symbol is
+    the one dynamic symbol among them (``reason`` says why capture is impossible otherwise).
+    """
+
+    def __init__(self, gm: GraphModule, example_inputs: Sequence[Any], captured_inputs: Collection[int],
+                 sizes: Sequence[int], pad: bool, on_cuda: bool) -> None:
+        nodes = list(gm.graph.find_nodes(op="placeholder"))
+        values = [n.meta.get("example_value", ex) for n, ex in zip(nodes, example_inputs)]
+        symbols = {s for i in captured_inputs for s in free_symbols(values[i])}
+        self.reason: str | None = None
+        if len(symbols) > 1:
+            self.reason = (f"captured pieces read {len(symbols)} dynamic dimensions "
+                           f"({', '.join(sorted(map(str, symbols)))}); capture needs one, the token "
+                           "count (mark the others static, e.g. dynamic=None + mark_dynamic)")
+        self.symbol: sympy.Symbol | None = next(iter(symbols)) if len(symbols) == 1 else None
+        self.lo, self.hi = self._range(values)
+        self.sizes = tuple(sorted({s for s in sizes if s >= self.lo and (self.hi is None or s <= self.hi)
+                                   and self.symbol is not None}))
+        if self.symbol is not None and not self.sizes and self.reason is None:
+            self.reason = f"no capture size in the range of {self.symbol}: [{self.lo}, {self.hi}]"
+        out = gm.graph.output_node().args[0]
+        self.outputs = [self._out_spec(leaf) for leaf in tree_flatten(out)[0]]
+        self.pad = pad and self.symbol is not None and all(o != "fixed" for o in self.outputs) and all(
+            self._plain(v) for v in values if isinstance(v, torch.Tensor))
+        self.inputs = [self._classify(n, v, ex, i in captured_inputs, on_cuda)
+                       for i, (n, v, ex) in enumerate(zip(nodes, values, example_inputs))]
+        kinds = [s.kind for s in self.inputs]
+        self.managed = [i for i, k in enumerate(kinds) if k in ("token", "tensor")]  # inputs with a buffer
+        self._locator = next(((i, -1) for i, k in enumerate(kinds) if k == "sym"), None) or next(
+            ((i, s.token_dims[0]) for i, s in enumerate(self.inputs) if s.kind == "token"), None)
+        self._shapes: dict[int, list[tuple[int, ...]]] = {}
+
+    def _range(self, values: Sequence[Any]) -> tuple[int, int | None]:
+        for v in values:
+            for d in (v,) if isinstance(v, torch.SymInt) else getattr(v, "shape", ()):
+                if isinstance(d, torch.SymInt) and d.node.expr == self.symbol:
+                    r = d.node.shape_env.var_to_range.get(self.symbol)
+                    if r is not None:
+                        return int(r.lower), int(r.upper) if isinstance(r.upper, sympy.Integer) else None
+        return 0, None
+
+    def _plain(self, v: torch.Tensor) -> bool:
+        """No dim of ``v`` is a compound expression of the token symbol (padding needs plain dims)."""
+        return all(e == self.symbol or not (isinstance(e, sympy.Expr) and self.symbol in e.free_symbols)
+                   for e in map(_expr, v.shape))
+
+    def _out_spec(self, leaf: Any) -> Any:
+        v = leaf.meta.get("example_value") if isinstance(leaf, torch.fx.Node) else None
+        if isinstance(v, torch.SymInt) and self.symbol is not None and self.symbol in v.node.expr.free_symbols:
+            return "n" if v.node.expr == self.symbol else "fixed"
+        if isinstance(v, torch.Tensor) and self.symbol is not None:
+            return tuple(d for d, e in enumerate(map(_expr, v.shape)) if e == self.symbol) if self._plain(v) else "fixed"
+        return ()
+
+    def _classify(self, node: torch.fx.Node, value: Any, example: Any, captured: bool, on_cuda: bool) -> InputSpec:
+        if isinstance(value, torch.SymInt):
+            kind = "sym" if self.symbol is not None and value.node.expr == self.symbol else "pass"
+            return InputSpec(node.name, kind)
+        if not isinstance(value, torch.Tensor):
+            return InputSpec(node.name, "pass")
+        shape = tuple(map(_expr, value.shape))
+        dims = tuple(d for d, e in enumerate(shape) if e == self.symbol) if self.symbol is not None else ()
+        static = (_STATIC_MARK in (node.meta.get("tensor_dict") or {}) or isinstance(example, torch.nn.Parameter)
+                  or getattr(example, _STATIC_MARK, None) is not None)
+        if static:
+            return InputSpec(node.name, "static", shape)
+        scalar = value.device.type == "cpu" and all(isinstance(e, int) for e in shape) and value.numel() == 1
+        if captured and scalar and (on_cuda or all(u.target in _ITEM_TARGETS for u in node.users)):
+            return InputSpec(node.name, "host", shape)
+        if dims and (captured or self.pad):
+            return InputSpec(node.name, "token", shape, dims)
+        return InputSpec(node.name, "tensor" if captured else "pass", shape)
+
+    def token_count(self, args: Sequence[Any]) -> int | None:
+        """``n`` read from the call (None for a static graph)."""
+        if self._locator is None:
+            return None
+        i, d = self._locator
+        return int(args[i]) if d < 0 else args[i].shape[d]
+
+    def expected_shape(self, i: int, n: int | None) -> tuple[int, ...]:
+        """Shape of input ``i`` for ``n`` tokens."""
+        key = -1 if n is None else n
+        shapes = self._shapes.get(key)
+        if shapes is None:
+            sub = {self.symbol: n} if self.symbol is not None else {}
+            shapes = self._shapes[key] = [
+                tuple(int(e.xreplace(sub)) if isinstance(e, sympy.Expr) else e for e in s.shape) for s in self.inputs]
+        return shapes[i]
+
+    def check(self, args: Sequence[Any], n: int | None) -> None:
+        """Raise :class:`ShapeError` unless every managed input has the shape compiled for ``n``."""
+        if len(args) != len(self.inputs):
+            raise ShapeError(f"expected {len(self.inputs)} inputs, got {len(args)}")
+        if n is not None and (n < self.lo or (self.hi is not None and n > self.hi)):
+            raise ShapeError(f"{self.symbol}={n} is outside the range the graph was compiled for: "
+                             f"[{self.lo}, {self.hi if self.hi is not None else 'inf'}]")
+        for i in self.managed:
+            if tuple(args[i].shape) != self.expected_shape(i, n):
+                spec, compiled = self.inputs[i], tuple(str(e) for e in self.inputs[i].shape)
+                raise ShapeError(f"input {i} ({spec.name}): expected shape {self.expected_shape(i, n)} "
+                                 f"(compiled as {compiled}, {self.symbol}={n}), got {tuple(args[i].shape)}")
+
+    def select(self, n: int | None) -> int | None:
+        """The capture size for ``n`` (0 for a static graph), or None."""
+        return 0 if n is None else select_size(n, self.sizes, self.pad)
+
+    def finish(self, out: Any, n: int | None, size: int) -> Any:
+        """Slice padded outputs back to ``n`` rows and clone them out of the static buffers."""
+        leaves, spec = tree_flatten(out)
+        result = []
+        for leaf, dims in zip(leaves, self.outputs):
+            if isinstance(leaf, torch.Tensor):
+                for d in dims if isinstance(dims, tuple) and n is not None and n != size else ():
+                    leaf = leaf.narrow(d, 0, n)
+                leaf = leaf.clone()
+            elif dims == "n":
+                leaf = n
+            result.append(leaf)
+        return tree_unflatten(result, spec)
+
+
+def _dense_strides(shape: Sequence[int], like: torch.Tensor) -> tuple[int, ...]:
+    """Dense strides for ``shape`` with the dim order of ``like``."""
+    order = sorted(range(len(shape)), key=lambda d: -like.stride(d)) if like.dim() == len(shape) else list(
+        range(len(shape)))
+    strides, step = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d], step = step, step * max(shape[d], 1)
+    return tuple(strides)
+
+
+def _weak(t: Any) -> Any:
+    """A tensor at ``t``'s address that does not own its memory (``t`` itself if impossible)."""
+    make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if not isinstance(t, torch.Tensor) or not t.is_cuda or make is None:
+        return t
+    st = t.untyped_storage()
+    storage = make(st.data_ptr(), t.device, st.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
+
+
+@contextlib.contextmanager
+def _capturing(device: torch.device) -> Iterator[None]:
+    """Side stream, gc frozen and disabled, for the whole capture loop."""
+    torch.cuda.synchronize(device)
+    gc_was_enabled = gc.isenabled()
+    gc.freeze()
+    gc.disable()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            yield
+    finally:
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        if gc_was_enabled:
+            gc.enable()
+        gc.unfreeze()
+
+
+class _Replay:
+    """One piece at one size: its static inputs and outputs, and its CUDA graph (None on CPU)."""
+
+    def __init__(self, name: str, fn: GraphModule, static: list[Any], copied: list[int], checked: list[int],
+                 outputs: Any, graph: Any, counts: collections.Counter) -> None:
+        self.name, self.fn, self.static, self.copied, self.checked = name, fn, static, copied, checked
+        self.outputs, self.graph, self.counts = outputs, graph, counts
+
+    def run(self, args: Sequence[Any]) -> Any:
+        static = self.static
+        for k in self.copied:
+            if args[k].data_ptr() != static[k].data_ptr():
+                static[k].copy_(args[k])
+                self.counts["activation_copies"] += 1
+        for k in self.checked:
+            if args[k] != static[k]:
+                raise RuntimeError(f"input {k} of {self.name} was {static[k]!r} at capture, "
+                                   f"now {args[k]!r}: the captured graph would be wrong")
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            fresh = tree_flatten(self.fn(*static))[0]
+            for dst, src in zip(tree_flatten(self.outputs)[0], fresh):
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(src)
+        return self.outputs
+
+    def release(self, keep: Collection[int]) -> None:
+        """Drop ownership of pool tensors (outputs, inputs not in ``keep``) so later sizes reuse them."""
+        self.outputs = tree_map(_weak, self.outputs)
+        self.static = [a if k in keep else _weak(a) for k, a in enumerate(self.static)]
+
+
+class _PieceRunner(torch.nn.Module):
+    """Stands in the split module for one captured piece: captures per size, then replays."""
+
+    def __init__(self, piece: Piece, runner: Runner, eager_pieces: Collection[int]) -> None:
+        super().__init__()
+        self.fn = piece.submodule
+        self.piece_name = piece.name
+        self._runner = runner
+        self._graphs: dict[int, _Replay] = {}
+        src = piece.sources
+        self._from_eager = [k for k, s in enumerate(src) if s.kind == "piece" and s.index in eager_pieces]
+        self._keep = {k for k, s in enumerate(src) if s.kind != "piece" or s.index in eager_pieces}
+
+    def __call__(self, *args: Any) -> Any:  # type: ignore[override]  (skips nn.Module hook dispatch)
+        size = self._runner._size
+        replay = self._graphs.get(size)
+        if replay is not None:
+            return replay.run(args)
+        if not self._runner._capturing:
+            raise RuntimeError(f"{self.piece_name} has no graph for size {size}")
+        replay = self._graphs[size] = self._capture(args, size)
+        return replay.outputs
+
+    def _capture(self, args: Sequence[Any], size: int) -> _Replay:
+        runner = self._runner
+        static, copied, checked = list(args), [], []
+        for k in self._from_eager:
+            a = args[k]
+            if isinstance(a, torch.Tensor):
+                static[k] = runner._take(("piece", self.piece_name, k), a.shape, _dense_strides(a.shape, a), a)
+                static[k].copy_(a)
+                copied.append(k)
+            else:
+                checked.append(k)
+        graph = None
+        if runner.on_cuda:
+            self.fn(*static)  # warm-up: lazy inits, library handles, workspaces
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=runner._pool)
+            try:
+                outputs = self.fn(*static)
+            except Exception as e:
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise RuntimeError(f"capture of {self.piece_name} at size {size} failed: {e}") from e
+            graph.capture_end()
+            graph.replay()
+        else:
+            outputs = self.fn(*static)
+        return _Replay(f"{self.piece_name}@{size}", self.fn, static, copied, checked, outputs, graph, runner._counts)
+
+    def release(self, size: int) -> None:
+        if size in self._graphs:
+            self._graphs[size].release(self._keep)
+
+
+class Runner:
+    """Runs a rewritten graph in the configured mode; callable like the graph itself.
+
+    See the module docstring for modes, dispatch, copies and capture. Not thread-safe: one
+    call at a time. Inference only: replays build no autograd graph.
+    """
+
+    def __init__(self, gm: GraphModule, example_inputs: Sequence[Any], config: Config) -> None:
+        config = config.resolved()
+        self.gm, self.mode, self._progress = gm, config.mode, config.progress
+        self._counts: collections.Counter = collections.Counter()
+        self._reasons: collections.Counter = collections.Counter()
+        self._last = (0, 0)
+        self._size, self._capturing = 0, False  # the size being run; capturing it now
+        self._arenas: dict[Any, torch.Tensor] = {}
+        self._buffers: dict[int, dict[int, torch.Tensor]] = {}
+        self._captured, self._pool, self.capture_s, self.pool_bytes = False, None, 0.0, 0
+        self.on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+        self.module: GraphModule | None = None
+        self.split, self.dispatch, self._pieces = None, None, []
+        if self.mode == "none":
+            return
+        if self.mode not in ("piecewise", "full"):
+            raise ValueError(f"unknown mode {self.mode!r}: expected 'none', 'piecewise' or 'full'")
+        self.split = split_graph(gm, config.splitting_ops if self.mode == "piecewise" else ())
+        pieces = [p for p in self.split.pieces if not p.is_splitting and not is_trivial(p.submodule)]
+        eager = {p.index for p in self.split.pieces} - {p.index for p in pieces}
+        used = {s.index for p in pieces for s in p.sources if s.kind == "input"}
+        self.dispatch = d = Dispatch(gm, example_inputs, used, config.capture_sizes, config.pad_inputs, self.on_cuda)
+        hosts = {s.name for s in d.inputs if s.kind == "host"}
+        hazards = [h for p in pieces for h in find_capture_hazards(p.submodule, hosts)]
+        if hazards:
+            raise CaptureHazardError(hazards)
+        if d.reason:
+            logger.warning("CUDA graphs off, the graph runs eagerly: %s", d.reason)
+        self._pieces = [_PieceRunner(p, self, eager) for p in pieces]
+        self.module = GraphModule(self.split.module, self.split.module.graph)
+        for piece, stand_in in zip(pieces, self._pieces):
+            setattr(self.module, piece.name, stand_in)
+        self._examples = [_concrete(v) for v in example_inputs]
+        kinds = [s.kind for s in d.inputs]
+        self._static_idx = [i for i, k in enumerate(kinds) if k == "static"]
+        self._statics = [example_inputs[i] for i in self._static_idx]
+        self._host_idx = [i for i, k in enumerate(kinds) if k == "host"]
+        self._host_values = [example_inputs[i].item() for i in self._host_idx]
+        self._managed = d.managed
+        self._sym_idx = [i for i, k in enumerate(kinds) if k == "sym"]
+        written = mutated_placeholders(gm)
+        self._written = [i for i in self._managed if d.inputs[i].name in written]
+        self._device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
+
+    # -- buffers ------------------------------------------------------------------------
+
+    def _take(self, key: Any, shape: Sequence[int], strides: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        """A zero-initialised tensor in the arena ``key`` (one arena serves every size)."""
+        span = 1 + sum((s - 1) * st for s, st in zip(shape, strides)) if all(shape) else 0
+        arena = self._arenas.get(key)
+        if arena is None or arena.numel() < span or arena.dtype != like.dtype:
+            arena = self._arenas[key] = torch.zeros(span, dtype=like.dtype, device=like.device)
+        return arena[:span].as_strided(tuple(shape), tuple(strides))
+
+    def _buffer(self, i: int, size: int) -> torch.Tensor:
+        per_size = self._buffers.setdefault(size, {})
+        if i not in per_size:
+            shape = self.dispatch.expected_shape(i, size or None)
+            like = self._examples[i]
+            per_size[i] = self._take(("input", i), shape, _dense_strides(shape, like), like)
+        return per_size[i]
+
+    def static_inputs(self, n: int | None = None) -> list[torch.Tensor | None]:
+        """The static buffers a call with ``n`` tokens reads (None where an input is used in
+        place). An engine that writes its inputs there (a prefix of ``n`` rows when padding)
+        and passes those views makes no copy."""
+        size = self.dispatch.select(n) if self.dispatch is not None else None
+        if size is None:
+            raise ShapeError(f"no captured size serves n={n}")
+        return [self._buffer(i, size) if i in self._managed else None for i in range(len(self.dispatch.inputs))]
+
+    # -- capture ------------------------------------------------------------------------
+
+    def capture(self) -> None:
+        """Capture every size now (otherwise done at the first call). Idempotent."""
+        if self._captured or self.module is None or self.dispatch.reason:
+            return
+        self._captured = True
+        sizes = sorted(self.dispatch.sizes, reverse=True) or [0]
+        t0, reserved = time.perf_counter(), torch.cuda.memory_reserved(self._device) if self.on_cuda else 0
+        ctx = _capturing(self._device) if self.on_cuda else contextlib.nullcontext()
+        with ctx, torch.inference_mode(False), torch.no_grad():
+            if self.on_cuda:
+                self._pool = torch.cuda.graph_pool_handle()
+            bar = tqdm(sizes, desc="capturing CUDA graphs" if self.on_cuda else "emulating CUDA graphs",
+                       unit="size", file=sys.stderr, disable=not self._progress)
+            for size in bar:
+                args = [size if i in self._sym_idx else self._buffer(i, size) if i in self._managed
+                        else self._examples[i] for i in range(len(self._examples))]
+                self._size, self._capturing = size, True
+                try:
+                    self.module(*args)
+                finally:
+                    self._capturing = False
+                for p in self._pieces if self.on_cuda else ():
+                    p.release(size)
+        self.capture_s = time.perf_counter() - t0
+        if self.on_cuda:  # the pool's segments; else what capture reserved (warm-ups included)
+            segments = [s["total_size"] for s in torch.cuda.memory_snapshot()
+                        if tuple(s.get("segment_pool_id", ())) == tuple(self._pool)]
+            self.pool_bytes = sum(segments) if segments else torch.cuda.memory_reserved(self._device) - reserved
+        logger.info("captured %d graphs (%d pieces x %d sizes) in %.2f s; pool %.1f MiB, buffers %.1f MiB",
+                    len(self._pieces) * len(sizes), len(self._pieces), len(sizes), self.capture_s,
+                    self.pool_bytes / 2**20, self._buffer_bytes() / 2**20)
+
+    def _buffer_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() for a in self._arenas.values())
+
+    # -- calls --------------------------------------------------------------------------
+
+    def __call__(self, *args: Any) -> Any:
+        if self.module is None:
+            return self.gm(*args)
+        d, counts = self.dispatch, self._counts
+        counts["calls"] += 1
+        if d.reason:
+            return self._eager(args, "unsupported")
+        n = d.token_count(args)
+        d.check(args, n)
+        size = d.select(n)
+        if size is None:
+            return self._eager(args, "beyond_max" if n > d.sizes[-1] else "not_captured")
+        if not all(map(operator.is_, [args[i] for i in self._static_idx], self._statics)) and not self._adopt(args):
+            return self._eager(args, "static_input_moved")
+        if [args[i].item() for i in self._host_idx] != self._host_values:
+            return self._eager(args, "host_scalar_changed")
+        self.capture()
+        before = (counts["static_input_copies"], counts["activation_copies"])
+        with torch.no_grad():
+            call = self._prepare(args, n, size)
+            self._size = size
+            out = self.module(*call)
+            for i in self._written:
+                self._copy_back(i, args[i], call[i], n, size)
+        counts["replays"] += 1
+        counts["padded_calls"] += n is not None and n != size
+        self._last = (counts["static_input_copies"] - before[0], counts["activation_copies"] - before[1])
+        return d.finish(out, n, size)
+
+    def _eager(self, args: Sequence[Any], reason: str) -> Any:
+        self._counts["eager_calls"] += 1
+        self._reasons[reason] += 1
+        if reason in ("static_input_moved", "host_scalar_changed") and self._reasons[reason] == 1:
+            logger.warning("%s: this call and the next such ones run eagerly (stats: eager_reasons)", reason)
+        self._last = (0, 0)
+        return self.gm(*args)
+
+    def _adopt(self, args: Sequence[Any]) -> bool:
+        """Same addresses under new tensor objects are fine (adopt them); a new address is not."""
+        new = [args[i] for i in self._static_idx]
+        if [t.data_ptr() for t in new] != [t.data_ptr() for t in self._statics]:
+            return False
+        self._statics = new
+        return True
+
+    def _region(self, buf: torch.Tensor, i: int, n: int | None, size: int) -> torch.Tensor:
+        for dim in self.dispatch.inputs[i].token_dims if n is not None and n != size else ():
+            buf = buf.narrow(dim, 0, n)
+        return buf
+
+    def _prepare(self, args: Sequence[Any], n: int | None, size: int) -> list[Any]:
+        call = list(args)
+        for i in self._managed:
+            buf = call[i] = self._buffer(i, size)
+            region, a = self._region(buf, i, n, size), args[i]
+            if a.data_ptr() != region.data_ptr() or a.stride() != region.stride():
+                region.copy_(a)
+                self._counts["static_input_copies"] += 1
+            if region is not buf:
+                for dim in self.dispatch.inputs[i].token_dims:
+                    buf.narrow(dim, n, size - n).zero_()
+        for i in self._sym_idx:
+            call[i] = size
+        return call
+
+    def _copy_back(self, i: int, arg: torch.Tensor, buf: torch.Tensor, n: int | None, size: int) -> None:
+        region = self._region(buf, i, n, size)
+        if arg.data_ptr() != region.data_ptr():
+            arg.copy_(region)
+            self._counts["static_input_copies"] += 1
+
+    # -- report -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and capture facts for the Report (see the module docstring)."""
+        d, split, c = self.dispatch, self.split, self._counts
+        return {
+            "mode": self.mode,
+            "device": "cuda" if self.on_cuda else "cpu",
+            "cudagraphs": bool(self.on_cuda and d is not None and not d.reason),
+            "reason": d.reason if d is not None else None,
+            "capture_sizes": list(d.sizes) if d is not None else [],
+            "static_shape": d is not None and d.symbol is None,
+            "pad_inputs": bool(d is not None and d.pad),
+            "inputs": dict(collections.Counter(s.kind for s in d.inputs)) if d is not None else {},
+            "pieces": len(split.pieces) if split else 1,
+            "captured_pieces": len(self._pieces),
+            "splitting_pieces": split.num_splitting if split else 0,
+            "missing_splitting_ops": [getattr(o, "__name__", str(o)) for o in split.missing] if split else [],
+            "graphs": sum(len(p._graphs) for p in self._pieces),
+            "captured": self._captured, "capture_s": self.capture_s,
+            "pool_bytes": self.pool_bytes, "buffer_bytes": self._buffer_bytes(),
+            **{k: c[k] for k in ("calls", "replays", "padded_calls", "eager_calls")},
+            "eager_reasons": dict(self._reasons),
+            "static_input_copies": c["static_input_copies"], "static_input_copies_last": self._last[0],
+            "activation_copies": c["activation_copies"], "activation_copies_last": self._last[1],
+        }
+
+
+def build_runner(gm: GraphModule, example_inputs: Sequence[Any], config: Config) -> Runner:
+    """Wrap the rewritten ``gm`` for ``config.mode`` ("none", "piecewise" or "full").
+
+    Raises :class:`CaptureHazardError` when a piece to be captured holds an op capture cannot
+    hold. Capture itself happens at the first call, or at ``runner.capture()``. Example::
+
+        runner = build_runner(gm, example_inputs, Config(mode="full", capture_sizes=(4, 8)))
+        out = runner(*args)
+    """
+    return Runner(gm, list(example_inputs), config)

@@ -1,0 +1,285 @@
+"""Runner dispatch, padding, copies and fallbacks, on CPU (pieces emulated, no CUDA graph).
+
+On CPU the Runner runs the same dispatch, static buffers and copy accounting as on CUDA, with
+each captured piece replaced by an eager run writing into fixed output tensors; the GPU twin
+of these tests is tests/runtime/test_cudagraph_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from fxrewrite.config import Config
+from fxrewrite.runtime.cudagraph import Dispatch, Runner, ShapeError, build_runner, select_size
+from fxrewrite.split import CaptureHazardError
+
+# The graph fixtures are shared with the split tests; pytest imports that file as `test_split`.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "fxrewrite"))
+from test_split import Recorded, TinyLlama, ToyAttention, llama_inputs, record, seeded, toy_inputs  # noqa: E402
+
+SIZES = (4, 8, 16)
+TOY_CALLS = (3, 4, 5, 8, 9, 16, 17)  # padded, exact, padded, exact, padded, exact, beyond
+
+
+def runner_for(rec: Recorded, **config: Any) -> Runner:
+    config.setdefault("capture_sizes", SIZES)
+    return build_runner(rec.gm, rec.example_inputs, Config(progress=False, **config))
+
+
+def tokens(args: tuple[Any, ...]) -> int:
+    return next(a for a in args if isinstance(a, int))
+
+
+@pytest.fixture(scope="module")
+def toy() -> Recorded:
+    return record(seeded(ToyAttention), toy_inputs(TOY_CALLS), dynamic=True)
+
+
+@pytest.fixture(scope="module")
+def toy_out() -> Recorded:
+    return record(seeded(lambda: ToyAttention("custom_out")), toy_inputs((8, 5)), dynamic=True)
+
+
+@pytest.fixture(scope="module")
+def toy_custom() -> Recorded:
+    return record(seeded(lambda: ToyAttention("custom")), toy_inputs((8, 5)), dynamic=True)
+
+
+@pytest.fixture(scope="module")
+def llama() -> Recorded:
+    pytest.importorskip("transformers")
+    return record(seeded(TinyLlama), llama_inputs((3, 8, 9)), dynamic=True)
+
+
+@pytest.mark.parametrize(("n", "pad", "size"), [
+    (1, True, 4), (4, True, 4), (5, True, 8), (16, True, 16), (17, True, None),
+    (4, False, 4), (5, False, None), (17, False, None),
+])
+def test_select_size(n: int, pad: bool, size: int | None) -> None:
+    assert select_size(n, SIZES, pad) == size
+
+
+def test_dispatch_classifies_llama_inputs(llama: Recorded) -> None:
+    used = set(range(len(llama.example_inputs)))
+    d = Dispatch(llama.gm, llama.example_inputs, used, SIZES, pad=True, on_cuda=False)
+    kinds = {s.kind for s in d.inputs}
+    assert kinds == {"sym", "token", "static", "host"} and d.reason is None
+    (token,) = [s for s in d.inputs if s.kind == "token"]
+    assert "input_ids" in token.name and token.token_dims == (1,)
+    assert d.lo == 2 and d.sizes == SIZES  # Dynamo compiles s0 >= 2: sizes 0 and 1 are not captured
+    args = llama.calls[1]
+    assert d.token_count(args) == 8 and d.select(3) == 4 and d.select(17) is None
+    d.check(args, 8)
+    i = next(i for i, s in enumerate(d.inputs) if s.kind == "token")
+    assert d.expected_shape(i, 5) == (1, 5)
+    with pytest.raises(ShapeError, match=r"expected shape \(1, 9\).*got \(1, 8\)"):
+        d.check(args, 9)
+    with pytest.raises(ShapeError, match="outside the range"):
+        d.check(args, 1)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_toy_outputs_match_eager_for_every_size(toy: Recorded, mode: str) -> None:
+    runner = runner_for(toy, mode=mode)
+    for args in toy.calls:
+        torch.testing.assert_close(runner(*args), toy.gm(*args))
+    s = runner.stats()
+    assert s["mode"] == mode and s["device"] == "cpu" and not s["cudagraphs"] and s["captured"]
+    assert s["capture_sizes"] == list(SIZES) and s["graphs"] == s["captured_pieces"] * len(SIZES)
+    assert (s["calls"], s["replays"], s["padded_calls"], s["eager_calls"]) == (7, 6, 3, 1)
+    assert s["eager_reasons"] == {"beyond_max": 1}
+    assert s["pieces"] == (5 if mode == "piecewise" else 1) and s["splitting_pieces"] == (2 if mode == "piecewise" else 0)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+@pytest.mark.parametrize("op", ["attn", "attn_out"])
+def test_custom_attention_ops(toy_custom: Recorded, toy_out: Recorded, op: str, mode: str) -> None:
+    rec = toy_custom if op == "attn" else toy_out
+    runner = runner_for(rec, mode=mode, splitting_ops=(f"fxrtest::{op}",))
+    for args in rec.calls:
+        torch.testing.assert_close(runner(*args), rec.gm(*args))
+    s = runner.stats()
+    assert s["replays"] == 2 and s["splitting_pieces"] == (2 if mode == "piecewise" else 0)
+
+
+def test_through_torch_compile() -> None:
+    runners: list[Runner] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Runner:
+        runners.append(build_runner(gm, example_inputs, Config(mode="piecewise", capture_sizes=SIZES,
+                                                              progress=False)))
+        return runners[-1]
+
+    model = seeded(ToyAttention)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for (x,) in toy_inputs((8, 5, 16, 40)):
+            torch.testing.assert_close(compiled(x), model(x))
+    assert len(runners) == 1 and runners[0].stats()["replays"] == 3 and runners[0].stats()["eager_calls"] == 1
+
+
+def test_copies_per_step(toy: Recorded, toy_out: Recorded) -> None:
+    sdpa = runner_for(toy, mode="piecewise")
+    sdpa(*toy.calls[3])  # 8 tokens
+    s = sdpa.stats()  # x copied in; each attention output copied into the next piece's buffer
+    assert (s["static_input_copies_last"], s["activation_copies_last"]) == (1, 2)
+    full = runner_for(toy, mode="full")
+    full(*toy.calls[3])
+    assert (full.stats()["static_input_copies_last"], full.stats()["activation_copies_last"]) == (1, 0)
+    out = runner_for(toy_out, mode="piecewise", splitting_ops=("fxrtest::attn_out",))
+    for args in toy_out.calls:
+        torch.testing.assert_close(out(*args), toy_out.gm(*args))
+    s = out.stats()  # the op writes into a buffer allocated by the piece before: nothing to copy
+    assert s["splitting_pieces"] == 2 and s["activation_copies"] == 0 and s["replays"] == 2
+
+
+def test_engine_writing_into_static_inputs_makes_no_copy(toy: Recorded) -> None:
+    runner = runner_for(toy, mode="piecewise")
+    args = toy.calls[0]  # 3 tokens, padded to 4
+    runner(*args)
+    i = next(i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] == 3)
+    buf = runner.static_inputs(3)[i]
+    assert buf.shape == (4, 32) and bool((buf[3] == 0).all())  # zero padding
+    buf[:3].copy_(args[i])
+    out = runner(*args[:i], buf[:3], *args[i + 1:])
+    torch.testing.assert_close(out, toy.gm(*args))
+    assert runner.stats()["static_input_copies_last"] == 0
+
+
+def test_padding_rows_are_zeroed_again_after_a_longer_call(toy: Recorded) -> None:
+    runner = runner_for(toy, mode="full")
+    by_n = {tokens(a): a for a in toy.calls}
+    runner(*by_n[8])
+    runner(*by_n[5])  # same size 8: rows 5..7 held the previous input
+    i = next(i for i, a in enumerate(by_n[5]) if isinstance(a, torch.Tensor) and a.shape[0] == 5)
+    assert bool((runner.static_inputs(5)[i][5:] == 0).all())
+
+
+def test_exact_sizes_without_padding(toy: Recorded) -> None:
+    runner = runner_for(toy, mode="piecewise", pad_inputs=False)
+    for args in toy.calls:
+        torch.testing.assert_close(runner(*args), toy.gm(*args))
+    s = runner.stats()
+    assert not s["pad_inputs"] and s["replays"] == 3 and s["padded_calls"] == 0
+    assert s["eager_reasons"] == {"not_captured": 3, "beyond_max": 1}
+
+
+def test_outputs_survive_the_next_call(toy: Recorded) -> None:
+    runner = runner_for(toy, mode="piecewise")
+    by_n = {tokens(a): a for a in toy.calls}
+    first = runner(*by_n[8])
+    runner(*by_n[5])  # replays size 8 again
+    torch.testing.assert_close(first, toy.gm(*by_n[8]))
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_llama_outputs_match_eager(llama: Recorded, mode: str) -> None:
+    runner = runner_for(llama, mode=mode)
+    for args in llama.calls:
+        torch.testing.assert_close(runner(*args), llama.gm(*args))
+    s = runner.stats()
+    assert s["replays"] == 3 and s["padded_calls"] == 2 and s["missing_splitting_ops"] == []
+    assert s["activation_copies_last"] == (2 if mode == "piecewise" else 0)
+
+
+def test_llama_host_scalar_change_runs_eagerly(llama: Recorded) -> None:
+    runner = runner_for(llama, mode="piecewise")
+    args = list(llama.calls[1])
+    host = next(i for i, s in enumerate(runner.dispatch.inputs) if s.kind == "host" and "epsilon" in s.name)
+    args[host] = torch.tensor(0.5)
+    torch.testing.assert_close(runner(*args), llama.gm(*args))
+    assert runner.stats()["eager_reasons"] == {"host_scalar_changed": 1}
+
+
+def test_static_inputs_are_not_copied_and_moves_are_caught(llama: Recorded) -> None:
+    runner = runner_for(llama, mode="full")
+    args = list(llama.calls[1])
+    runner(*args)
+    static = [i for i, s in enumerate(runner.dispatch.inputs) if s.kind == "static"]
+    assert len(static) > 10 and runner.stats()["static_input_copies_last"] == 1  # only input_ids
+    args[static[0]] = args[static[0]].detach()  # a new tensor object, same memory: adopted
+    runner(*args)
+    assert runner.stats()["eager_calls"] == 0
+    args[static[0]] = args[static[0]].clone()  # another address: the graph would read stale weights
+    torch.testing.assert_close(runner(*args), llama.gm(*args))
+    assert runner.stats()["eager_reasons"] == {"static_input_moved": 1}
+
+
+def test_static_shape_graph_has_one_size_and_rejects_other_shapes() -> None:
+    rec = record(seeded(ToyAttention), toy_inputs((6,)), dynamic=False)
+    runner = runner_for(rec, mode="piecewise")
+    args = rec.calls[0]
+    torch.testing.assert_close(runner(*args), rec.gm(*args))
+    s = runner.stats()
+    assert s["static_shape"] and s["capture_sizes"] == [] and s["graphs"] == 3 and s["replays"] == 1
+    other = [torch.randn(7, 32) if isinstance(a, torch.Tensor) and a.shape == (6, 32) else a for a in args]
+    with pytest.raises(ShapeError, match=r"expected shape \(6, 32\).*got \(7, 32\)"):
+        runner(*other)
+    with pytest.raises(ShapeError, match="expected .* inputs"):
+        runner(*args[:-1])
+
+
+def test_input_written_in_place_is_copied_back() -> None:
+    class DoubleInPlace(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2)
+            return x @ self.w
+
+    rec = record(seeded(DoubleInPlace), [(torch.randn(n, 4),) for n in (5, 8)], dynamic=True)
+    runner = runner_for(rec, mode="full")
+    args = [a.clone() if type(a) is torch.Tensor else a for a in rec.calls[0]]  # x, not the weight
+    expected = [a.clone() if type(a) is torch.Tensor else a for a in rec.calls[0]]
+    torch.testing.assert_close(runner(*args), rec.gm(*expected))
+    torch.testing.assert_close(args, expected)  # the input was doubled, as in eager
+    s = runner.stats()
+    assert s["replays"] == 1 and s["padded_calls"] == 1 and s["static_input_copies_last"] == 2  # in, and back
+
+
+def test_several_dynamic_dims_run_eagerly_with_a_reason() -> None:
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (x.sum(0) + y.sum(0)).relu()
+
+    rec = record(f, [(torch.randn(5, 4), torch.randn(7, 4))], dynamic=True)
+    runner = runner_for(rec, mode="full")
+    args = rec.calls[0]
+    torch.testing.assert_close(runner(*args), rec.gm(*args))
+    s = runner.stats()
+    assert "dynamic dimensions" in s["reason"] and s["eager_reasons"] == {"unsupported": 1}
+
+
+def test_hazard_in_a_captured_piece_fails_at_build() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x * x.amax().item()).relu()
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        rec = record(f, [(torch.randn(6),)], dynamic=False)
+    with pytest.raises(CaptureHazardError, match=r"(?s)call_method item.*x\.amax\(\)\.item\(\)"):
+        runner_for(rec, mode="full")
+    assert runner_for(rec, mode="none").stats()["mode"] == "none"
+
+
+def test_mode_none_is_the_graph_itself(toy: Recorded) -> None:
+    runner = runner_for(toy, mode="none")
+    args = toy.calls[0]
+    torch.testing.assert_close(runner(*args), toy.gm(*args))
+    s = runner.stats()
+    assert s["mode"] == "none" and not s["cudagraphs"] and s["replays"] == 0
+    with pytest.raises(ValueError, match="unknown mode"):
+        runner_for(toy, mode="bogus")
+
+
+def test_progress_bar_on_stderr(toy: Recorded, capsys: pytest.CaptureFixture[str]) -> None:
+    runner = build_runner(toy.gm, toy.example_inputs, Config(mode="full", capture_sizes=SIZES))
+    runner.capture()
+    assert "emulating CUDA graphs" in capsys.readouterr().err
+    assert runner.stats()["capture_s"] > 0
