@@ -1,53 +1,50 @@
-"""End-to-end step latency of the serving-engine Llama under every system, in one run, one table.
+"""End-to-end step latency of the serving-engine Llama under every system: one run, one table.
 
-On the GPU machine (with the devkit, so that the fused ops are served by sgl-kernel):
+On the GPU machine (the devkit serves the fused ops with sgl-kernel), then a CPU smoke test:
 
     source .devkit/setup.sh && python bench/bench_e2e.py --shape 8b --out bench/e2e.md
-
-Smoke test on a CPU (tiny model, the rows that make sense there, about a minute):
-
     python bench/bench_e2e.py --shape tiny --device cpu --out /tmp/e2e.md
 
-Rows (systems) and what each one is:
-
+Rows:
     eager                   the model as written
-    piecewise, no rewrites  ``fxrewrite.Backend(rules=[])``, mode "piecewise": what a serving
-                            engine's eager compiler does today (CUDA graphs, no fusions)
     fxrewrite piecewise     ``fxrewrite.Backend()`` (default rules), mode "piecewise"
-    fxrewrite full          default rules, mode "full": one CUDA graph per step, decode only
-    inductor                ``torch.compile(model)``
+    hand-fused piecewise    the hand-fused twin under ``Backend(rules=[])``, piecewise: the ceiling
+    fxrewrite full          default rules, mode "full" (one CUDA graph per step): decode only
+    piecewise, no rewrites  ``Backend(rules=[])``, piecewise: a serving engine's eager compiler today
+    hand-fused eager        the twin as written
     inductor + CUDA graphs  ``torch.compile(model, mode="reduce-overhead")``
-    hand-fused eager        the hand-fused twin (``fxr`` ops called directly), as written
-    hand-fused piecewise    the twin under ``fxrewrite.Backend(rules=[])``, mode "piecewise": the
-                            ceiling fxrewrite piecewise should reach
-    HBM floor               (weight bytes + KV-cache bytes a step reads) / copy bandwidth, the
-                            bandwidth measured in this run (device-to-device copy, read + write)
+    inductor                ``torch.compile(model)``
+    HBM floor               (weight bytes + KV-cache bytes the step reads) / copy bandwidth
+                            (device-to-device copy, read + write, measured in this run)
 
-Columns: decode (one new token per sequence at a context of ``--context`` cached tokens) at
-batch 1, 8, 64, and prefill of 512 and 4096 tokens (one sequence each, ``--prefill-seqs``); then
-"first call" (seconds of the system's very first call: Dynamo, the backend, anything it captures
-then), "start-up" (seconds all warm-up calls of all columns took above the steady step time:
-the first call, recompiles at new shapes, CUDA graph captures and recordings) and the largest
-relative error ``max|y - ref| / max|ref|`` over the columns, against a float32 eager reference
-on fresh random inputs. Step times are medians of many calls, each timed with CUDA events from
-an idle GPU (so launch overhead counts), after warm-up calls.
+Columns: decode (one new token per sequence after ``--context`` cached tokens) at batch 1, 8,
+64; prefill of 512 and 4096 tokens (``--prefill-seqs`` sequences); "first call" (seconds of the
+system's first call: Dynamo, the backend, what it captures then); "start-up" (seconds all
+warm-up calls took above the steady step time: first call, recompiles, CUDA-graph captures and
+recordings); the largest ``max|y - ref| / max|ref|`` against a float32 eager reference on fresh
+inputs. A step time is the median of many calls, each timed with CUDA events from an idle GPU
+(launch overhead counts), after warm-up calls.
 
-Every system compiles cold (``force_disable_caches``) after ``torch._dynamo.reset()``. A system
-or a column that fails prints why and the run goes on. The table is rewritten to ``--out``
-after every system, so a run cut short still leaves what it measured; ``--budget-s`` skips what
-would start after that many seconds.
+Each system runs in a fresh process (a crash or a sticky CUDA error costs its row only),
+compiles cold (``force_disable_caches``), and reports failures as notes. The table is rewritten
+to ``--out`` after every system; nothing starts after ``--budget-s``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
 import gc
+import json
 import shlex
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -72,7 +69,10 @@ from engine_model import (  # noqa: E402
 
 Batch = dict[str, torch.Tensor]
 Step = Callable[..., torch.Tensor]
+Build = Callable[[EngineLlama, "EngineLlama | str", dict[str, tuple[int, ...]]], tuple[Step, Any]]
 CHECK_SEED, FILL_SEED = 1234, 7
+MIN_REPS, MAX_REPS = 10, 200
+GRACE_S = 90.0  # a system still running this long past --budget-s is killed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,7 @@ class System:
 
     key: str
     label: str
-    build: Callable[[], tuple[Step, Any]]  # -> (step function, fxrewrite backend or None)
+    build: Build  # (model, hand-fused twin or why none, capture sizes) -> (step, fxrewrite backend or None)
     kinds: tuple[str, ...] = ("decode", "prefill")
     needs_cuda: bool = False
     inductor: bool = False
@@ -227,43 +227,43 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # --------------------------------------------------------------------------- systems
 
 
-def systems(model: EngineLlama, twin: EngineLlama | None, capture: dict[str, tuple[int, ...]]) -> list[System]:
-    """Every row, in the order they run (the ones the goals compare first)."""
+def _target(m: EngineLlama | str) -> EngineLlama:
+    """The model, or raise the reason there is none (the hand-fused twin may be missing)."""
+    if isinstance(m, str):
+        raise RuntimeError(m)
+    return m
 
-    def fx(target: torch.nn.Module | None, mode: str, rules: list[Any] | None, sizes: tuple[int, ...]) -> Callable[[], tuple[Step, Any]]:
-        def build() -> tuple[Step, Any]:
-            if target is None:
-                raise RuntimeError("no hand-fused twin (fused ops missing)")
-            import fxrewrite
 
-            config = fxrewrite.Config(mode=mode, splitting_ops=SPLITTING_OPS, capture_sizes=sizes)
-            backend = fxrewrite.Backend(config=config, rules=rules)
-            return torch.compile(target, backend=backend, fullgraph=True, dynamic=True), backend
+def _fx(fused: bool, mode: str, rules: list[Any] | None, sizes: str) -> Build:
+    def build(model: EngineLlama, twin: EngineLlama | str, capture: dict[str, tuple[int, ...]]) -> tuple[Step, Any]:
+        import fxrewrite
 
-        return build
+        config = fxrewrite.Config(mode=mode, splitting_ops=SPLITTING_OPS, capture_sizes=capture[sizes])
+        backend = fxrewrite.Backend(config=config, rules=rules)
+        return torch.compile(_target(twin if fused else model), backend=backend, fullgraph=True, dynamic=True), backend
 
-    def plain(target: torch.nn.Module | None) -> Callable[[], tuple[Step, Any]]:
-        def build() -> tuple[Step, Any]:
-            if target is None:
-                raise RuntimeError("no hand-fused twin (fused ops missing)")
-            return target, None
+    return build
 
-        return build
 
-    def inductor(mode: str | None) -> Callable[[], tuple[Step, Any]]:
-        return lambda: (torch.compile(model, mode=mode, fullgraph=True), None)
+def _eager(fused: bool) -> Build:
+    return lambda model, twin, capture: (_target(twin if fused else model), None)
 
-    every, decode = capture["all"], capture["decode"]
-    return [
-        System("eager", "eager", plain(model)),
-        System("fxrewrite", "fxrewrite piecewise", fx(model, "piecewise", None, every)),
-        System("fused-piecewise", "hand-fused piecewise", fx(twin, "piecewise", [], every)),
-        System("fxrewrite-full", "fxrewrite full", fx(model, "full", None, decode), kinds=("decode",)),
-        System("piecewise-norewrite", "piecewise, no rewrites", fx(model, "piecewise", [], every)),
-        System("fused-eager", "hand-fused eager", plain(twin)),
-        System("inductor-cg", "inductor + CUDA graphs", inductor("reduce-overhead"), needs_cuda=True, inductor=True),
-        System("inductor", "inductor", inductor(None), inductor=True),
-    ]
+
+def _inductor(mode: str | None) -> Build:
+    return lambda model, twin, capture: (torch.compile(model, mode=mode, fullgraph=True), None)
+
+
+# Every row, in the order they run (the ones the goals compare first).
+SYSTEMS = (
+    System("eager", "eager", _eager(False)),
+    System("fxrewrite", "fxrewrite piecewise", _fx(False, "piecewise", None, "all")),
+    System("fused-piecewise", "hand-fused piecewise", _fx(True, "piecewise", [], "all")),
+    System("fxrewrite-full", "fxrewrite full", _fx(False, "full", None, "decode"), kinds=("decode",)),
+    System("piecewise-norewrite", "piecewise, no rewrites", _fx(False, "piecewise", [], "all")),
+    System("fused-eager", "hand-fused eager", _eager(True)),
+    System("inductor-cg", "inductor + CUDA graphs", _inductor("reduce-overhead"), needs_cuda=True, inductor=True),
+    System("inductor", "inductor", _inductor(None), inductor=True),
+)
 
 
 def _short(e: BaseException) -> str:
@@ -295,14 +295,15 @@ def _backend_notes(backend: Any) -> list[str]:
     return notes
 
 
-def run_system(system: System, cols: list[Scenario], ctx: RunContext) -> Result:
-    """Warm up, time, and check one system on every column it runs; failures become notes."""
+def run_system(system: System, cols: list[Scenario], ctx: RunContext, save: Callable[[Result], None]) -> Result:
+    """Warm up, time, and check one system on every column it runs; failures become notes.
+    ``save`` gets the result after every column (a child killed later keeps what it measured)."""
     res = Result()
     counters = torch._dynamo.utils.counters
     counters.clear()
     torch._dynamo.reset()
     try:
-        step, backend = system.build()
+        step, backend = system.build(ctx.model, ctx.twin, ctx.capture)
     except Exception as e:  # noqa: BLE001  (a row that cannot be built says why, the run goes on)
         res.notes.append(f"not built: {_short(e)}")
         res.cells = {c.name: "failed" for c in cols}
@@ -312,16 +313,17 @@ def run_system(system: System, cols: list[Scenario], ctx: RunContext) -> Result:
         if col.kind not in system.kinds:
             res.cells[col.name] = "n/a"
             continue
-        if ctx.over_budget():
+        if time.time() > ctx.args.deadline:
             res.cells[col.name] = "skipped"
             res.notes.append(f"{col.name}: skipped, past --budget-s")
+            save(res)
             continue
         batch = ctx.batches[col.name]
         try:
             warm = [ctx.clock.wall(lambda: step(**batch)) for _ in range(ctx.args.warmup)]
             if res.first_call_s is None:
                 res.first_call_s = warm[0]
-            reps = max(ctx.args.min_reps, min(ctx.args.max_reps, int(ctx.args.target_s / max(warm[-1], 1e-5))))
+            reps = max(MIN_REPS, min(MAX_REPS, int(ctx.args.target_s / max(warm[-1], 1e-5))))
             ms = ctx.clock.median_ms(lambda: step(**batch), reps)
             res.startup_s += max(0.0, sum(warm) - len(warm) * ms / 1e3)
             ctx.model.fill_kv_cache_random(FILL_SEED)  # undo what captures wrote with dummy inputs
@@ -334,7 +336,8 @@ def run_system(system: System, cols: list[Scenario], ctx: RunContext) -> Result:
             res.notes.append(f"{col.name}: {_short(e)}")
             log(traceback.format_exc(limit=-6))
             _free_memory()
-    res.max_err = max(errors) if errors else None
+        res.max_err = max(errors) if errors else None
+        save(res)
     graphs = counters["stats"].get("unique_graphs", 0)
     if graphs:
         res.notes.append(f"Dynamo graphs: {graphs}")
@@ -342,6 +345,7 @@ def run_system(system: System, cols: list[Scenario], ctx: RunContext) -> Result:
         skips = counters["inductor"]["cudagraph_skips"]
         res.notes.append(f"Inductor skipped CUDA graphs {skips} time(s) (TORCH_LOGS=perf_hints says why)")
     res.notes += _backend_notes(backend)
+    save(res)
     del step, backend
     torch._dynamo.reset()
     _free_memory()
@@ -362,19 +366,122 @@ def log(msg: str) -> None:
 
 
 @dataclasses.dataclass
+class Plan:
+    """What the parent and every child derive alike from the arguments."""
+
+    cfg: ModelConfig
+    cols: list[Scenario]
+    max_seqs: int
+    max_len: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def capture(self) -> dict[str, tuple[int, ...]]:
+        """CUDA-graph sizes: the token counts the columns run, up to 512 (prefill beyond runs
+        eagerly, as engines do); decode batch sizes only for the full graph."""
+        tokens = sorted({c.size for c in self.cols})
+        return {"all": tuple(t for t in tokens if t <= 512), "decode": tuple(c.size for c in self.cols if c.kind == "decode")}
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    cfg = llama_8b() if args.shape == "8b" else tiny()
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
+    cols = scenarios(args.shape, args.context, args.prefill_seqs)
+    max_seqs = max(c.size if c.kind == "decode" else c.num_seqs for c in cols)
+    max_len = max(c.context + (1 if c.kind == "decode" else c.size) for c in cols)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    return Plan(cfg, cols, max_seqs, max_len, torch.device(args.device), dtype)
+
+
+@dataclasses.dataclass
 class RunContext:
     """Everything the systems share: the model, its inputs, the references, the clock."""
 
     args: argparse.Namespace
     clock: Clock
     model: EngineLlama
+    twin: EngineLlama | str
+    capture: dict[str, tuple[int, ...]]
     batches: dict[str, Batch]
     checks: dict[str, Batch]
     refs: dict[str, torch.Tensor]
-    start: float = dataclasses.field(default_factory=time.monotonic)
 
-    def over_budget(self) -> bool:
-        return time.monotonic() - self.start > self.args.budget_s
+
+def prepare(plan: Plan) -> tuple[EngineLlama, EngineLlama | str, dict[str, Batch], dict[str, Batch]]:
+    """The model (seeded: every process builds the same), its hand-fused twin, the timed
+    inputs and the fresh inputs the outputs are checked on."""
+    log(f"building {plan.cfg.num_layers} layers on {plan.device} in {plan.dtype}; KV cache {plan.max_seqs} x {plan.max_len}")
+    model = build_model(plan.cfg, device=plan.device, dtype=plan.dtype, seed=0)
+    model.allocate_kv_cache(plan.max_seqs, plan.max_len)
+    model.fill_kv_cache_random(FILL_SEED)
+    twin = _hand_fused(model)
+
+    def batch(c: Scenario, seed: int) -> Batch:
+        b = make_batch(plan.cfg, c.kind, c.size, c.context, num_seqs=c.num_seqs, max_len=plan.max_len, device=plan.device, seed=seed)
+        return mark_static_metadata(b)  # the token count as the one dynamic dimension
+
+    return model, twin, {c.name: batch(c, 0) for c in plan.cols}, {c.name: batch(c, CHECK_SEED) for c in plan.cols}
+
+
+def _hand_fused(model: EngineLlama) -> EngineLlama | str:
+    """The hand-fused twin, or why there is none."""
+    try:
+        import fxrewrite.runtime.ops  # noqa: F401
+
+        missing = [op for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul") if not hasattr(torch.ops.fxr, op)]
+        return f"no hand-fused twin: fused ops missing: {missing}" if missing else fused_twin(model)
+    except Exception as e:  # noqa: BLE001
+        return f"no hand-fused twin: {_short(e)}"
+
+
+def _warm_process(device: torch.device, inductor: bool) -> None:
+    """Pay the process's one-time costs (Dynamo and Inductor imports, compile workers) before
+    any measured first call."""
+    x = torch.randn(64, device=device)
+    torch.compile(lambda t: torch.sin(t) + 1, backend="eager")(x)
+    if inductor:
+        torch.compile(lambda t: torch.sin(t) + 2)(x)
+    torch._dynamo.reset()
+
+
+def child_main(args: argparse.Namespace, plan: Plan) -> int:
+    """Run one system (``--child KEY``) and leave its Result in ``<workdir>/KEY.json``."""
+    model, twin, batches, checks = prepare(plan)
+    refs = {k: v.to(plan.device) for k, v in torch.load(Path(args.workdir) / "refs.pt").items()}
+    system = next(s for s in SYSTEMS if s.key == args.child)
+    out = Path(args.workdir) / f"{system.key}.json"
+    _warm_process(plan.device, system.inductor)
+    ctx = RunContext(args, Clock(plan.device), model, twin, plan.capture, batches, checks, refs)
+    run_system(system, plan.cols, ctx, save=lambda r: out.write_text(json.dumps(dataclasses.asdict(r))))
+    return 0
+
+
+def run_child(key: str, argv: list[str], args: argparse.Namespace, cols: list[Scenario]) -> Result:
+    """One system in a fresh process: a crash, a hung capture or a sticky CUDA error costs that
+    row only. Its stderr streams through; past the deadline (plus a grace) it is killed."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", key, "--workdir", args.workdir,
+           "--deadline", str(args.deadline)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    timer = threading.Timer(max(1.0, args.deadline + GRACE_S - time.time()), proc.kill)
+    timer.start()
+    tail: collections.deque[str] = collections.deque(maxlen=5)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        if line.strip():
+            tail.append(line.strip())
+    rc = proc.wait()
+    killed = not timer.is_alive() and rc != 0
+    timer.cancel()
+    path = Path(args.workdir) / f"{key}.json"
+    res = Result(**json.loads(path.read_text())) if path.exists() else Result()
+    if rc != 0:
+        why = "killed past --budget-s" if killed else f"exited with {rc}"
+        res.notes.append(f"process {why}; last words: {_short(RuntimeError(tail[-1] if tail else ''))}")
+        res.cells = {c.name: res.cells.get(c.name, "killed" if killed else "failed") for c in cols}
+    return res
 
 
 def _ratio_line(what: str, value: float | None, goal: float) -> str:
@@ -390,8 +497,7 @@ def goal_lines(results: dict[str, Result], floor: dict[str, float], cols: list[S
     fx, full, fused, icg = (results.get(k, Result()) for k in ("fxrewrite", "fxrewrite-full", "fused-piecewise", "inductor-cg"))
 
     def best(name: str) -> float | None:
-        times = [r.ms[name] for r in (fx, full) if name in r.ms]
-        return min(times) if times else None
+        return min((r.ms[name] for r in (fx, full) if name in r.ms), default=None)
 
     def over(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
@@ -414,127 +520,94 @@ def render(header: list[str], results: dict[str, Result], labels: dict[str, str]
     out += ["", "| system | " + " | ".join(f"{n} ms" for n in names) + " | first call s | start-up s | max rel err |"]
     out.append("|" + "---|" * (len(names) + 4))
     for key, r in results.items():
-        first = f"{r.first_call_s:.1f}" if r.first_call_s is not None else "-"
-        startup = f"{r.startup_s:.1f}" if r.first_call_s is not None else "-"
+        started = r.first_call_s is not None
         err = f"{r.max_err:.1e}" if r.max_err is not None else "-"
-        cells = [r.cells.get(n, "-") for n in names]
-        out.append(f"| {labels[key]} | " + " | ".join(cells) + f" | {first} | {startup} | {err} |")
+        cells = " | ".join(r.cells.get(n, "-") for n in names)
+        out.append(f"| {labels[key]} | {cells} | {f'{r.first_call_s:.1f}' if started else '-'} | {f'{r.startup_s:.1f}' if started else '-'} | {err} |")
     out.append("| HBM floor | " + " | ".join(f"{floor[n]:.2f}" for n in names) + " | - | - | - |")
     return "\n".join(out) + "\n"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=("8b", "tiny"), default="8b")
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 on cuda, fp32 on cpu")
     p.add_argument("--out", type=Path, default=None, help="write the markdown here (rewritten after every system)")
-    p.add_argument("--systems", default=None, help="comma-separated keys: eager, fxrewrite, fused-piecewise, fxrewrite-full, piecewise-norewrite, fused-eager, inductor-cg, inductor")
+    p.add_argument("--systems", default=None, help="comma-separated keys: " + ", ".join(s.key for s in SYSTEMS))
     p.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
     p.add_argument("--context", type=int, default=1024, help="cached tokens per sequence in decode (tiny: at most 64)")
     p.add_argument("--prefill-seqs", type=int, default=1, help="sequences per prefill step (>1 runs attention's host loop)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls per column (reduce-overhead records at call 2)")
-    p.add_argument("--min-reps", type=int, default=10)
-    p.add_argument("--max-reps", type=int, default=200)
     p.add_argument("--target-s", type=float, default=1.0 if cuda else 0.3, help="timing seconds per cell")
-    p.add_argument("--budget-s", type=float, default=480.0, help="start nothing after this many seconds")
+    p.add_argument("--budget-s", type=float, default=450.0, help="start nothing after this many seconds")
     p.add_argument("--inductor", action="store_true", help="run the Inductor rows on CPU too (slow C++ compiles)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
     return args
 
 
-def _warm_process(device: torch.device, inductor: bool) -> None:
-    """Pay the process's one-time costs (Dynamo and Inductor imports, compile workers) before
-    any measured first call."""
-    x = torch.randn(64, device=device)
-    torch.compile(lambda t: torch.sin(t) + 1, backend="eager")(x)
-    if inductor:
-        torch.compile(lambda t: torch.sin(t) + 2)(x)
-    torch._dynamo.reset()
-
-
-def _hand_fused(model: EngineLlama) -> tuple[EngineLlama | None, str | None]:
-    try:
-        import fxrewrite.runtime.ops  # noqa: F401
-
-        missing = [op for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul") if not hasattr(torch.ops.fxr, op)]
-        if missing:
-            return None, f"fused ops missing: {missing}"
-        return fused_twin(model), None
-    except Exception as e:  # noqa: BLE001
-        return None, _short(e)
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    device = torch.device(args.device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     torch.set_grad_enabled(False)
     torch._inductor.config.force_disable_caches = True  # cold compiles: a first model start
     if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
         torch._dynamo.config.fail_on_recompile_limit_hit = True  # never fall back to eager silently
-    cfg: ModelConfig = llama_8b() if args.shape == "8b" else tiny()
-    if args.layers:
-        cfg = dataclasses.replace(cfg, num_layers=args.layers)
-    cols = scenarios(args.shape, args.context, args.prefill_seqs)
-    max_seqs = max(c.size if c.kind == "decode" else c.num_seqs for c in cols)
-    max_len = max(c.context + (1 if c.kind == "decode" else c.size) for c in cols)
-    clock = Clock(device)
+    plan = make_plan(args)
+    if args.child:
+        return child_main(args, plan)
+    keys = args.systems.split(",") if args.systems else [s.key for s in SYSTEMS]
+    if unknown := set(keys) - {s.key for s in SYSTEMS}:
+        raise SystemExit(f"unknown --systems {sorted(unknown)}; known: {[s.key for s in SYSTEMS]}")
+    chosen = [s for s in SYSTEMS if s.key in keys]
+    args.deadline = time.time() + args.budget_s
+    args.workdir = tempfile.mkdtemp(prefix="fxrewrite-e2e-")
+    device, cols = plan.device, plan.cols
 
-    log(f"building {args.shape} ({cfg.num_layers} layers) on {device} in {args.dtype}; KV cache {max_seqs} x {max_len}")
-    model = build_model(cfg, device=device, dtype=dtype, seed=0)
-    model.allocate_kv_cache(max_seqs, max_len)
-    model.fill_kv_cache_random(FILL_SEED)
-    twin, twin_error = _hand_fused(model)
-
-    def batch(c: Scenario, seed: int) -> Batch:
-        b = make_batch(cfg, c.kind, c.size, c.context, num_seqs=c.num_seqs, max_len=max_len, device=device, seed=seed)
-        return mark_static_metadata(b)  # the token count as the one dynamic dimension
-
-    batches = {c.name: batch(c, 0) for c in cols}
-    checks = {c.name: batch(c, CHECK_SEED) for c in cols}
+    model, twin, batches, checks = prepare(plan)
     log("float32 references ...")
     refs = {c.name: float32_reference(model, checks[c.name]) for c in cols}
+    torch.save({k: v.cpu() for k, v in refs.items()}, Path(args.workdir) / "refs.pt")
+    clock = Clock(device)
     bandwidth = clock.copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (256 << 20))
     floor = {c.name: hbm_floor_ms(model, batches[c.name], bandwidth) for c in cols}
-    tokens = sorted({int(b["input_ids"].numel()) for b in batches.values()})
-    capture = {"all": tuple(t for t in tokens if t <= 512), "decode": tuple(c.size for c in cols if c.kind == "decode")}
-
-    chosen = systems(model, twin, capture)
-    if args.systems:
-        keys = args.systems.split(",")
-        chosen = [s for s in chosen if s.key in keys]
-    run_inductor = any(s.inductor for s in chosen) and (device.type == "cuda" or args.inductor)
-    _warm_process(device, run_inductor)
-
     weight_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    del model, twin, batches, checks, refs  # each system runs in a process of its own
+    _free_memory()
+
+    cfg = plan.cfg
     header = [
         f"# Serving-engine Llama ({args.shape}): step latency by system",
         "",
-        f"- command: `python {' '.join(shlex.quote(a) for a in [Path(__file__).as_posix(), *(argv if argv is not None else sys.argv[1:])])}`",
-        f"- device: {gpu}; torch {torch.__version__}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- command: `python {' '.join(shlex.quote(a) for a in ['bench/bench_e2e.py', *argv])}`",
+        f"- device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}; torch {torch.__version__}; "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP {cfg.intermediate_size}, heads {cfg.num_heads}/{cfg.num_kv_heads} KV, "
-        f"{args.dtype}, {weight_gb:.2f} GB of weights, LM head left out; KV cache {max_seqs} rows x {max_len} tokens",
+        f"{args.dtype}, {weight_gb:.2f} GB of weights, LM head left out; KV cache {plan.max_seqs} rows x {plan.max_len} tokens",
         f"- decode: one new token per sequence after {cols[0].context} cached; prefill: {args.prefill_seqs} sequence(s) from position 0",
-        f"- copy bandwidth (read + write): {bandwidth / 1e12:.3f} TB/s; CUDA graph capture sizes: {capture['all']} (full: {capture['decode']})",
+        f"- copy bandwidth (read + write): {bandwidth / 1e12:.3f} TB/s; CUDA graph capture sizes: {plan.capture['all']} "
+        f"(full: {plan.capture['decode']}); each system in a fresh process",
         "- step ms: median over many calls from an idle device after warm-up; first call and start-up in s; rel err vs float32 eager",
     ]
     labels = {s.key: s.label for s in chosen}
     results: dict[str, Result] = {}
-    ctx = RunContext(args, clock, model, batches, checks, refs)
+    text = ""
     for system in chosen:
         log(f"{system.label} ...")
         if system.needs_cuda and device.type != "cuda":
-            results[system.key] = Result(cells={c.name: "n/a" for c in cols}, notes=["needs CUDA"])
-        elif system.inductor and not run_inductor:
-            results[system.key] = Result(cells={c.name: "n/a" for c in cols}, notes=["Inductor rows off on CPU (--inductor runs them)"])
+            res = Result(cells={c.name: "n/a" for c in cols}, notes=["needs CUDA"])
+        elif system.inductor and device.type != "cuda" and not args.inductor:
+            res = Result(cells={c.name: "n/a" for c in cols}, notes=["Inductor rows off on CPU (--inductor runs them)"])
+        elif time.time() > args.deadline:
+            res = Result(cells={c.name: "skipped" for c in cols}, notes=["skipped, past --budget-s"])
         else:
-            results[system.key] = run_system(system, cols, ctx)
-        if system.key.startswith("fused") and twin_error:
-            results[system.key].notes.insert(0, twin_error)
+            res = run_child(system.key, argv, args, cols)
+        results[system.key] = res
         text = render(header, results, labels, floor, cols)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
