@@ -56,6 +56,8 @@ SILU, GELU, SIGMOID, NEG = A.silu.default, A.gelu.default, A.sigmoid.default, A.
 CLAMP, AMAX = A.clamp.default, A.amax.default
 
 COMMUTATIVE = frozenset({ADD, MUL})
+# Canonical ops that may still become no-ops (after a rewrite changed an input's dtype or shape).
+_NOOP_CANDIDATES = frozenset({CAST, RESHAPE, SLICE, RECIP})
 
 _DTYPE_METHODS = {
     "float": torch.float32,
@@ -170,6 +172,8 @@ class _Canon:
         return self.changed
 
     def visit(self, node: fx.Node) -> None:
+        if isinstance(node.target, torch._ops.OpOverload) and node.target not in _NOOP_CANDIDATES:
+            return  # already canonical (a second run, or ATen in the source): nothing to do
         key = _key(node)
         if node.op == "call_method" and node.target in _DTYPE_METHODS:
             return self.cast(node, node.args[0], _DTYPE_METHODS[node.target])
@@ -257,10 +261,12 @@ class _Canon:
                 return None
         if op is MUL and a is b:
             return self.set(node, POW, (a, 2))
-        if op is MUL and isinstance(b, fx.Node) and b.target is SIGMOID and b.args[0] is a:
-            return self.set(node, SILU, (a,))
-        if op is MUL and isinstance(a, fx.Node) and a.target is SIGMOID and a.args[0] is b:
-            return self.set(node, SILU, (b,))
+        for x, sig in ((a, b), (b, a)):
+            if op is MUL and isinstance(sig, fx.Node) and sig.target is SIGMOID and sig.args[0] is x:
+                self.set(node, SILU, (x,))
+                if not sig.users:  # else x looks used outside any match that consumes the silu
+                    self.graph.erase_node(sig)
+                return None
         if op is DIV and a == 1:
             return None
         return self.set(node, op, (a, b))

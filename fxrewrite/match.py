@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -136,11 +136,14 @@ class _Walker:
         self.cr = rule.compiled
         self.best: Failure | None = None
 
-    def fail(self, st: _State, reason: str, at: Any) -> None:
+    def fail(self, st: _State, reason: str | Callable[[], str], at: Any) -> None:
+        """Record a failure if it got further than the best so far (``reason`` may be a callable,
+        evaluated only then: most anchors fail at once and their reasons are never shown)."""
         done = sum(1 for p in st.nodes if p.op == "call_function")  # elided casts count as matched
         progress = done / max(self.cr.op_count, 1)
         if self.best is None or progress > self.best.progress:
-            self.best = Failure(reason, at if isinstance(at, fx.Node) else None, progress)
+            text = reason() if callable(reason) else reason
+            self.best = Failure(text, at if isinstance(at, fx.Node) else None, progress)
 
     # Each matcher yields every state in which the pair matches (backtracking on alternatives).
     # ``where`` is the graph node whose argument ``g`` is, and the argument's name: a literal has
@@ -194,6 +197,9 @@ class _Walker:
         elif not isinstance(g, fx.Node):
             self.fail(st, f"{_arg(where)}{name}: expected a tensor, found literal {g!r}", where and where[0])
             return
+        elif meta.value(g) is not None and not meta.is_tensor(g):
+            self.fail(st, f"{_arg(where)}{name}: expected a tensor, found scalar {_describe(g)}", g)
+            return
         st = st.copy()
         st.binds[name] = g
         yield st
@@ -211,7 +217,7 @@ class _Walker:
             self.fail(st, f"expected `{_target_name(p.target)}`, found literal {g!r}", None)
             return
         if g.op != "call_function" or g.target != p.target:
-            self.fail(st, self.mismatch_reason(p, g), g)
+            self.fail(st, lambda: self.mismatch_reason(p, g), g)
             return
         if g in st.owner:
             self.fail(st, f"{_describe(g)} already paired with pattern node {st.owner[g].name}", g)

@@ -138,12 +138,15 @@ def propagate(node: fx.Node, fake_mode: Any) -> None:
     node.meta["example_value"] = out
 
 
+def same_sizes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal (possibly symbolic) shapes, compared without adding shape guards."""
+    return a.dim() == b.dim() and all(dim_key(x) == dim_key(y) for x, y in zip(a.shape, b.shape))
+
+
 def same_shape(a: Any, b: Any) -> bool:
     """Both fake tensors known and of identical (possibly symbolic) shape."""
     ta, tb = tensor(a), tensor(b)
-    if ta is None or tb is None or ta.dim() != tb.dim():
-        return False
-    return all(dim_key(x) == dim_key(y) for x, y in zip(ta.shape, tb.shape))
+    return ta is not None and tb is not None and same_sizes(ta, tb)
 
 
 def copy_provenance(src: fx.Node, dst: fx.Node) -> None:

@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
 from fxrewrite import meta
+from fxrewrite.canonicalize import CAST
 from fxrewrite.match import Failure, Match, inplace_blocker, match_at, number_nodes
 from fxrewrite.report import NearMiss, PassResult, Rejected, Site
 from fxrewrite.rule import Bindings, Rule
@@ -49,8 +50,9 @@ def apply_rules(
         number_nodes(gm.graph)
         targets = cr.anchor_targets
         anchors = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
+        prune = 1.0 / max(cr.op_count, 1) < near_miss_min  # a pruned anchor is no near miss
         for anchor in anchors:
-            if anchor in erased:
+            if anchor in erased or (prune and not _may_match(cr.anchor, anchor)):
                 continue
             found = match_at(rule, anchor)
             if isinstance(found, Failure):
@@ -68,6 +70,17 @@ def apply_rules(
     result.near_misses += [miss for anchor, miss in misses if anchor not in erased]
     gm.recompile()
     return result
+
+
+def _may_match(p: fx.Node, g: fx.Node) -> bool:
+    """A cheap necessary condition for a match at ``g``: every operation feeding the pattern's
+    anchor (casts aside: they may be elided) has a same-target input at ``g``. Most add/mul
+    nodes of a model fail it, which saves walking them; a match failing here would have matched
+    one pattern node at most."""
+    if p.target is CAST and g.target is not CAST:
+        p = p.args[0]  # the anchor's cast is elided in this graph
+    have = {a.target for a in g.all_input_nodes if a.op == "call_function"}
+    return all(a.target in have for a in p.all_input_nodes if a.op == "call_function" and a.target is not CAST)
 
 
 def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, erased: set[fx.Node]) -> str | None:

@@ -45,8 +45,9 @@ class Scalar:
     """A scalar wildcard: binds a literal or a symbolic scalar node.
 
     kind:       the Python type a literal must have (``float`` also accepts ints); None: any.
-    predicate:  called with the literal value; a symbolic value (unknown until run time) is
-                accepted without it, since the graph reads it at every call.
+    predicate:  called with the literal value, or for a symbolic node that reads a lifted
+                constant (``.item()`` of a module float under ``dynamic=True``) with the value
+                it had at compile time; other symbolic values are accepted unchecked.
     """
 
     kind: type | None = None
@@ -55,7 +56,12 @@ class Scalar:
     def accepts(self, v: Any) -> str | None:
         """None if ``v`` may bind, else the reason it may not."""
         if isinstance(v, fx.Node):
-            return None if not meta.is_tensor(v) else "a tensor where a scalar is expected"
+            if meta.is_tensor(v):
+                return "a tensor where a scalar is expected"
+            c = meta.constant(v)  # a lifted constant's compile-time value, when the backend knows it
+            if c is None or self.predicate is None or self.predicate(c):
+                return None
+            return f"{_describe_const(v, c)} fails the predicate of this wildcard"
         if self.kind is float and isinstance(v, bool):
             return f"{v!r} is not a float"
         if self.kind is not None and not isinstance(v, (self.kind, int) if self.kind is float else self.kind):
@@ -63,6 +69,10 @@ class Scalar:
         if self.predicate is not None and not self.predicate(v):
             return f"{v!r} fails the predicate of this wildcard"
         return None
+
+
+def _describe_const(node: fx.Node, value: Any) -> str:
+    return f"`{node.name}` (= {value!r} at compile time)"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,9 @@ slice is a strided view of the merged output). The real parameters come from the
 from __future__ import annotations
 
 import sys
+import weakref
 from collections import defaultdict
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -139,5 +141,12 @@ def _constant(gm: fx.GraphModule, graph: fx.Graph, name: str, value: torch.Tenso
         gm.register_buffer(name, value, persistent=False)
     node = graph.get_attr(name)
     if fake_mode is not None:
-        node.meta["example_value"] = fake_mode.from_tensor(value, static_shapes=True)  # type: ignore[attr-defined]
+        key = (value.dtype, value.device, tuple(value.shape))
+        fakes = _FAKES.setdefault(fake_mode, {})
+        if key not in fakes:  # one fake per shape: 32 layers share it
+            fakes[key] = fake_mode.from_tensor(value, static_shapes=True)  # type: ignore[attr-defined]
+        node.meta["example_value"] = fakes[key]
     return node
+
+
+_FAKES: weakref.WeakKeyDictionary[Any, dict[tuple, torch.Tensor]] = weakref.WeakKeyDictionary()

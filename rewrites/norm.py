@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
+from fxrewrite.meta import dim_key, same_sizes
 from fxrewrite.rule import Bindings, InPlace, Rule, Scalar
 
 EPS = Scalar(float, lambda v: 0.0 < v < 0.1)
@@ -29,13 +30,13 @@ def norm_guard(b: Bindings) -> bool | str:
         return f"casts back to {b['dtype']}, input is {x.dtype}"
     if not x.dtype.is_floating_point:
         return f"input dtype {x.dtype} is not floating point"
-    if tuple(w.shape) != tuple(x.shape[-1:]):
+    if w.dim() != 1 or dim_key(w.shape[0]) != dim_key(x.shape[-1]):
         return f"weight shape {tuple(w.shape)} != normalized dim {tuple(x.shape[-1:])}"
     return True
 
 
 def add_norm_guard(b: Bindings) -> bool | str:
-    if b["x"].dtype != b["residual"].dtype or b["x"].shape != b["residual"].shape:
+    if b["x"].dtype != b["residual"].dtype or not same_sizes(b["x"], b["residual"]):
         return f"residual {b['residual'].dtype}{tuple(b['residual'].shape)} != input {b['x'].dtype}{tuple(b['x'].shape)}"
     return norm_guard(b)
 
