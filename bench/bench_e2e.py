@@ -14,6 +14,7 @@ Rows:
     hand-fused eager        the twin as written
     inductor + CUDA graphs  ``torch.compile(model, mode="reduce-overhead")``
     inductor                ``torch.compile(model)``
+    attention op alone      the step's attention calls by themselves (eager): no row changes them
     HBM floor               (weight bytes + KV-cache bytes the step reads) / copy bandwidth
                             (device-to-device copy, read + write, measured in this run)
 
@@ -47,7 +48,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ from engine_model import (  # noqa: E402
     EngineLlama,
     ModelConfig,
     build_model,
+    float32_reference,
     fused_twin,
     llama_8b,
     make_batch,
@@ -165,6 +167,23 @@ class Clock:
         return 2 * nbytes / (ms / 1e3)
 
 
+def attention_ms(model: EngineLlama, batch: Batch, clock: Clock, reps: int = 20) -> float:
+    """Milliseconds of the step's attention ops alone (one call per layer, eager, random q/k/v on
+    layer 0's cache): the part of every row that no compiler here changes."""
+    cfg, cache = model.config, model.layers[0].self_attn
+    tokens, like = batch["input_ids"].numel(), model.embed_tokens.weight
+    q = torch.randn(tokens, cfg.num_heads, cfg.head_dim, dtype=like.dtype, device=like.device)
+    k, v = (torch.randn(tokens, cfg.num_kv_heads, cfg.head_dim, dtype=like.dtype, device=like.device) for _ in range(2))
+    meta = (batch["slots"], batch["seq_lens"], batch["kv_range"], batch.get("query_start"))
+
+    def run() -> None:
+        for _ in range(cfg.num_layers):
+            torch.ops.fxbench.attention.default(q, k, v, cache.k_cache, cache.v_cache, *meta)
+
+    run()
+    return clock.median_ms(run, reps)
+
+
 def hbm_floor_ms(model: EngineLlama, batch: Batch, bandwidth: float) -> float:
     """Milliseconds to read the step's bytes once: all weights (the embedding's used rows only)
     and every cached key and value the step attends to."""
@@ -174,48 +193,6 @@ def hbm_floor_ms(model: EngineLlama, batch: Batch, bandwidth: float) -> float:
     tokens = batch["input_ids"].numel()
     kv = int(batch["seq_lens"].sum()) * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers
     return 1e3 * (weights + tokens * cfg.hidden_size + kv) * elt / bandwidth
-
-
-# --------------------------------------------------------------------------- reference
-
-
-@contextlib.contextmanager
-def _as_float32(module: torch.nn.Module) -> Iterator[None]:
-    """Swap the module's floating parameters and buffers for float32 copies; restore them after."""
-    saved = []
-    for m in module.modules():
-        for store in (m._parameters, m._buffers):
-            for name, t in store.items():
-                if t is not None and t.is_floating_point() and t.dtype != torch.float32:
-                    saved.append((store, name, t))
-                    store[name] = t.float()
-    try:
-        yield
-    finally:
-        for store, name, t in saved:
-            store[name] = t
-
-
-def float32_reference(model: EngineLlama, batch: Batch) -> torch.Tensor:
-    """The model's output computed in float32, one block at a time (an 8B float32 copy would
-    not fit beside the bf16 one): each top-level block runs on float32 copies of its weights
-    and KV cache, which are dropped after it. The real cache is left untouched."""
-    blocks = [model.embed_tokens, *model.layers, model.norm]
-    stacks: dict[int, contextlib.ExitStack] = {}
-
-    def enter(m: torch.nn.Module, _args: Any) -> None:
-        stacks[id(m)] = contextlib.ExitStack()
-        stacks[id(m)].enter_context(_as_float32(m))
-
-    def leave(m: torch.nn.Module, _args: Any, _out: Any) -> None:
-        stacks.pop(id(m)).close()
-
-    handles = [h for b in blocks for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))]
-    try:
-        return model(**batch).float()
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -512,8 +489,10 @@ def goal_lines(results: dict[str, Result], floor: dict[str, float], cols: list[S
     return lines
 
 
-def render(header: list[str], results: dict[str, Result], labels: dict[str, str], floor: dict[str, float], cols: list[Scenario]) -> str:
-    """Header, goals and notes, then the one table (last)."""
+def render(header: list[str], results: dict[str, Result], labels: dict[str, str], extra: dict[str, dict[str, float]], cols: list[Scenario]) -> str:
+    """Header, goals and notes, then the one table (last); ``extra`` rows (attention alone, the
+    HBM floor) close it."""
+    floor = extra["HBM floor"]
     out = [*header, "", "Goals (issue 6), from this run:", *goal_lines(results, floor, cols), "", "Notes:"]
     out += [f"- {labels[k]}: {n}" for k, r in results.items() for n in r.notes] or ["- none"]
     names = [c.name for c in cols]
@@ -524,7 +503,7 @@ def render(header: list[str], results: dict[str, Result], labels: dict[str, str]
         err = f"{r.max_err:.1e}" if r.max_err is not None else "-"
         cells = " | ".join(r.cells.get(n, "-") for n in names)
         out.append(f"| {labels[key]} | {cells} | {f'{r.first_call_s:.1f}' if started else '-'} | {f'{r.startup_s:.1f}' if started else '-'} | {err} |")
-    out.append("| HBM floor | " + " | ".join(f"{floor[n]:.2f}" for n in names) + " | - | - | - |")
+    out += [f"| {label} | " + " | ".join(f"{row[n]:.2f}" for n in names) + " | - | - | - |" for label, row in extra.items()]
     return "\n".join(out) + "\n"
 
 
@@ -575,7 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.save({k: v.cpu() for k, v in refs.items()}, Path(args.workdir) / "refs.pt")
     clock = Clock(device)
     bandwidth = clock.copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (256 << 20))
-    floor = {c.name: hbm_floor_ms(model, batches[c.name], bandwidth) for c in cols}
+    extra = {
+        f"attention op alone (x{plan.cfg.num_layers})": {c.name: attention_ms(model, batches[c.name], clock) for c in cols},
+        "HBM floor": {c.name: hbm_floor_ms(model, batches[c.name], bandwidth) for c in cols},
+    }
     weight_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     del model, twin, batches, checks, refs  # each system runs in a process of its own
     _free_memory()
@@ -608,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             res = run_child(system.key, argv, args, cols)
         results[system.key] = res
-        text = render(header, results, labels, floor, cols)
+        text = render(header, results, labels, extra, cols)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text)

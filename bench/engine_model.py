@@ -44,8 +44,11 @@ keys on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +60,7 @@ __all__ = [
     "EngineLlama",
     "attention",
     "build_model",
+    "float32_reference",
     "fused_twin",
     "llama_8b",
     "make_batch",
@@ -493,6 +497,45 @@ def fused_twin(model: EngineLlama) -> EngineLlama:
         dst._parameters.update(src._parameters)
         dst._buffers.update(src._buffers)
     return twin.eval()
+
+
+@contextlib.contextmanager
+def _as_float32(module: torch.nn.Module) -> Iterator[None]:
+    """Swap the module's floating parameters and buffers for float32 copies; restore them after."""
+    saved = []
+    for m in module.modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in store.items():
+                if t is not None and t.is_floating_point() and t.dtype != torch.float32:
+                    saved.append((store, name, t))
+                    store[name] = t.float()
+    try:
+        yield
+    finally:
+        for store, name, t in saved:
+            store[name] = t
+
+
+def float32_reference(model: EngineLlama, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's output computed in float32, one block at a time (an 8B float32 copy would
+    not fit beside the bf16 one): each top-level block runs on float32 copies of its weights
+    and KV cache, which are dropped after it. The real cache is left untouched."""
+    blocks = [model.embed_tokens, *model.layers, model.norm]
+    stacks: dict[int, contextlib.ExitStack] = {}
+
+    def enter(m: torch.nn.Module, _args: Any) -> None:
+        stacks[id(m)] = contextlib.ExitStack()
+        stacks[id(m)].enter_context(_as_float32(m))
+
+    def leave(m: torch.nn.Module, _args: Any, _out: Any) -> None:
+        stacks.pop(id(m)).close()
+
+    handles = [h for b in blocks for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))]
+    try:
+        return model(**batch).float()
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def make_batch(

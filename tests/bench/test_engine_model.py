@@ -14,6 +14,7 @@ from engine_model import (  # noqa: E402
     SPLITTING_OPS,
     EngineLlama,
     build_model,
+    float32_reference,
     fused_twin,
     make_batch,
     mark_static_metadata,
@@ -92,6 +93,26 @@ def test_fused_twin_equals_plain_model() -> None:
     for kind, size, context in (("prefill", 9, 0), ("decode", 3, 9)):
         batch = _batch(kind, size, context, seed=size)
         torch.testing.assert_close(twin(**batch), model(**batch), rtol=1e-6, atol=1e-6)
+
+
+def test_float32_reference_runs_a_bf16_model_in_float32() -> None:
+    """The block-by-block float32 reference of a bf16 model equals a float32 model holding the
+    same (upcast) weights and cache, and leaves the bf16 model's cache as it was."""
+    low = build_model(CFG, dtype=torch.bfloat16, seed=3)
+    low.allocate_kv_cache(MAX_SEQS, MAX_LEN)
+    low.fill_kv_cache_random(seed=4)
+    high = _model()
+    high.load_state_dict({k: v.float() for k, v in low.state_dict().items()})
+    for a, b in zip(low.layers, high.layers):
+        b.self_attn.k_cache.copy_(a.self_attn.k_cache)
+        b.self_attn.v_cache.copy_(a.self_attn.v_cache)
+    cache_before = low.layers[1].self_attn.k_cache.clone()
+    batch = _batch("decode", 3, context=20)
+    ref = float32_reference(low, batch)
+    assert ref.dtype == torch.float32
+    torch.testing.assert_close(ref, high(**batch), rtol=1e-5, atol=1e-5)
+    assert torch.equal(low.layers[1].self_attn.k_cache, cache_before)
+    assert low.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
 
 
 class _GraphCounter:
