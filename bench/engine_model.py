@@ -158,7 +158,7 @@ def _decode(
     k = k_cache[rows_read, :length].transpose(1, 2)
     v = v_cache[rows_read, :length].transpose(1, 2)
     mask = (kv_range[None, :] < seq_lens.clamp(min=1)[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.view(batch, kv_heads, heads // kv_heads, dim), k, v, attn_mask=mask)
+    out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, heads // kv_heads, dim), k, v, attn_mask=mask)
     return out.reshape(batch, heads, dim)
 
 
@@ -202,10 +202,24 @@ def attention(
     v_cache.view(-1, kv_heads, dim).index_copy_(0, slots, v)
     path = _path(q, seq_lens, kv_range)
     if path == "decode":
-        return _decode(q, k_cache, v_cache, seq_lens, kv_range)
-    if path in ("prefill", "chunk"):
+        out = _decode(q, k_cache, v_cache, seq_lens, kv_range)
+    elif path in ("prefill", "chunk"):
         length = kv_range.shape[0]
-        return _attend_one(q, k_cache[0, :length], v_cache[0, :length], kv_range)
+        out = _attend_one(q, k_cache[0, :length], v_cache[0, :length], kv_range)
+    else:
+        out = _attend_many(q, k_cache, v_cache, seq_lens, kv_range, query_start)
+    return out.contiguous()  # the layout the fake impl promises, whatever SDPA backend ran
+
+
+def _attend_many(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_range: torch.Tensor,
+    query_start: torch.Tensor | None,
+) -> torch.Tensor:
+    """A prefill of several sequences: one causal attention per sequence, lengths read on the host."""
     if query_start is None:
         raise ValueError("fxbench::attention: a prefill of several sequences needs query_start")
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -222,7 +236,7 @@ def attention(
 def _(q, k, v, k_cache, v_cache, slots, seq_lens, kv_range, query_start=None):  # type: ignore[no-untyped-def]
     torch._check(slots.shape[0] == q.shape[0], lambda: "one cache slot per new token")
     _path(q, seq_lens, kv_range)
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
 
 
 # What ``Config.splitting_ops`` must name. The model calls the overload (``.default``), not the

@@ -82,6 +82,20 @@ def test_batched_decode_equals_single_sequences() -> None:
         torch.testing.assert_close(stepped[row], out[4], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind, size, context", [("decode", 3, 9), ("prefill", 6, 0), ("prefill", 4, 5)])
+def test_attention_op_passes_opcheck(kind: str, size: int, context: int) -> None:
+    """Schema, fake impl (shapes, strides, mutation) and dynamic-shape tracing of the op agree
+    with its real impl: decode, prefill, and prefill on a cached prefix."""
+    model = _model()
+    attn = model.layers[0].self_attn
+    batch = _batch(kind, size, context)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(size, CFG.num_heads, CFG.head_dim, generator=g)
+    k, v = (torch.randn(size, CFG.num_kv_heads, CFG.head_dim, generator=g) for _ in range(2))
+    args = (q, k, v, attn.k_cache, attn.v_cache, batch["slots"], batch["seq_lens"], batch["kv_range"])
+    torch.library.opcheck(torch.ops.fxbench.attention.default, args)
+
+
 def test_fused_twin_equals_plain_model() -> None:
     """The hand-fused twin shares the weights and computes the same thing (float32, tight)."""
     missing = _missing_fused_ops()
