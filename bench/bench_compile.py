@@ -20,6 +20,8 @@ Environment:
     FXREWRITE_BENCH_INDUCTOR  1 runs the Inductor rows; default 1 on GPU, 0 on CPU (Inductor on
                               CPU compiles C++ and takes about a minute at 32 layers).
     FXREWRITE_BENCH_ROUNDS    rounds per benchmark; default 3 on GPU, 2 on CPU.
+    FXREWRITE_BENCH_INDUCTOR_ROUNDS  rounds of the Inductor rows; default 1 (a cold compile
+                              varies little next to its length, and max-autotune takes minutes).
 
 The node counts before and after rewriting, and the fused ops, go to ``extra_info`` of each
 fxrewrite benchmark (see ``--benchmark-json``).
@@ -47,6 +49,7 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 ROUNDS = int(os.environ.get("FXREWRITE_BENCH_ROUNDS", "3" if ON_GPU else "2"))
+INDUCTOR_ROUNDS = int(os.environ.get("FXREWRITE_BENCH_INDUCTOR_ROUNDS", "1"))
 RUN_INDUCTOR = os.environ.get("FXREWRITE_BENCH_INDUCTOR", "1" if ON_GPU else "0") not in ("", "0")
 LAYERS = (2, 8, 32)
 REWRITE_LAYERS = (2, 8, 32, 128)
@@ -102,11 +105,13 @@ def _sync() -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def _cold_inductor_and_warm_process() -> Any:
-    """Cold Inductor caches for every compile; one throwaway compile per system first, so the
-    first measured round does not also pay the process's one-time imports and worker startup."""
+    """Cold Inductor caches for every compile; one throwaway compile per backend family first
+    (Dynamo, fxrewrite, default Inductor), so the first measured round does not also pay the
+    process's one-time imports and compile-worker startup."""
     with torch._inductor.config.patch(force_disable_caches=True):
         model, batch = _model(2)
-        for compile_ in SYSTEMS.values():
+        for name in ("dynamo-eager", "fxrewrite", "inductor"):
+            compile_ = SYSTEMS[name]
             if callable(compile_):
                 torch._dynamo.reset()
                 compile_(model)(**batch)
@@ -132,7 +137,8 @@ def test_first_call(benchmark: Any, system: str, layers: int) -> None:
         compile_(model)(**batch)  # the backend's construction counts too
         _sync()
 
-    benchmark.pedantic(first_call, setup=setup, rounds=ROUNDS, iterations=1, warmup_rounds=0)
+    rounds = INDUCTOR_ROUNDS if system.startswith("inductor") else ROUNDS
+    benchmark.pedantic(first_call, setup=setup, rounds=rounds, iterations=1, warmup_rounds=0)
     benchmark.extra_info.update(layers=layers, device=DEVICE, dtype=str(DTYPE))
     torch._dynamo.reset()
 
