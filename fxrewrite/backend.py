@@ -145,7 +145,7 @@ class Backend:
                 node.meta["fxr_param"] = value  # real weights, for passes that re-lay them
             elif isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu":
                 node.meta["fxr_real"] = value.detach().clone()  # a lifted scalar (see meta.constant)
-        pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs))
+        pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs), lint=self.config.lint)
         graph_report = pm.run(gm)
         self.graphs.append(gm)
         self.report.graphs.append(graph_report)

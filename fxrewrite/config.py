@@ -35,6 +35,7 @@ class Config:
     verify:          check every distinct matched site numerically at compile time
                      (env FXREWRITE_VERIFY=1).
     merge_siblings:  merge linears that read the same input into one GEMM.
+    lint:            ``graph.lint()`` after every pass (costs about a tenth of the rewrite time).
     near_miss_min:   a failed match is reported as a near miss when it got at least this
                      fraction of the pattern's operations right.
     mode:            "none" (run eagerly), "piecewise" (split at splitting ops, CUDA graph per
@@ -53,6 +54,7 @@ class Config:
     dump_dir: str | None = None
     verify: bool | None = None
     merge_siblings: bool = True
+    lint: bool = True
     near_miss_min: float = 0.5
     mode: Mode = "none"
     splitting_ops: Sequence[Callable[..., Any] | Any] = DEFAULT_SPLITTING_OPS
