@@ -1,0 +1,190 @@
+"""Gated activation rules (rewrites/activation.py): SiLU-and-mul, GELU-and-mul (erf and tanh).
+
+The gate/up tensor comes out of one merged linear, as in vLLM-style model code (its last dim
+is static under dynamic=True too); how HF's two projections reach these rules is test_merge.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import BF16, DYNAMIC, F32, check, fused_nodes, reasons, sites
+
+from fxrewrite.rewrites import activation
+
+Act = Callable[[torch.Tensor], torch.Tensor]
+
+# Engine regression (64035e5, fxrewrite/rewrite.py `_may_match`): anchors are pruned unless every
+# op feeding the pattern's anchor is among the anchor's inputs; the walk matched `mul` and `silu`
+# (2 of 4 ops, at near_miss_min 0.5) before failing at the second input, so the miss was shown.
+PRUNED = "engine: the anchor pre-filter `_may_match` drops near misses that match 2 of 4 ops"
+
+
+def chunk(gu: torch.Tensor, act: Act) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+def split(gu: torch.Tensor, act: Act) -> torch.Tensor:
+    gate, up = torch.split(gu, gu.shape[-1] // 2, dim=-1)
+    return up * act(gate)  # up first
+
+
+def slices(gu: torch.Tensor, act: Act) -> torch.Tensor:
+    d = gu.shape[-1] // 2
+    return act(gu[..., :d]) * gu[..., d:]
+
+
+def split_sections(gu: torch.Tensor, act: Act) -> torch.Tensor:
+    gate, up = gu.split([64, 64], -1)
+    return act(gate) * up
+
+
+SPLITS = {"chunk": chunk, "split": split, "slices": slices, "split-sections": split_sections}
+
+
+class GatedMLP(torch.nn.Module):
+    """``down(act(gate) * up)`` over a merged gate_up projection, halves taken by ``halves``."""
+
+    def __init__(self, act: Act, halves: Callable[[torch.Tensor, Act], torch.Tensor] = chunk, inter: int = 64):
+        super().__init__()
+        self.act, self.halves = act, halves
+        self.gate_up_proj = torch.nn.Linear(32, 2 * inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.halves(self.gate_up_proj(x), self.act))
+
+
+SILUS: dict[str, Act] = {"F.silu": F.silu, "nn.SiLU": torch.nn.SiLU(), "g*g.sigmoid()": lambda g: g * g.sigmoid()}
+DTYPE_DYNAMIC = pytest.mark.parametrize(
+    ("dtype", "dynamic"), [(F32, True), (F32, False), (BF16, True)], ids=["f32-dynamic", "f32-static", "bf16-dynamic"]
+)
+
+
+@DTYPE_DYNAMIC
+@pytest.mark.parametrize("halves", list(SPLITS))
+def test_silu_and_mul_over_every_way_to_take_halves(halves: str, dtype: torch.dtype, dynamic: bool) -> None:
+    model = GatedMLP(F.silu, SPLITS[halves]).to(dtype)
+    r = check(model, torch.randn(2, 3, 32, dtype=dtype), expect={"silu_and_mul": 1}, dynamic=dynamic)
+    assert [s.rule for s in sites(r)] == ["silu_and_mul"]
+    assert not r.report.near_misses
+
+
+@pytest.mark.parametrize("silu", list(SILUS))
+def test_silu_and_mul_silu_spellings(silu: str) -> None:
+    check(GatedMLP(SILUS[silu], slices), torch.randn(5, 32), expect={"silu_and_mul": 1})
+
+
+@pytest.mark.parametrize(
+    "silu", [lambda g: g * torch.sigmoid(g), lambda g: torch.sigmoid(g) * g], ids=["g*sigmoid(g)", "sigmoid(g)*g"]
+)
+@DYNAMIC
+def test_silu_spelled_x_times_sigmoid(silu: Act, dynamic: bool) -> None:
+    """Canonicalized to silu (the orphaned sigmoid erased at once, or `g` looks used outside)."""
+    r = check(GatedMLP(silu), torch.randn(5, 32), expect={"silu_and_mul": 1}, dynamic=dynamic)
+    assert "aten.sigmoid" not in r.counts()
+
+
+def gelu_tanh(g: torch.Tensor) -> torch.Tensor:
+    return F.gelu(g, approximate="tanh")
+
+
+# nn.GELU modules once; the functional forms under every dtype and dynamic setting.
+GELUS = [
+    pytest.param(gelu, approx, dtype, dynamic, id=f"{name}-{dt_id}")
+    for name, gelu, approx in (("F.gelu", F.gelu, "none"), ("F.gelu-tanh", gelu_tanh, "tanh"))
+    for dtype, dynamic, dt_id in ((F32, True, "f32-dynamic"), (F32, False, "f32-static"), (BF16, True, "bf16-dynamic"))
+] + [
+    pytest.param(torch.nn.GELU(), "none", F32, True, id="nn.GELU"),
+    pytest.param(torch.nn.GELU(approximate="tanh"), "tanh", F32, True, id="nn.GELU-tanh"),
+]
+
+
+@pytest.mark.parametrize(("gelu", "approximate", "dtype", "dynamic"), GELUS)
+def test_gelu_and_mul_erf_and_tanh(gelu: Act, approximate: str, dtype: torch.dtype, dynamic: bool) -> None:
+    r = check(GatedMLP(gelu).to(dtype), torch.randn(4, 32, dtype=dtype), expect={"gelu_and_mul": 1}, dynamic=dynamic)
+    (node,) = fused_nodes(r, "gelu_and_mul")
+    assert (node.args[1:] or ("none",))[0] == approximate
+    assert [s.rule for s in sites(r)] == ["gelu_tanh_and_mul" if approximate == "tanh" else "gelu_and_mul"]
+
+
+# -- negative twins -----------------------------------------------------------------------------
+
+
+def not_halves(gu: torch.Tensor, act: Act) -> torch.Tensor:
+    return act(gu[..., :32]) * gu[..., 32:64]
+
+
+def gaps(gu: torch.Tensor, act: Act) -> torch.Tensor:
+    return act(gu[..., :48]) * gu[..., 80:]
+
+
+def swapped(gu: torch.Tensor, act: Act) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return act(up) * gate  # activation on the second half: not what silu_and_mul computes
+
+
+def along_tokens(gu: torch.Tensor, act: Act) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=0)
+    return act(gate) * up
+
+
+@pytest.mark.parametrize(
+    ("halves", "reason"),
+    [
+        (not_halves, "`getitem_1` end: literal 64 != 9223372036854775807"),
+        (gaps, "80 != bound d 48"),
+        (swapped, "`up` start: literal 64 != 0"),
+        (along_tokens, "`gate` dim: literal -2 != -1"),
+    ],
+    ids=["slices-not-halves", "slices-with-gap", "activation-on-second-half", "chunk-along-tokens"],
+)
+def test_silu_and_mul_negative_twins(halves: Callable[[torch.Tensor, Act], torch.Tensor], reason: str) -> None:
+    gate_up = torch.nn.Linear(32, 128, bias=False)
+    r = check(lambda x: halves(gate_up(x), F.silu), torch.randn(4, 32), expect={}, dynamic=False)
+    assert reasons(r, "silu_and_mul") == [reason]
+
+
+def test_slices_at_a_quarter_fail_the_halves_guard() -> None:
+    """``act(x[..., :d]) * x[..., d:]`` with d not half the last dim (a size-1 gate broadcasts):
+    structurally the pattern, rejected by the guard."""
+
+    def quarter(x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x[..., :1]) * x[..., 1:]
+
+    r = check(quarter, torch.randn(4, 4), expect={}, dynamic=False)
+    assert reasons(r, "silu_and_mul") == ["guard: slices at 1 do not halve the last dim 4"]
+
+
+def test_relu_gate_is_not_silu_and_mul() -> None:
+    """Not even a near miss: the walk fails at the activation, one pattern op in (under the
+    default near_miss_min of 0.5)."""
+    r = check(GatedMLP(torch.relu), torch.randn(4, 32), expect={}, dynamic=False)
+    assert not r.report.near_misses
+
+
+def test_gelu_erf_rule_does_not_take_tanh_and_back() -> None:
+    """The erf and tanh forms differ by a keyword: each rule takes only its own."""
+    r = check(GatedMLP(lambda g: F.gelu(g, approximate="tanh")), torch.randn(4, 32), expect={"gelu_and_mul": 1})
+    assert [s.rule for s in sites(r)] == ["gelu_tanh_and_mul"]
+    assert activation.RULES == [activation.SILU_AND_MUL, activation.GELU_AND_MUL, activation.GELU_TANH_AND_MUL]
+
+
+@pytest.mark.parametrize(
+    "dynamic",
+    [
+        pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=PRUNED), id="dynamic"),
+        pytest.param(False, id="static"),
+    ],
+)
+def test_chunk_of_a_symbolic_last_dim_is_a_near_miss_not_a_silent_one(dynamic: bool) -> None:
+    """A graph input's last dim is symbolic under dynamic=True: ``chunk`` along it stays a
+    ``getitem`` of the chunk (canonicalization needs static sizes to write slices) and the report
+    says so. Static: fused. Model code chunks a projection's output, whose last dim is static."""
+    expect = {} if dynamic else {"silu_and_mul": 1}
+    r = check(lambda x: chunk(x, F.silu), torch.randn(4, 64), expect=expect, dynamic=dynamic)
+    assert reasons(r, "silu_and_mul") == (["expected `slice`, found `getitem` (`gate`)"] if dynamic else [])
