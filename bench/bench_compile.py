@@ -181,5 +181,6 @@ def test_rewrite_only(benchmark: Any, layers: int) -> None:
         nodes_after=report.nodes_after,
         fused_ops=dict(report.fused_ops),
     )
-    expected = {"fused_add_rms_norm": 2 * layers, "rms_norm": 1, "silu_and_mul": layers}
-    assert dict(report.fused_ops) == expected, report.fused_ops
+    fused = dict(report.fused_ops)
+    add_norm = sum(n for op, n in fused.items() if op.startswith("fused_add_rms_norm"))  # in place or not
+    assert (add_norm, fused.get("rms_norm"), fused.get("silu_and_mul")) == (2 * layers, 1, layers), fused

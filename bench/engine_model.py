@@ -14,7 +14,7 @@ tree and the same weights; only three spots differ, each a call to a fused op re
 ``fxrewrite.runtime.ops``:
 
     RMSNorm          ``self.weight * (x.float() * rsqrt(...)).to(dtype)`` -> ``fxr.rms_norm``
-    add + RMSNorm    ``x = x + residual; residual = x; norm(x)``        -> ``fxr.fused_add_rms_norm``
+    add + RMSNorm    ``x = x + residual; residual = x; norm(x)``        -> ``fxr.fused_add_rms_norm_``
     SiLU-and-mul     ``gate, up = x.chunk(2, -1); F.silu(gate) * up``    -> ``fxr.silu_and_mul``
 
 It is the ceiling the rewriter should reach on the plain model.
@@ -273,14 +273,20 @@ class RMSNorm(nn.Module):
 
 
 class FusedRMSNorm(RMSNorm):
-    """The same norm through ``fxr.rms_norm`` / ``fxr.fused_add_rms_norm``."""
+    """The same norm through ``fxr.rms_norm`` / ``fxr.fused_add_rms_norm_``.
+
+    The add + norm is the in-place op, as a kernel author calls sgl-kernel's
+    ``fused_add_rmsnorm``: ``residual += x; x = norm(residual)``. Both inputs are dead after the
+    call (``x`` is a sublayer's fresh output, ``residual`` the running sum), and the functional
+    ``fxr.fused_add_rms_norm`` would pay an extra add kernel: this is the ceiling.
+    """
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return torch.ops.fxr.rms_norm.default(x, self.weight, self.eps)
-        out, total = torch.ops.fxr.fused_add_rms_norm.default(x, residual, self.weight, self.eps)
+        out, total = torch.ops.fxr.fused_add_rms_norm_.default(x, residual, self.weight, self.eps)
         return out, total
 
 
