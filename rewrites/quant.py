@@ -7,7 +7,8 @@ norm and activation patterns themselves, so every spelling those cover is covere
 
 Norm + quant rules run before the plain norm rules (they contain them); activation + quant
 rules run after SiLU-and-mul fused and match on ``fxr.silu_and_mul``: the static one through
-``torch.fx.subgraph_rewriter`` (no wildcards are needed on top of a fused op).
+``torch.fx.subgraph_rewriter`` (no wildcards are needed on top of a fused op), then through the
+node-walking matcher for the spellings exact matching misses (lifted 448, elided ``.float()``).
 """
 
 from __future__ import annotations
@@ -117,6 +118,13 @@ SILU_AND_MUL_QUANT = Rule(
     "silu_and_mul_quant_fp8", silu_and_mul_quant_pattern, silu_and_mul_quant_replacement, scale_guard,
     via="subgraph_rewriter",
 )  # fmt: skip
+# The same rule through the node-walking matcher, for the spellings exact structural matching
+# misses: the bound 448 read from a Python float (``FP8_MAX`` in ``quant_fp8_static`` itself),
+# which Dynamo lifts under dynamic=True (``-item``, ``item`` where literals were), and a float32
+# activation, whose ``.float()`` the graph no longer has.
+SILU_AND_MUL_QUANT_WALK = Rule(
+    "silu_and_mul_quant_fp8", silu_and_mul_quant_pattern, silu_and_mul_quant_replacement, scale_guard
+)
 SILU_AND_MUL_DYNAMIC_QUANT = Rule(
     "silu_and_mul_dynamic_quant_fp8", silu_and_mul_dynamic_quant_pattern, silu_and_mul_dynamic_quant_replacement
 )
@@ -124,4 +132,4 @@ SILU_AND_MUL_DYNAMIC_QUANT = Rule(
 # Before the norm rules (add + norm variants first, as there).
 NORM_RULES: list[Rule] = [ADD_RMS_NORM_DYNAMIC_QUANT, ADD_RMS_NORM_QUANT, RMS_NORM_DYNAMIC_QUANT, RMS_NORM_QUANT]
 # After the activation rules.
-ACTIVATION_RULES: list[Rule] = [SILU_AND_MUL_QUANT, SILU_AND_MUL_DYNAMIC_QUANT]
+ACTIVATION_RULES: list[Rule] = [SILU_AND_MUL_QUANT, SILU_AND_MUL_QUANT_WALK, SILU_AND_MUL_DYNAMIC_QUANT]
