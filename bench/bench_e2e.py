@@ -5,15 +5,15 @@ On the GPU machine (the devkit serves the fused ops with sgl-kernel), then a CPU
     source .devkit/setup.sh && python bench/bench_e2e.py --shape 8b --out bench/e2e.md
     python bench/bench_e2e.py --shape tiny --device cpu --out /tmp/e2e.md
 
-Rows:
+Rows, in the order they run (what the goals compare first):
     eager                   the model as written
     fxrewrite piecewise     ``fxrewrite.Backend()`` (default rules), mode "piecewise"
     hand-fused piecewise    the hand-fused twin under ``Backend(rules=[])``, piecewise: the ceiling
     fxrewrite full          default rules, mode "full" (one CUDA graph per step): decode only
-    piecewise, no rewrites  ``Backend(rules=[])``, piecewise: a serving engine's eager compiler today
-    hand-fused eager        the twin as written
     inductor + CUDA graphs  ``torch.compile(model, mode="reduce-overhead")``
+    piecewise, no rewrites  ``Backend(rules=[])``, piecewise: a serving engine's eager compiler today
     inductor                ``torch.compile(model)``
+    hand-fused eager        the twin as written
     attention op alone      the step's attention calls by themselves (eager): no row changes them
     HBM floor               (weight bytes + KV-cache bytes the step reads) / copy bandwidth
                             (device-to-device copy, read + write, measured in this run)
