@@ -40,7 +40,9 @@ import dataclasses
 import datetime
 import gc
 import json
+import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -440,8 +442,9 @@ def run_child(key: str, argv: list[str], args: argparse.Namespace, cols: list[Sc
     row only. Its stderr streams through; past the deadline (plus a grace) it is killed."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", key, "--workdir", args.workdir,
            "--deadline", str(args.deadline)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    timer = threading.Timer(max(1.0, args.deadline + GRACE_S - time.time()), proc.kill)
+    # its own process group, so that a kill also ends the compile workers it started
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    timer = threading.Timer(max(1.0, args.deadline + GRACE_S - time.time()), os.killpg, (proc.pid, signal.SIGKILL))
     timer.start()
     tail: collections.deque[str] = collections.deque(maxlen=5)
     assert proc.stderr is not None
@@ -456,7 +459,8 @@ def run_child(key: str, argv: list[str], args: argparse.Namespace, cols: list[Sc
     res = Result(**json.loads(path.read_text())) if path.exists() else Result()
     if rc != 0:
         why = "killed past --budget-s" if killed else f"exited with {rc}"
-        res.notes.append(f"process {why}; last words: {_short(RuntimeError(tail[-1] if tail else ''))}")
+        last = tail[-1].replace("|", "/")[:300] if tail else "none"
+        res.notes.append(f"process {why}; its last line: {last}")
         res.cells = {c.name: res.cells.get(c.name, "killed" if killed else "failed") for c in cols}
     return res
 
