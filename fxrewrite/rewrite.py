@@ -50,7 +50,7 @@ def apply_rules(
         number_nodes(gm.graph)
         targets = cr.anchor_targets
         anchors = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
-        prune = 1.0 / max(cr.op_count, 1) < near_miss_min  # a pruned anchor is no near miss
+        prune = _shallow_progress(cr.anchor) / max(cr.op_count, 1) < near_miss_min  # pruned: no near miss
         for anchor in anchors:
             if anchor in erased or (prune and not _may_match(cr.anchor, anchor)):
                 continue
@@ -72,15 +72,27 @@ def apply_rules(
     return result
 
 
+def _shallow_progress(anchor: fx.Node) -> int:
+    """The most pattern nodes a walk that fails at the anchor's arguments can have matched: the
+    anchor, an elided cast in its place, and elided casts among its arguments."""
+    heads = [anchor] + ([anchor.args[0]] if anchor.target is CAST and isinstance(anchor.args[0], fx.Node) else [])
+    return 2 + sum(1 for h in heads for a in h.all_input_nodes if a.target is CAST)
+
+
 def _may_match(p: fx.Node, g: fx.Node) -> bool:
-    """A cheap necessary condition for a match at ``g``: every operation feeding the pattern's
-    anchor (casts aside: they may be elided) has a same-target input at ``g``. Most add/mul
-    nodes of a model fail it, which saves walking them; a match failing here would have matched
-    one pattern node at most."""
+    """A cheap test that a walk from ``g`` could get past the anchor: some input of ``g`` has the
+    target of an operation feeding the pattern's anchor (or, for a cast there, of the cast's
+    input, since the graph may have elided it). Most add/mul nodes of a model fail it; a walk from them would fail at the
+    anchor's first argument, matching one pattern node, too little for a near miss."""
     if p.target is CAST and g.target is not CAST:
         p = p.args[0]  # the anchor's cast is elided in this graph
-    have = {a.target for a in g.all_input_nodes if a.op == "call_function"}
-    return all(a.target in have for a in p.all_input_nodes if a.op == "call_function" and a.target is not CAST)
+    want: set[Any] = set()
+    for a in p.all_input_nodes:
+        if a.op == "call_function":
+            want.add(a.target)
+            if a.target is CAST and isinstance(a.args[0], fx.Node) and a.args[0].op == "call_function":
+                want.add(a.args[0].target)  # the graph may have elided this cast
+    return not want or any(a.op == "call_function" and a.target in want for a in g.all_input_nodes)
 
 
 def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, erased: set[fx.Node]) -> str | None:
