@@ -55,19 +55,22 @@ def _group_key(lin: fx.Node) -> tuple | None:
 
 
 def _reusable_base(params: list[torch.Tensor]) -> torch.Tensor | None:
-    """The buffer ``params`` already are consecutive row blocks of (an earlier merge), or None."""
-    base = params[0]._base
-    if base is None or any(p._base is not base for p in params):
-        return None
-    rows = sum(p.shape[0] for p in params)
-    if base.shape[0] != rows or base.shape[1:] != params[0].shape[1:]:
-        return None
-    offset = 0
+    """The buffer ``params`` already are consecutive row blocks of (an earlier merge), or None.
+
+    ``param.data = merged[rows]`` leaves no ``_base`` on the parameter, so the layout is read
+    from the storage: one storage, contiguous blocks end to end. The result is a new tensor over
+    that storage (no copy)."""
+    first = params[0]
+    ptr = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
     for p in params:
-        if p.storage_offset() != base.storage_offset() + offset * base.stride(0):
+        if p.untyped_storage().data_ptr() != ptr or not p.is_contiguous() or p.storage_offset() != offset:
             return None
-        offset += p.shape[0]
-    return base
+        if p.shape[1:] != first.shape[1:]:
+            return None
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in params)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
 
 
 def _merged(params: list[torch.Tensor]) -> torch.Tensor:
@@ -107,7 +110,7 @@ def _merge(gm: fx.GraphModule, lins: list[fx.Node], no_bias: bool, fake_mode: ob
     weights = [_param(n.args[1]) for n in lins]
     merged_w = _merged(weights)  # type: ignore[arg-type]
     merged_b = None if no_bias else _merged([_param(n.args[2]) for n in lins])  # type: ignore[misc]
-    index = sum(1 for name, _ in gm.named_buffers() if name.startswith("fxr_merged_"))
+    index = sum(1 for name, _ in gm.named_buffers() if name.startswith("fxr_merged_") and not name.endswith("_bias"))
     first = lins[0]
     graph = gm.graph
     with graph.inserting_before(first):

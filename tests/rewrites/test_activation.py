@@ -17,11 +17,6 @@ from fxrewrite.rewrites import activation
 
 Act = Callable[[torch.Tensor], torch.Tensor]
 
-# Engine regression (64035e5, fxrewrite/rewrite.py `_may_match`): anchors are pruned unless every
-# op feeding the pattern's anchor is among the anchor's inputs; the walk matched `mul` and `silu`
-# (2 of 4 ops, at near_miss_min 0.5) before failing at the second input, so the miss was shown.
-PRUNED = "engine: the anchor pre-filter `_may_match` drops near misses that match 2 of 4 ops"
-
 
 def chunk(gu: torch.Tensor, act: Act) -> torch.Tensor:
     gate, up = gu.chunk(2, dim=-1)
@@ -174,13 +169,7 @@ def test_gelu_erf_rule_does_not_take_tanh_and_back() -> None:
     assert activation.RULES == [activation.SILU_AND_MUL, activation.GELU_AND_MUL, activation.GELU_TANH_AND_MUL]
 
 
-@pytest.mark.parametrize(
-    "dynamic",
-    [
-        pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=PRUNED), id="dynamic"),
-        pytest.param(False, id="static"),
-    ],
-)
+@DYNAMIC
 def test_chunk_of_a_symbolic_last_dim_is_a_near_miss_not_a_silent_one(dynamic: bool) -> None:
     """A graph input's last dim is symbolic under dynamic=True: ``chunk`` along it stays a
     ``getitem`` of the chunk (canonicalization needs static sizes to write slices) and the report
