@@ -1,0 +1,129 @@
+"""The rule library on real model code: HF transformers Llama, Mistral, Qwen2, Qwen3 and Gemma.
+
+Tiny configs with random weights (``fxrewrite.models.build``), CPU, ``fullgraph=True``. Per family
+the exact fused-op counts as a function of the layer count L, compiled output against eager, and
+the report's near misses (none).
+
+Cases (each compiled once, read by several tests): float32 with L = 2 under dynamic=True and
+L = 1 under dynamic=False (so both layer counts check the formula), bf16 with L = 1 under
+dynamic=True.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from conftest import BF16, F32, fused, fused_nodes, sites
+
+from fxrewrite import models
+from fxrewrite.testing import Compiled, compile_once
+
+# family -> fused op -> (count per layer, count once per model). The per-layer column is the
+# README's table. Once per model: layer 0's input norm, on the embedding (no residual to add yet).
+# The final norm fuses with the last layer's residual add, so it counts among the 2 per layer.
+TABLE: dict[str, dict[str, tuple[int, int]]] = {
+    "llama": {"rms_norm": (0, 1), "fused_add_rms_norm_": (2, 0), "silu_and_mul": (1, 0)},
+    "mistral": {"rms_norm": (0, 1), "fused_add_rms_norm_": (2, 0), "silu_and_mul": (1, 0)},
+    "qwen2": {"rms_norm": (0, 1), "fused_add_rms_norm_": (2, 0), "silu_and_mul": (1, 0)},
+    # q_norm and k_norm: per head, over [batch, seq, heads, head_dim]
+    "qwen3": {"rms_norm": (2, 1), "fused_add_rms_norm_": (2, 0), "silu_and_mul": (1, 0)},
+    # GemmaRMSNorm scales by (1 + w) in float32; Gemma's MLP is gelu_pytorch_tanh
+    "gemma": {"gemma_rms_norm": (0, 1), "gemma_fused_add_rms_norm_": (2, 0), "gelu_and_mul": (1, 0)},
+}
+
+CASES = [
+    pytest.param(family, layers, dtype, dynamic, id=f"{family}-L{layers}-{name}")
+    for family in models.FAMILIES
+    for layers, dtype, dynamic, name in ((2, F32, True, "f32-dynamic"), (1, F32, False, "f32-static"),
+                                         (1, BF16, True, "bf16-dynamic"))  # fmt: skip
+]
+TOLERANCE = {F32: 1e-5, BF16: 2e-2}  # max relative error against eager
+
+
+def expected(family: str, layers: int) -> dict[str, int]:
+    return {op: per_layer * layers + once for op, (per_layer, once) in TABLE[family].items()}
+
+
+@functools.cache
+def compiled(family: str, layers: int, dtype: torch.dtype, dynamic: bool) -> Compiled:
+    model = models.build(family, layers=layers, dtype=dtype)
+    return compile_once(model, *models.example_inputs(model), dynamic=dynamic)
+
+
+@pytest.mark.parametrize(("family", "layers", "dtype", "dynamic"), CASES)
+def test_fused_op_counts_are_exact(family: str, layers: int, dtype: torch.dtype, dynamic: bool) -> None:
+    r = compiled(family, layers, dtype, dynamic)
+    assert len(r.backend.graphs) == 1  # fullgraph, one Dynamo graph
+    assert fused(r.counts_before()) == {}
+    assert fused(r.counts()) == expected(family, layers)
+    assert r.report.fused_ops() == expected(family, layers)
+    # 7 projections per layer -> q/k/v merged, o, gate/up merged, down
+    assert r.counts_before()["torch._C._nn.linear"] == 7 * layers
+    assert r.counts()["aten.linear"] == 4 * layers
+
+
+@pytest.mark.parametrize(("family", "layers", "dtype", "dynamic"), CASES)
+def test_compiled_equals_eager(family: str, layers: int, dtype: torch.dtype, dynamic: bool) -> None:
+    r = compiled(family, layers, dtype, dynamic)
+    out, ref = models.hidden_states(r.output), models.hidden_states(r.eager)
+    assert out.dtype == ref.dtype == dtype and out.shape == ref.shape
+    rel = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    assert rel < TOLERANCE[dtype], f"max relative error {rel:.3g}"
+
+
+@pytest.mark.parametrize(("family", "layers", "dtype", "dynamic"), CASES)
+def test_no_near_misses(family: str, layers: int, dtype: torch.dtype, dynamic: bool) -> None:
+    """Every norm, add + norm and gated activation of these families fuses; none is left with a
+    reason. (Nothing to judge: the list is empty for all five.)"""
+    r = compiled(family, layers, dtype, dynamic)
+    assert r.report.near_misses == []
+    assert r.report.rejected == []
+
+
+@pytest.mark.parametrize(("family", "layers", "dtype", "dynamic"), CASES)
+def test_every_add_norm_is_in_place_and_every_group_merged(
+    family: str, layers: int, dtype: torch.dtype, dynamic: bool
+) -> None:
+    """The residual stream is dead intermediates only (embedding output, layer outputs): all 2L
+    add + norm sites overwrite in place. q/k/v and gate/up merge in every layer."""
+    r = compiled(family, layers, dtype, dynamic)
+    add_norm = [s for s in r.report.sites if s.rule.endswith("add_rms_norm")]
+    assert len(add_norm) == 2 * layers and all(s.inplace and not s.note for s in add_norm)
+    merged = [s.module for s in sites(r, "merge_siblings")]
+    prefix = "L['self'].layers"
+    assert merged == [
+        m
+        for i in range(layers)
+        for m in (
+            f"{prefix}.{i}.self_attn.q_proj + {prefix}.{i}.self_attn.k_proj + {prefix}.{i}.self_attn.v_proj",
+            f"{prefix}.{i}.mlp.gate_proj + {prefix}.{i}.mlp.up_proj",
+        )
+    ]
+    biases = sorted(n for n, _ in r.graph.named_buffers() if n.endswith("_bias"))
+    # Qwen2 alone has q/k/v biases: merged alongside the weights
+    assert biases == ([f"fxr_merged_{2 * i}_bias" for i in range(layers)] if family == "qwen2" else [])
+
+
+def test_gemma_gated_activation_is_the_tanh_form() -> None:
+    r = compiled("gemma", 1, BF16, True)
+    assert [n.args[1:] for n in fused_nodes(r, "gelu_and_mul")] == [("tanh",)]
+    assert [s.rule for s in sites(r, "gelu_tanh_and_mul")] == ["gelu_tanh_and_mul"]
+
+
+def test_qwen3_qk_norms_are_per_head() -> None:
+    r = compiled("qwen3", 1, BF16, True)
+    head_dim = 64 // 4
+    shapes = [tuple(n.meta["example_value"].shape) for n in fused_nodes(r, "rms_norm")]
+    per_head = [s for s in shapes if len(s) == 4]
+    assert len(per_head) == 2 and all(s[-1] == head_dim for s in per_head)
+
+
+def test_table_for_the_readme() -> None:
+    """The README's "family x fused op -> count per layer" table is TABLE's first column."""
+    ops = sorted({op for row in TABLE.values() for op in row})
+    per_layer = {f: {op: TABLE[f].get(op, (0, 0))[0] for op in ops} for f in TABLE}
+    assert per_layer["llama"] == per_layer["mistral"] == per_layer["qwen2"]
+    assert per_layer["qwen3"]["rms_norm"] == 2
+    assert set(TABLE) == set(models.FAMILIES)
