@@ -295,8 +295,11 @@ def _replacement(m: Match) -> fx.GraphModule:
 
 
 def _run(gm: fx.GraphModule, args: Sequence[Any]) -> list[Any]:
+    """Run ``gm`` on clones: one clone per distinct tensor, so arguments bound to one graph node
+    alias each other as they do in the graph (an in-place kernel sees the same aliasing)."""
+    clones: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        out = gm(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+        out = gm(*[clones.setdefault(id(a), a.clone()) if isinstance(a, torch.Tensor) else a for a in args])
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 

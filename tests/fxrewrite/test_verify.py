@@ -272,3 +272,22 @@ def test_verdicts_are_deterministic() -> None:
         r = compile_once(Norms(32), x, rules=[EPS_OFF], match_filter=private_verifier())
         reasons.append(r.report.rejected[0].reason)
     assert reasons[0] == reasons[1]
+
+
+def test_inplace_aliasing_is_reproduced() -> None:
+    """x and residual bound to one tensor: the in-place kernel's aliasing shows, and is refused."""
+
+    def f(a: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = -a
+        s = h + h
+        v = s.float()
+        v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return w * v.to(a.dtype), s
+
+    r = compile_once(f, torch.randn(2, 8), torch.randn(8), rules=[norm.ADD_RMS_NORM], match_filter=private_verifier())
+    assert_close(r.output, r.eager)
+    if r.report.rejected:  # the matcher chose the in-place form; verification saw it clobber the sum
+        (rej,) = r.report.rejected
+        assert rej.reason.startswith("verify: max abs error") and "in output 1" in rej.reason
+    else:  # the matcher refuses in place when x is residual: the functional form ran
+        assert [s.inplace for s in r.report.sites] == [False]
