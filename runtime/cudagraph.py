@@ -1,65 +1,61 @@
 """Piecewise and full CUDA graphs: capture per token count, replay, pad, fall back to eager.
 
 ``build_runner(gm, example_inputs, config)`` returns a :class:`Runner`, callable like ``gm``
-(same inputs, same outputs); ``Runner.stats()`` goes into the backend's Report.
-
-Modes (``Config.mode``): "none" runs ``gm`` as is. "piecewise" splits ``gm`` at
-``Config.splitting_ops`` (:mod:`fxrewrite.split`), captures every other piece once per capture
-size and runs the splitting pieces (attention) eagerly between replays. "full" captures the
-whole graph per size (attention must be capture-safe, e.g. decode with fixed metadata).
+(same inputs, same outputs); ``Runner.stats()`` goes into the backend's Report. Modes
+(``Config.mode``): "none" runs ``gm`` as is; "piecewise" splits it at ``Config.splitting_ops``
+(:mod:`fxrewrite.split`), captures every other piece per capture size and runs the splitting
+pieces (attention) eagerly between replays; "full" captures the whole graph per size.
 
 Dispatch. The token count is Dynamo's dynamic dimension: under ``dynamic=True`` (or
-``mark_dynamic``) the graph has one symbol ``s0``, a SymInt placeholder and tensor
-placeholders with ``s0`` in a dim. Each call reads ``n``, checks every input shape against
-the graph (a :class:`ShapeError` naming expected and actual shapes otherwise), picks a size
-and replays it. Sizes outside the symbol's range are not captured (Dynamo compiles ``s0 >= 2``;
-counts 0 and 1 get graphs of their own). Two ways to land on a captured size:
-
-1. exact (``pad_inputs=False``): the engine pads its inputs to a capture size itself; another
-   count runs eagerly, counted.
-2. padded (``pad_inputs=True``): each token input is copied into its buffer for the next
-   capture size, padding rows are **zeros** (token id 0, position 0), and outputs are sliced
-   back to ``n`` rows. Correct when no real row depends on a later row: pointwise ops, norms,
-   GEMMs, causal attention. The engine must make padded rows harmless where it writes state
-   (KV-cache slots).
-
+``mark_dynamic``) the graph has one symbol ``s0``, a SymInt placeholder and tensor inputs with
+``s0`` in a dim. A call reads ``n``, checks every input shape (a :class:`ShapeError` naming
+expected and actual shapes), picks a size and replays it. Sizes outside the symbol's range are
+not captured (Dynamo compiles ``s0 >= 2``; 0 and 1 get graphs of their own). Either
+1. exact (``pad_inputs=False``): the engine pads its inputs to a capture size itself; other
+   counts run eagerly, counted; or
+2. padded (``pad_inputs=True``): token inputs are copied into the buffers of the next capture
+   size, padding rows are **zeros**, outputs are sliced back to ``n`` rows. Correct when no
+   real row reads a later row (pointwise ops, norms, GEMMs, causal attention) and padded rows
+   write no state a real row reads: they carry token 0, position 0, KV slot 0, length 0, so an
+   engine whose attention writes per-row state reserves index 0 as a dummy (as SGLang reserves
+   KV slot 0) or pads its own metadata. No value suits every model: repeating the last row
+   instead writes a padded row's different keys over the last real token's slot.
 Beyond the largest size the original graph runs eagerly (``eager_calls``). A static graph
-(``dynamic=False``) has one size, its compiled shapes; another shape is a ShapeError (Dynamo
-recompiles first; the error serves direct use of a Runner).
+(``dynamic=False``) has one size; another shape is a ShapeError (Dynamo recompiles first).
 
-Static addresses. A CUDA graph reads its inputs where they were at capture.
-- Parameters and buffers (Dynamo's ``_dynamo_static_input_type`` mark, ``nn.Parameter``,
-  ``torch._dynamo.mark_static_address``) are read in place, never copied; each call checks they
-  are the same tensors (one at another address makes that call eager, with a warning).
-- Other inputs read by captured pieces have one static buffer each, shared by all sizes (a size
-  uses a prefix). An input found elsewhere is copied in, counted per step
-  (``static_input_copies``); writing into ``Runner.static_inputs(n)`` avoids it. An input the
-  graph writes in place is copied back after the call.
-- A captured piece reads the outputs of earlier captured pieces where their replay wrote them:
-  no copy. Splitting pieces return fresh tensors: they are copied into the next piece's buffer
-  (``activation_copies``), unless the op writes into a buffer allocated by the piece before
-  it (an ``out=`` attention op): then nothing is copied.
-- Outputs are cloned (after slicing), so they stay valid after the next call.
+Static addresses: a CUDA graph reads its inputs where they were at capture.
+- Parameters and buffers (Dynamo's ``_dynamo_static_input_type``, ``nn.Parameter``,
+  ``torch._dynamo.mark_static_address``) are read in place, never copied; each call checks
+  they are the same tensors (another address makes the call eager, with a warning).
+- Other inputs of captured pieces have one buffer each, shared by all sizes (a size uses a
+  prefix); an input found elsewhere is copied in, counted per step (``static_input_copies``);
+  writing into ``Runner.static_inputs(n)`` avoids it. An input written in place is copied back.
+- A captured piece reads earlier captured pieces' outputs where their replay wrote them: no
+  copy. Splitting pieces return fresh tensors, copied into the next piece's buffer
+  (``activation_copies``), unless the op writes into a buffer the piece before allocated (an
+  ``out=`` attention op): no copy.
+- Outputs are cloned (after slicing): they stay valid after the next call.
 
-Host scalars. Under ``dynamic=True`` Dynamo lifts float module attributes (RMSNorm eps,
-attention scaling) to CPU scalar tensors read with ``.item()``. That does not sync the GPU, so
-capture allows it, but the value becomes a kernel argument: frozen at capture. The Runner
-compares the values at every call (about 0.5 us each); a changed one makes the call eager,
-with a warning. Every other host sync, device transfer or data-dependent shape in a captured
-piece is a :class:`CaptureHazardError` at build, naming the op and its source line.
+Host scalars: under ``dynamic=True`` Dynamo lifts float attributes (RMSNorm eps, attention
+scaling) to CPU scalar tensors read with ``.item()``. That does not sync the GPU, so capture
+allows it, but the value becomes a kernel argument, frozen at capture: each call compares the
+values (about 0.5 us each); a changed one makes the call eager, with a warning. Any other host
+sync, transfer or data-dependent shape in a captured piece is a :class:`CaptureHazardError` at
+build, naming the op and its source line.
 
-Capture happens at the first call or ``Runner.capture()``, largest size first. Per size the
-split module runs once on the static buffers: each captured piece gets an eager warm-up, a
-capture on a side stream and a replay (so later eager pieces see real values). All graphs share
-one pool (``torch.cuda.graph_pool_handle``); after a size is captured the Runner keeps
-non-owning references to its pool tensors, so later sizes reuse that memory. That is safe: one
-size's values are dead before another size runs, and inputs and outputs live outside the pool.
-gc is frozen and disabled; ``capture_begin`` / ``capture_end`` are called directly, skipping
-the ``gc.collect`` and ``empty_cache`` that ``torch.cuda.graph`` may do per capture.
+Capture: at the first call or ``Runner.capture()``, largest size first, the split module runs
+once per size on the static buffers; each captured piece gets an eager warm-up and a capture on
+a side stream. Splitting pieces do not run then (they return zeros shaped like their outputs),
+so attention's writes (a KV cache) happen in real steps only; parameters or buffers a captured
+piece writes (full mode) are saved to host memory and restored. All graphs share one pool
+(``torch.cuda.graph_pool_handle``); once a size is captured the Runner keeps non-owning
+references to its pool tensors, so later sizes reuse the memory: one size's values are dead
+before another size runs, and inputs and outputs live outside the pool. gc is frozen and
+disabled; ``capture_begin`` / ``capture_end`` are called directly, skipping the
+``gc.collect`` / ``empty_cache`` that ``torch.cuda.graph`` may do per capture.
 
-On CPU (no CUDA tensor in the inputs) piecewise and full run the same dispatch, buffers and
-copies, each captured piece emulated by an eager run copied into fixed output tensors
-(``stats()["cudagraphs"]`` is False): splitting, padding and copies are testable without a GPU.
+On CPU (no CUDA input) piecewise and full run the same dispatch, buffers and copies, captured
+pieces emulated by eager runs copied into fixed outputs (``stats()["cudagraphs"]`` False).
 
 Example::
 
@@ -147,6 +143,13 @@ def _expr(d: Any) -> Any:
     return int(e) if not isinstance(e, sympy.Expr) or e.is_number else e
 
 
+def _is_static(node: torch.fx.Node, example: Any) -> bool:
+    """A parameter, buffer or ``mark_static_address`` tensor: read where it is, never copied."""
+    return isinstance(example, torch.Tensor) and (
+        _STATIC_MARK in (node.meta.get("tensor_dict") or {}) or isinstance(example, torch.nn.Parameter)
+        or getattr(example, _STATIC_MARK, None) is not None)
+
+
 def _concrete(v: Any) -> Any:
     return v.node.hint if isinstance(v, torch.SymInt) else v
 
@@ -162,7 +165,12 @@ class Dispatch:
                  sizes: Sequence[int], pad: bool, on_cuda: bool) -> None:
         nodes = list(gm.graph.find_nodes(op="placeholder"))
         values = [n.meta.get("example_value", ex) for n, ex in zip(nodes, example_inputs)]
-        symbols = {s for i in captured_inputs for s in free_symbols(values[i])}
+        static = [_is_static(n, ex) for n, ex in zip(nodes, example_inputs)]
+        # a static tensor's dims (Dynamo gives buffers symbols too) are fixed with its address;
+        # so is a SymInt input that only sizes static tensors
+        fixed = {s for v, st in zip(values, static) if st for s in free_symbols(v)}
+        symbols = {s for i in captured_inputs if not static[i] for s in free_symbols(values[i])
+                   if isinstance(values[i], torch.Tensor) or s not in fixed}
         self.reason: str | None = None
         if len(symbols) > 1:
             self.reason = (f"captured pieces read {len(symbols)} dynamic dimensions "
@@ -178,13 +186,13 @@ class Dispatch:
         self.outputs = [self._out_spec(leaf) for leaf in tree_flatten(out)[0]]
         self.pad = pad and self.symbol is not None and all(o != "fixed" for o in self.outputs) and all(
             self._plain(v) for v in values if isinstance(v, torch.Tensor))
-        self.inputs = [self._classify(n, v, ex, i in captured_inputs, on_cuda)
-                       for i, (n, v, ex) in enumerate(zip(nodes, values, example_inputs))]
+        self.inputs = [self._classify(n, v, static[i], i in captured_inputs, on_cuda) for i, (n, v) in enumerate(
+            zip(nodes, values))]
         kinds = [s.kind for s in self.inputs]
         self.managed = [i for i, k in enumerate(kinds) if k in ("token", "tensor")]  # inputs with a buffer
         self._locator = next(((i, -1) for i, k in enumerate(kinds) if k == "sym"), None) or next(
             ((i, s.token_dims[0]) for i, s in enumerate(self.inputs) if s.kind == "token"), None)
-        self._shapes: dict[int, list[tuple[int, ...]]] = {}
+        self._shapes: dict[tuple[int, int | None], tuple[int, ...]] = {}
 
     def _range(self, values: Sequence[Any]) -> tuple[int, int | None]:
         for v in values:
@@ -208,7 +216,7 @@ class Dispatch:
             return tuple(d for d, e in enumerate(map(_expr, v.shape)) if e == self.symbol) if self._plain(v) else "fixed"
         return ()
 
-    def _classify(self, node: torch.fx.Node, value: Any, example: Any, captured: bool, on_cuda: bool) -> InputSpec:
+    def _classify(self, node: torch.fx.Node, value: Any, static: bool, captured: bool, on_cuda: bool) -> InputSpec:
         if isinstance(value, torch.SymInt):
             kind = "sym" if self.symbol is not None and value.node.expr == self.symbol else "pass"
             return InputSpec(node.name, kind)
@@ -216,8 +224,6 @@ class Dispatch:
             return InputSpec(node.name, "pass")
         shape = tuple(map(_expr, value.shape))
         dims = tuple(d for d, e in enumerate(shape) if e == self.symbol) if self.symbol is not None else ()
-        static = (_STATIC_MARK in (node.meta.get("tensor_dict") or {}) or isinstance(example, torch.nn.Parameter)
-                  or getattr(example, _STATIC_MARK, None) is not None)
         if static:
             return InputSpec(node.name, "static", shape)
         scalar = value.device.type == "cpu" and all(isinstance(e, int) for e in shape) and value.numel() == 1
@@ -235,14 +241,14 @@ class Dispatch:
         return int(args[i]) if d < 0 else args[i].shape[d]
 
     def expected_shape(self, i: int, n: int | None) -> tuple[int, ...]:
-        """Shape of input ``i`` for ``n`` tokens."""
-        key = -1 if n is None else n
-        shapes = self._shapes.get(key)
-        if shapes is None:
+        """Shape of input ``i`` for ``n`` tokens (an input with no other dynamic dimension)."""
+        key = (i, n)
+        shape = self._shapes.get(key)
+        if shape is None:
             sub = {self.symbol: n} if self.symbol is not None else {}
-            shapes = self._shapes[key] = [
-                tuple(int(e.xreplace(sub)) if isinstance(e, sympy.Expr) else e for e in s.shape) for s in self.inputs]
-        return shapes[i]
+            shape = self._shapes[key] = tuple(
+                int(e.xreplace(sub)) if isinstance(e, sympy.Expr) else e for e in self.inputs[i].shape)
+        return shape
 
     def check(self, args: Sequence[Any], n: int | None) -> None:
         """Raise :class:`ShapeError` unless every managed input has the shape compiled for ``n``."""
@@ -256,6 +262,24 @@ class Dispatch:
                 spec, compiled = self.inputs[i], tuple(str(e) for e in self.inputs[i].shape)
                 raise ShapeError(f"input {i} ({spec.name}): expected shape {self.expected_shape(i, n)} "
                                  f"(compiled as {compiled}, {self.symbol}={n}), got {tuple(args[i].shape)}")
+
+    def materialize(self, value: Any, n: int | None) -> Any:
+        """``value`` (a fake tensor or SymInt from the graph's metadata) for ``n`` tokens: zeros of
+        its shape and strides, or an int; other symbols take their traced values."""
+        if isinstance(value, torch.SymInt):
+            return self._at(value, n)
+        if not isinstance(value, torch.Tensor):
+            return value
+        shape, stride = [self._at(d, n) for d in value.shape], [self._at(d, n) for d in value.stride()]
+        return torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device).zero_()
+
+    def _at(self, d: Any, n: int | None) -> int:
+        e = _expr(d)
+        if not isinstance(e, sympy.Expr):
+            return e
+        env = d.node.shape_env
+        hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
+        return int(e.xreplace({**hints, self.symbol: n} if n is not None else hints))
 
     def select(self, n: int | None) -> int | None:
         """The capture size for ``n`` (0 for a static graph), or None."""
@@ -284,6 +308,12 @@ def _dense_strides(shape: Sequence[int], like: torch.Tensor) -> tuple[int, ...]:
     for d in reversed(order):
         strides[d], step = step, step * max(shape[d], 1)
     return tuple(strides)
+
+
+def pad_zeros(buf: torch.Tensor, dims: Sequence[int], n: int) -> None:
+    """Zero ``buf`` beyond index ``n`` along each of ``dims`` (the padding rows)."""
+    for d in dims:
+        buf.narrow(d, n, buf.shape[d] - n).zero_()
 
 
 def _weak(t: Any) -> Any:
@@ -316,93 +346,92 @@ def _capturing(device: torch.device) -> Iterator[None]:
         gc.unfreeze()
 
 
-class _Replay:
-    """One piece at one size: its static inputs and outputs, and its CUDA graph (None on CPU)."""
-
-    def __init__(self, name: str, fn: GraphModule, static: list[Any], copied: list[int], checked: list[int],
-                 outputs: Any, graph: Any, counts: collections.Counter) -> None:
-        self.name, self.fn, self.static, self.copied, self.checked = name, fn, static, copied, checked
-        self.outputs, self.graph, self.counts = outputs, graph, counts
-
-    def run(self, args: Sequence[Any]) -> Any:
-        static = self.static
-        for k in self.copied:
-            if args[k].data_ptr() != static[k].data_ptr():
-                static[k].copy_(args[k])
-                self.counts["activation_copies"] += 1
-        for k in self.checked:
-            if args[k] != static[k]:
-                raise RuntimeError(f"input {k} of {self.name} was {static[k]!r} at capture, "
-                                   f"now {args[k]!r}: the captured graph would be wrong")
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            fresh = tree_flatten(self.fn(*static))[0]
-            for dst, src in zip(tree_flatten(self.outputs)[0], fresh):
-                if isinstance(dst, torch.Tensor):
-                    dst.copy_(src)
-        return self.outputs
-
-    def release(self, keep: Collection[int]) -> None:
-        """Drop ownership of pool tensors (outputs, inputs not in ``keep``) so later sizes reuse them."""
-        self.outputs = tree_map(_weak, self.outputs)
-        self.static = [a if k in keep else _weak(a) for k, a in enumerate(self.static)]
-
-
 class _PieceRunner(torch.nn.Module):
-    """Stands in the split module for one captured piece: captures per size, then replays."""
+    """Stands in the split module for one captured piece: captures it per size, then replays.
+
+    Per size: [static inputs, positions copied in from eager pieces, outputs, CUDA graph or
+    None (CPU: the piece runs eagerly and its results are copied into the fixed outputs)].
+    """
 
     def __init__(self, piece: Piece, runner: Runner, eager_pieces: Collection[int]) -> None:
         super().__init__()
-        self.fn = piece.submodule
-        self.piece_name = piece.name
-        self._runner = runner
-        self._graphs: dict[int, _Replay] = {}
-        src = piece.sources
-        self._from_eager = [k for k, s in enumerate(src) if s.kind == "piece" and s.index in eager_pieces]
-        self._keep = {k for k, s in enumerate(src) if s.kind != "piece" or s.index in eager_pieces}
+        self.fn, self.piece_name, self._runner = piece.submodule, piece.name, runner
+        self._graphs: dict[int, list[Any]] = {}
+        self._from_eager = [k for k, s in enumerate(piece.sources) if s.kind == "piece" and s.index in eager_pieces]
+        self._keep = {k for k, s in enumerate(piece.sources) if s.kind != "piece" or s.index in eager_pieces}
 
     def __call__(self, *args: Any) -> Any:  # type: ignore[override]  (skips nn.Module hook dispatch)
-        size = self._runner._size
-        replay = self._graphs.get(size)
-        if replay is not None:
-            return replay.run(args)
-        if not self._runner._capturing:
-            raise RuntimeError(f"{self.piece_name} has no graph for size {size}")
-        replay = self._graphs[size] = self._capture(args, size)
-        return replay.outputs
-
-    def _capture(self, args: Sequence[Any], size: int) -> _Replay:
         runner = self._runner
-        static, copied, checked = list(args), [], []
-        for k in self._from_eager:
-            a = args[k]
-            if isinstance(a, torch.Tensor):
-                static[k] = runner._take(("piece", self.piece_name, k), a.shape, _dense_strides(a.shape, a), a)
-                static[k].copy_(a)
-                copied.append(k)
-            else:
-                checked.append(k)
-        graph = None
-        if runner.on_cuda:
-            self.fn(*static)  # warm-up: lazy inits, library handles, workspaces
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=runner._pool)
-            try:
-                outputs = self.fn(*static)
-            except Exception as e:
-                with contextlib.suppress(Exception):
-                    graph.capture_end()
-                raise RuntimeError(f"capture of {self.piece_name} at size {size} failed: {e}") from e
-            graph.capture_end()
+        entry = self._graphs.get(runner._size)
+        if entry is None:
+            if not runner._capturing:
+                raise RuntimeError(f"{self.piece_name} has no graph for size {runner._size}")
+            entry = self._graphs[runner._size] = self._capture(args, runner._size)
+            return entry[2]
+        static, copied, outputs, graph = entry
+        for k in copied:
+            if not isinstance(static[k], torch.Tensor):
+                if args[k] != static[k]:
+                    raise RuntimeError(f"input {k} of {self.piece_name} was {static[k]!r} at capture, now "
+                                       f"{args[k]!r}: the captured graph would be wrong")
+            elif args[k].data_ptr() != static[k].data_ptr():
+                static[k].copy_(args[k])
+                runner._counts["activation_copies"] += 1
+        if graph is not None:
             graph.replay()
         else:
+            for dst, src in zip(tree_flatten(outputs)[0], tree_flatten(self.fn(*static))[0]):
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(src)
+        return outputs
+
+    def _capture(self, args: Sequence[Any], size: int) -> list[Any]:
+        runner, static = self._runner, list(args)
+        for k in self._from_eager:
+            if isinstance(a := args[k], torch.Tensor):
+                static[k] = runner._take(("piece", self.piece_name, k), a.shape, _dense_strides(a.shape, a), a)
+                static[k].copy_(a)
+        if not runner.on_cuda:
+            return [static, self._from_eager, self.fn(*static), None]
+        self.fn(*static)  # warm-up: lazy inits, library handles, workspaces
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=runner._pool)
+        try:
             outputs = self.fn(*static)
-        return _Replay(f"{self.piece_name}@{size}", self.fn, static, copied, checked, outputs, graph, runner._counts)
+        except Exception as e:
+            with contextlib.suppress(Exception):
+                graph.capture_end()
+            raise RuntimeError(f"capture of {self.piece_name} at size {size} failed: {e}") from e
+        graph.capture_end()
+        return [static, self._from_eager, outputs, graph]
 
     def release(self, size: int) -> None:
-        if size in self._graphs:
-            self._graphs[size].release(self._keep)
+        """Drop ownership of the pool tensors of ``size`` (outputs, inputs from captured pieces)."""
+        if entry := self._graphs.get(size):
+            entry[0] = [a if k in self._keep else _weak(a) for k, a in enumerate(entry[0])]
+            entry[2] = tree_map(_weak, entry[2])
+
+
+class _SplittingPiece(torch.nn.Module):
+    """Stands in the split module for a splitting piece: runs it eagerly, except during capture,
+    where it returns zeros shaped like its outputs. A splitting op's effects (a KV-cache write)
+    then happen only in real steps, and its values are never needed to capture the next piece."""
+
+    def __init__(self, piece: Piece, runner: Runner) -> None:
+        super().__init__()
+        self.fn = piece.submodule
+        self._runner = runner
+        leaves, self._spec = tree_flatten(piece.submodule.graph.output_node().args[0])
+        self._fakes = [leaf.meta.get("example_value") if isinstance(leaf, torch.fx.Node) else leaf for leaf in leaves]
+
+    def __call__(self, *args: Any) -> Any:  # type: ignore[override]
+        runner = self._runner
+        if runner._capturing:
+            with contextlib.suppress(TypeError, KeyError, AttributeError):
+                return tree_unflatten([runner.dispatch.materialize(v, runner._size or None) for v in self._fakes],
+                                      self._spec)
+            logger.warning("%s: no shape metadata; run for real during capture", self.fn.__class__.__name__)
+        return self.fn(*args)
 
 
 class Runner:
@@ -444,6 +473,16 @@ class Runner:
         self.module = GraphModule(self.split.module, self.split.module.graph)
         for piece, stand_in in zip(pieces, self._pieces):
             setattr(self.module, piece.name, stand_in)
+        for piece in self.split.pieces:
+            if piece.is_splitting:
+                setattr(self.module, piece.name, _SplittingPiece(piece, self))
+        # parameters/buffers a captured piece writes (a KV cache in full mode): warm-ups and
+        # emulated captures would write them, so capture saves and restores them
+        written = set()
+        for p in pieces:
+            names = mutated_placeholders(p.submodule)
+            phs = p.submodule.graph.find_nodes(op="placeholder")
+            written |= {s.index for s, ph in zip(p.sources, phs) if ph.name in names and s.kind == "input"}
         self._examples = [_concrete(v) for v in example_inputs]
         kinds = [s.kind for s in d.inputs]
         self._static_idx = [i for i, k in enumerate(kinds) if k == "static"]
@@ -452,6 +491,7 @@ class Runner:
         self._host_values = [example_inputs[i].item() for i in self._host_idx]
         self._managed = d.managed
         self._sym_idx = [i for i, k in enumerate(kinds) if k == "sym"]
+        self._restore = [example_inputs[i] for i in sorted(written) if d.inputs[i].kind == "static"]
         written = mutated_placeholders(gm)
         self._written = [i for i in self._managed if d.inputs[i].name in written]
         self._device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
@@ -493,21 +533,28 @@ class Runner:
         sizes = sorted(self.dispatch.sizes, reverse=True) or [0]
         t0, reserved = time.perf_counter(), torch.cuda.memory_reserved(self._device) if self.on_cuda else 0
         ctx = _capturing(self._device) if self.on_cuda else contextlib.nullcontext()
-        with ctx, torch.inference_mode(False), torch.no_grad():
-            if self.on_cuda:
-                self._pool = torch.cuda.graph_pool_handle()
-            bar = tqdm(sizes, desc="capturing CUDA graphs" if self.on_cuda else "emulating CUDA graphs",
-                       unit="size", file=sys.stderr, disable=not self._progress)
-            for size in bar:
-                args = [size if i in self._sym_idx else self._buffer(i, size) if i in self._managed
-                        else self._examples[i] for i in range(len(self._examples))]
-                self._size, self._capturing = size, True
-                try:
+        saved = [t.to("cpu", copy=True) for t in self._restore]
+        try:
+            with ctx, torch.inference_mode(False), torch.no_grad():
+                if self.on_cuda:
+                    self._pool = torch.cuda.graph_pool_handle()
+                bar = tqdm(sizes, desc="capturing CUDA graphs" if self.on_cuda else "emulating CUDA graphs",
+                           unit="size", file=sys.stderr, disable=not self._progress)
+                for size in bar:
+                    args = [size if i in self._sym_idx else self._buffer(i, size) if i in self._managed
+                            else self._examples[i] for i in range(len(self._examples))]
+                    self._size, self._capturing = size, True
                     self.module(*args)
-                finally:
                     self._capturing = False
-                for p in self._pieces if self.on_cuda else ():
-                    p.release(size)
+                    for p in self._pieces if self.on_cuda else ():
+                        p.release(size)
+        except Exception as e:
+            self.dispatch.reason = f"capture failed: {type(e).__name__}: {e}"  # later calls run eagerly
+            raise
+        finally:
+            self._capturing = False
+            for t, copy in zip(self._restore, saved):
+                t.copy_(copy)
         self.capture_s = time.perf_counter() - t0
         if self.on_cuda:  # the pool's segments; else what capture reserved (warm-ups included)
             segments = [s["total_size"] for s in torch.cuda.memory_snapshot()
@@ -581,8 +628,7 @@ class Runner:
                 region.copy_(a)
                 self._counts["static_input_copies"] += 1
             if region is not buf:
-                for dim in self.dispatch.inputs[i].token_dims:
-                    buf.narrow(dim, n, size - n).zero_()
+                pad_zeros(buf, self.dispatch.inputs[i].token_dims, n)
         for i in self._sym_idx:
             call[i] = size
         return call

@@ -34,8 +34,9 @@ SDPA = F.scaled_dot_product_attention
 
 
 def _register_attention_ops() -> None:
-    """fxrtest::attn (functional) and fxrtest::attn_out (writes ``out``), once per process."""
-    if hasattr(torch.ops.fxrtest, "attn_out"):
+    """fxrtest::attn (functional), fxrtest::attn_out (writes ``out``) and fxrtest::cache_attn
+    (writes the keys into a cache at ``slots``, an engine's KV cache), once per process."""
+    if hasattr(torch.ops.fxrtest, "cache_attn"):
         return
 
     @torch.library.custom_op("fxrtest::attn", mutates_args=())
@@ -53,6 +54,16 @@ def _register_attention_ops() -> None:
     @attn_out.register_fake
     def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         return None
+
+    @torch.library.custom_op("fxrtest::cache_attn", mutates_args=("cache",))
+    def cache_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(0, slots, k.transpose(0, 1).flatten(1))  # [heads, T, d] -> [T, heads * d]
+        return SDPA(q, k, v, is_causal=True)
+
+    @cache_attn.register_fake
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(q)
 
 
 _register_attention_ops()
@@ -87,6 +98,26 @@ class ToyAttention(nn.Module):
             a = self.attend(q.contiguous(), k.contiguous(), v.contiguous())
             x = x + o(a.transpose(0, 1).reshape(t, h)).relu()
         return x
+
+
+class CachedAttention(ToyAttention):
+    """ToyAttention whose attention op writes each layer's keys into a KV-cache buffer at
+    ``slots`` [tokens] (fxrtest::cache_attn): state that outlives a call."""
+
+    def __init__(self, slots: int = 64, hidden: int = 32) -> None:
+        super().__init__("cache", hidden)
+        for i in range(len(self.qkv)):
+            self.register_buffer(f"cache{i}", torch.randn(slots, hidden))
+        self.slots: torch.Tensor | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = getattr(self, f"cache{self.layer}")
+        self.layer += 1
+        return torch.ops.fxrtest.cache_attn(q, k, v, cache, self.slots)
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        self.layer, self.slots = 0, slots
+        return super().forward(x)
 
 
 class TinyLlama(nn.Module):

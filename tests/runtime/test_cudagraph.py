@@ -9,18 +9,28 @@ from __future__ import annotations
 
 import pathlib
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 
 from fxrewrite.config import Config
-from fxrewrite.runtime.cudagraph import Dispatch, Runner, ShapeError, build_runner, select_size
+from fxrewrite.runtime.cudagraph import Dispatch, Runner, ShapeError, build_runner, pad_zeros, select_size
 from fxrewrite.split import CaptureHazardError
 
 # The graph fixtures are shared with the split tests; pytest imports that file as `test_split`.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "fxrewrite"))
-from test_split import Recorded, TinyLlama, ToyAttention, llama_inputs, record, seeded, toy_inputs  # noqa: E402
+from test_split import (  # noqa: E402
+    CachedAttention,
+    Recorded,
+    TinyLlama,
+    ToyAttention,
+    llama_inputs,
+    record,
+    seeded,
+    toy_inputs,
+)
 
 SIZES = (4, 8, 16)
 TOY_CALLS = (3, 4, 5, 8, 9, 16, 17)  # padded, exact, padded, exact, padded, exact, beyond
@@ -33,6 +43,52 @@ def runner_for(rec: Recorded, **config: Any) -> Runner:
 
 def tokens(args: tuple[Any, ...]) -> int:
     return next(a for a in args if isinstance(a, int))
+
+
+def args_for(runner: Runner, base: Sequence[Any], n: int, seed: int = 0, **named: torch.Tensor) -> tuple[Any, ...]:
+    """The graph's arguments for ``n`` tokens: each token input random (ids below 128) or
+    ``named[key]`` when ``key`` is in its name; every other input as in ``base``."""
+    gen = torch.Generator().manual_seed(seed + n)
+    args: list[Any] = []
+    for i, (spec, like) in enumerate(zip(runner.dispatch.inputs, base)):
+        given = next((t for key, t in named.items() if key in spec.name), None)
+        if spec.kind == "sym":
+            args.append(n)
+        elif spec.kind == "token" and given is not None:
+            args.append(given.to(like.device, like.dtype))
+        elif spec.kind == "token":
+            shape = runner.dispatch.expected_shape(i, n)
+            fresh = torch.randn(shape, generator=gen) if like.is_floating_point() else torch.randint(
+                0, 128, shape, generator=gen)
+            args.append(fresh.to(like.device, like.dtype))
+        else:
+            args.append(like)
+    return tuple(args)
+
+
+def check_state_written_by_splitting_op(rec: Recorded, mode: str, device: str) -> Runner:
+    """Capture leaves the KV caches alone; padded steps match eager outside the dummy slot 0."""
+    runner = runner_for(rec, mode=mode, splitting_ops=("fxrtest::cache_attn",))
+    caches = [i for i, spec in enumerate(runner.dispatch.inputs) if "cache" in spec.name]
+    assert len(caches) == 2 and {runner.dispatch.inputs[i].kind for i in caches} == {"static"}
+    base = rec.calls[0]
+    before = [base[i].clone() for i in caches]
+    runner.capture()  # warm-ups, captures (emulated on CPU) must not write the caches
+    for i, saved in zip(caches, before):
+        torch.testing.assert_close(base[i], saved, rtol=0, atol=0)
+    reference = list(base)
+    for i in caches:
+        reference[i] = base[i].clone()
+    start = 1  # slot 0: where padded rows write (zero padding), reserved as a dummy
+    for n in (3, 8, 5, 16):
+        args = args_for(runner, base, n, slots=torch.arange(start, start + n, device=device))
+        start += n
+        ref_args = [reference[i] if i in caches else a for i, a in enumerate(args)]
+        torch.testing.assert_close(runner(*args), rec.gm(*ref_args))
+        for i in caches:
+            torch.testing.assert_close(base[i][1:], reference[i][1:])
+    assert runner.stats()["padded_calls"] == 2
+    return runner
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +180,12 @@ def test_through_torch_compile() -> None:
     assert len(runners) == 1 and runners[0].stats()["replays"] == 3 and runners[0].stats()["eager_calls"] == 1
 
 
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_state_written_by_splitting_op(mode: str) -> None:
+    rec = record(seeded(CachedAttention), [(x, torch.arange(1, 9)) for (x,) in toy_inputs((8,))], dynamic=True)
+    check_state_written_by_splitting_op(rec, mode, "cpu")
+
+
 def test_copies_per_step(toy: Recorded, toy_out: Recorded) -> None:
     sdpa = runner_for(toy, mode="piecewise")
     sdpa(*toy.calls[3])  # 8 tokens
@@ -159,6 +221,9 @@ def test_padding_rows_are_zeroed_again_after_a_longer_call(toy: Recorded) -> Non
     runner(*by_n[5])  # same size 8: rows 5..7 held the previous input
     i = next(i for i, a in enumerate(by_n[5]) if isinstance(a, torch.Tensor) and a.shape[0] == 5)
     assert bool((runner.static_inputs(5)[i][5:] == 0).all())
+    square = torch.ones(4, 4)
+    pad_zeros(square, (0, 1), 2)  # an input with the token count in two dims
+    assert square.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
 
 
 def test_exact_sizes_without_padding(toy: Recorded) -> None:
@@ -266,6 +331,21 @@ def test_hazard_in_a_captured_piece_fails_at_build() -> None:
     with pytest.raises(CaptureHazardError, match=r"(?s)call_method item.*x\.amax\(\)\.item\(\)"):
         runner_for(rec, mode="full")
     assert runner_for(rec, mode="none").stats()["mode"] == "none"
+
+
+def test_failed_capture_raises_then_runs_eagerly(toy: Recorded, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = runner_for(toy, mode="piecewise")
+
+    def broken(args: Any, size: int) -> Any:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner._pieces[1], "_capture", broken)
+    args = toy.calls[3]
+    with pytest.raises(RuntimeError, match="not permitted"):
+        runner(*args)
+    torch.testing.assert_close(runner(*args), toy.gm(*args))
+    s = runner.stats()
+    assert "capture failed" in s["reason"] and s["eager_reasons"] == {"unsupported": 1}
 
 
 def test_mode_none_is_the_graph_itself(toy: Recorded) -> None:

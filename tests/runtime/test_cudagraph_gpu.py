@@ -22,7 +22,17 @@ from fxrewrite.runtime.cudagraph import Runner, ShapeError, build_runner
 from fxrewrite.split import CaptureHazardError
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "fxrewrite"))
-from test_split import Recorded, TinyLlama, ToyAttention, llama_inputs, record, seeded, toy_inputs  # noqa: E402
+from test_cudagraph import args_for, check_state_written_by_splitting_op  # noqa: E402  (same folder)
+from test_split import (  # noqa: E402
+    CachedAttention,
+    Recorded,
+    TinyLlama,
+    ToyAttention,
+    llama_inputs,
+    record,
+    seeded,
+    toy_inputs,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -52,25 +62,8 @@ def make_runner(rec: Recorded, name: str, mode: str, **config: Any) -> Runner:
     return build_runner(rec.gm, rec.example_inputs, Config(mode=mode, progress=False, **config))
 
 
-def args_for(runner: Runner, rec: Recorded, n: int, seed: int = 0) -> tuple[Any, ...]:
-    """The graph's arguments for ``n`` tokens: fresh token inputs, the rest as recorded."""
-    gen = torch.Generator().manual_seed(seed + n)
-    args: list[Any] = []
-    for i, (spec, base) in enumerate(zip(runner.dispatch.inputs, rec.calls[0])):
-        if spec.kind == "sym":
-            args.append(n)
-        elif spec.kind == "token":
-            shape = runner.dispatch.expected_shape(i, n)
-            fresh = torch.randn(shape, generator=gen) if base.is_floating_point() else torch.randint(
-                0, 128, shape, generator=gen)
-            args.append(fresh.to(base.device, base.dtype))
-        else:
-            args.append(base)
-    return tuple(args)
-
-
 def assert_matches_eager(runner: Runner, rec: Recorded, n: int, dtype: torch.dtype = torch.float32) -> Any:
-    args = args_for(runner, rec, n)
+    args = args_for(runner, rec.calls[0], n)
     out = runner(*args)
     torch.testing.assert_close(out, rec.gm(*args), **TOL[dtype])
     return out
@@ -104,7 +97,7 @@ def test_sizes_replayed_in_any_order_share_the_pool_safely(mode: str) -> None:
     random.Random(0).shuffle(order)
     kept = [(n, assert_matches_eager(runner, rec, n)) for n in order]
     for n, out in kept[:5]:  # earlier outputs are not overwritten by later replays
-        torch.testing.assert_close(out, rec.gm(*args_for(runner, rec, n)), **TOL[torch.float32])
+        torch.testing.assert_close(out, rec.gm(*args_for(runner, rec.calls[0], n)), **TOL[torch.float32])
 
 
 def test_copies_per_step() -> None:
@@ -117,7 +110,7 @@ def test_copies_per_step() -> None:
         s = runner.stats()
         assert (s["static_input_copies_last"], s["activation_copies_last"]) == expected, (name, mode, s)
     # an engine writing its inputs into the static buffers makes no copy
-    args = list(args_for(runner, rec, 6))
+    args = list(args_for(runner, rec.calls[0], 6))
     i = next(i for i, spec in enumerate(runner.dispatch.inputs) if spec.kind == "token")
     view = runner.static_inputs(6)[i].narrow(0, 0, 6)
     view.copy_(args[i])
@@ -125,6 +118,15 @@ def test_copies_per_step() -> None:
     args[i] = view
     torch.testing.assert_close(runner(*args), expected_out, **TOL[torch.float32])
     assert runner.stats()["static_input_copies_last"] == 0
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_state_written_by_attention_survives_capture(mode: str) -> None:
+    """Warm-ups and captures must not write the KV caches; padded replays match eager."""
+    x = toy_inputs((8,), "cuda")[0][0]
+    rec = record(seeded(CachedAttention, "cuda"), [(x, torch.arange(1, 9, device="cuda"))], dynamic=True)
+    runner = check_state_written_by_splitting_op(rec, mode, "cuda")
+    assert runner.stats()["cudagraphs"]
 
 
 def test_bf16_llama() -> None:
@@ -152,7 +154,7 @@ def test_static_shape_graph() -> None:
 def test_host_scalar_change_runs_eagerly() -> None:
     rec = recorded("llama")
     runner = make_runner(rec, "llama", "piecewise")
-    args = list(args_for(runner, rec, 8))
+    args = list(args_for(runner, rec.calls[0], 8))
     host = [i for i, spec in enumerate(runner.dispatch.inputs) if spec.kind == "host"]
     assert host, "Dynamo lifted the RMSNorm eps to CPU scalars"
     runner(*args)
@@ -192,7 +194,7 @@ def test_replay_is_faster_than_eager() -> None:
     """Not a benchmark (bench/ has those): a guard against per-call overhead eating the gain."""
     rec = recorded("llama")
     runner = make_runner(rec, "llama", "piecewise")
-    args = args_for(runner, rec, 8)
+    args = args_for(runner, rec.calls[0], 8)
 
     def per_call(fn: Any) -> float:
         for _ in range(3):
