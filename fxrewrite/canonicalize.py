@@ -418,6 +418,4 @@ class _Canon:
 
 def canonicalize(gm: fx.GraphModule) -> int:
     """Rewrite ``gm`` in place into canonical form; returns the number of nodes changed."""
-    n = _Canon(gm).run()
-    gm.recompile()
-    return n
+    return _Canon(gm).run()

@@ -1,7 +1,8 @@
 """PassManager: ordered, named passes over one graph, each timed, counted, linted and dumped.
 
-A pass is ``(gm) -> PassResult``. The manager runs them in order and for each records the time
-in ms and the matches; with a dump directory it writes ``NN.<pass>.before.py`` and
+A pass is ``(gm) -> PassResult``: it edits ``gm.graph`` in place (the manager regenerates the
+Python code once, at the end). The manager runs them in order and for each records the time in
+ms and the matches, and lints the graph after each pass that changed it; with a dump directory it writes ``NN.<pass>.before.py`` and
 ``NN.<pass>.after.py`` (the readable code of the graph) so a rewrite can be diffed::
 
     pm = PassManager([Pass("canonicalize", canonicalize_pass), Pass("fuse_norm", norm_pass)],
@@ -69,11 +70,12 @@ class PassManager:
             t0 = time.perf_counter()
             result = p.fn(gm)
             ms = (time.perf_counter() - t0) * 1e3
-            if self.lint:
+            if self.lint and result.matches:  # a pass that changed nothing leaves a linted graph
                 gm.graph.lint()
             self._dump(gm, i, p.name, "after")
             log.debug("pass %s: %.2f ms, %d matches", p.name, ms, result.matches)
             report.add(p.name, ms, result, len(gm.graph.nodes))
+        gm.recompile()  # passes edit the graph; its Python code is generated once, here
         report.rewrite_ms = (time.perf_counter() - start) * 1e3
         report.nodes_after = len(gm.graph.nodes)
         report.fused_ops = fused_op_counts(gm)

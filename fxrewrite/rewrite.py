@@ -68,7 +68,6 @@ def apply_rules(
     # A site another rule of this pass fused is no miss (Gemma's norm pattern nearly matches a
     # plain norm that the plain rule then takes).
     result.near_misses += [miss for anchor, miss in misses if anchor not in erased]
-    gm.recompile()
     return result
 
 
@@ -194,6 +193,5 @@ def dead_code(gm: fx.GraphModule) -> int:
     """Remove nodes nobody reads (pure ops only); returns how many."""
     before = len(gm.graph.nodes)
     gm.graph.eliminate_dead_code()
-    gm.recompile()
     return before - len(gm.graph.nodes)
 

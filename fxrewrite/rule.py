@@ -230,6 +230,7 @@ def trace(
             n.target = n.target.default
     meta.mark_kinds(gm.graph, scalars)
     canonicalize(gm)
+    gm.recompile()
     return gm
 
 

@@ -102,7 +102,6 @@ def merge_sibling_linears(gm: fx.GraphModule) -> PassResult:
         if len(lins) < 2:
             continue
         _merge(gm, lins, key[4], fake_mode, result)
-    gm.recompile()
     return result
 
 
