@@ -144,6 +144,13 @@ def test_silu_and_mul_negative_twins(halves: Callable[[torch.Tensor, Act], torch
     assert reasons(r, "silu_and_mul") == [reason]
 
 
+@pytest.mark.parametrize(("gelu", "rule"), [(F.gelu, "gelu_and_mul"), (gelu_tanh, "gelu_tanh_and_mul")])
+def test_gelu_and_mul_negative_twin_activation_on_second_half(gelu: Act, rule: str) -> None:
+    gate_up = torch.nn.Linear(32, 128, bias=False)
+    r = check(lambda x: swapped(gate_up(x), gelu), torch.randn(4, 32), expect={}, dynamic=False)
+    assert reasons(r, rule) == ["`up` start: literal 64 != 0"]
+
+
 def test_slices_at_a_quarter_fail_the_halves_guard() -> None:
     """``act(x[..., :d]) * x[..., d:]`` with d not half the last dim (a size-1 gate broadcasts):
     structurally the pattern, rejected by the guard."""

@@ -145,17 +145,22 @@ def test_silu_and_mul_static_quant_in_float32_goes_through_the_walking_twin() ->
 
 
 class BadScale(Fp8Block):
-    """A static scale that is not one float32 element."""
+    """A static scale that is not one float32 element (a plain attribute: ``to_dtype`` keeps it)."""
 
     def __init__(self, kind: str, scale: torch.Tensor) -> None:
         super().__init__(kind)
         self.bad = scale
 
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> Any:
-        if self.kind == "norm":
-            return quant_static(rms_norm(a, self.weight, self.eps), self.bad)
-        gate, up = self.gate_up_proj(a).chunk(2, -1)
-        return quant_static(F.silu(gate) * up, self.bad)
+    def quantize(self, y: torch.Tensor) -> Any:
+        return quant_static(y, self.bad)
+
+
+# kind -> (what still fuses, the quant rule that must not)
+FALLBACK = {
+    "norm": ("rms_norm", "rms_norm_quant_fp8"),
+    "add-norm": ("fused_add_rms_norm_", "add_rms_norm_quant_fp8"),
+    "silu": ("silu_and_mul", "silu_and_mul_quant_fp8"),
+}
 
 
 @pytest.mark.parametrize(
@@ -163,11 +168,11 @@ class BadScale(Fp8Block):
     [(torch.full((64,), 0.02), "torch.float32(64,)"), (torch.tensor(0.02, dtype=BF16), "torch.bfloat16()")],
     ids=["per-channel", "bf16"],
 )
-@pytest.mark.parametrize(("kind", "rest"), [("norm", "rms_norm"), ("silu", "silu_and_mul")])
-def test_scale_not_one_float32_element_is_not_fused(kind: str, rest: str, scale: torch.Tensor, got: str) -> None:
-    model = BadScale(kind, scale).to_dtype(BF16)
-    r = check(model, *inputs(), expect={rest: 1}, dynamic=False, exact=True)
-    rule = "rms_norm_quant_fp8" if kind == "norm" else "silu_and_mul_quant_fp8"
+@pytest.mark.parametrize("kind", list(FALLBACK))
+def test_scale_not_one_float32_element_is_not_fused(kind: str, scale: torch.Tensor, got: str) -> None:
+    rest, rule = FALLBACK[kind]
+    r = check(BadScale(kind, scale).to_dtype(BF16), *inputs(), expect={rest: 1}, dynamic=False, exact=True)
+    # (for SiLU both the subgraph_rewriter rule and its walking twin report it: one reason)
     assert set(reasons(r, rule)) == {f"guard: scale must be one float32 element, got {got}"}
 
 
@@ -176,26 +181,30 @@ def quant_240(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (y.float() / scale).clamp(-240.0, 240.0).to(torch.float8_e4m3fn)
 
 
-@pytest.mark.parametrize(("kind", "rest"), [("norm", "rms_norm"), ("silu", "silu_and_mul")])
+@pytest.mark.parametrize("kind", list(FALLBACK))
 @DYNAMIC
-def test_quant_with_another_max_is_not_fused(kind: str, rest: str, dynamic: bool) -> None:
+def test_quant_with_another_max_is_not_fused(kind: str, dynamic: bool) -> None:
+    rest, rule = FALLBACK[kind]
     model = Fp8Block(kind).to_dtype(BF16)
     model.static = quant_240
     r = check(model, *inputs(), expect={rest: 1}, dynamic=dynamic, exact=True)
-    rule = "rms_norm_quant_fp8" if kind == "norm" else "silu_and_mul_quant_fp8"
     assert reasons(r, rule) == ["`clamp` min: literal -240.0 != -448.0"]
 
 
-def test_per_token_quant_with_another_floor_is_not_fused() -> None:
-    def floor_1e6(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = y.float()
-        s = y.abs().amax(-1, keepdim=True).clamp(min=1e-6) / 448.0
-        return (y / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), s
+def floor_1e6(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token quant with another amax floor."""
+    y = y.float()
+    s = y.abs().amax(-1, keepdim=True).clamp(min=1e-6) / 448.0
+    return (y / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), s
 
-    model = Fp8Block("norm", per_token=True).to_dtype(BF16)
+
+@pytest.mark.parametrize("kind", list(FALLBACK))
+def test_per_token_quant_with_another_floor_is_not_fused(kind: str) -> None:
+    rest, rule = FALLBACK[kind]
+    model = Fp8Block(kind, per_token=True).to_dtype(BF16)
     model.dynamic = floor_1e6
-    r = check(model, *inputs(), expect={"rms_norm": 1}, dynamic=False, exact=True)
-    assert reasons(r, "rms_norm_dynamic_quant_fp8") == ["`clamp` min: literal 1e-06 != 1e-12"]
+    r = check(model, *inputs(), expect={rest: 1}, dynamic=False, exact=True)
+    assert reasons(r, rule.replace("_quant_fp8", "_dynamic_quant_fp8")) == ["`clamp` min: literal 1e-06 != 1e-12"]
 
 
 def test_quantized_norm_whose_bf16_output_is_also_used_fuses_only_the_norm() -> None:
