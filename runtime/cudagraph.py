@@ -346,7 +346,7 @@ def _capturing(device: torch.device) -> Iterator[None]:
         gc.unfreeze()
 
 
-class _PieceRunner(torch.nn.Module):
+class _PieceRunner:
     """Stands in the split module for one captured piece: captures it per size, then replays.
 
     Per size: [static inputs, positions copied in from eager pieces, outputs, CUDA graph or
@@ -354,13 +354,12 @@ class _PieceRunner(torch.nn.Module):
     """
 
     def __init__(self, piece: Piece, runner: Runner, eager_pieces: Collection[int]) -> None:
-        super().__init__()
-        self.fn, self.piece_name, self._runner = piece.submodule, piece.name, runner
+        self.fn, self.piece_name, self._runner = piece.submodule.forward, piece.name, runner
         self._graphs: dict[int, list[Any]] = {}
         self._from_eager = [k for k, s in enumerate(piece.sources) if s.kind == "piece" and s.index in eager_pieces]
         self._keep = {k for k, s in enumerate(piece.sources) if s.kind != "piece" or s.index in eager_pieces}
 
-    def __call__(self, *args: Any) -> Any:  # type: ignore[override]  (skips nn.Module hook dispatch)
+    def __call__(self, *args: Any) -> Any:
         runner = self._runner
         entry = self._graphs.get(runner._size)
         if entry is None:
@@ -412,25 +411,23 @@ class _PieceRunner(torch.nn.Module):
             entry[2] = tree_map(_weak, entry[2])
 
 
-class _SplittingPiece(torch.nn.Module):
+class _SplittingPiece:
     """Stands in the split module for a splitting piece: runs it eagerly, except during capture,
     where it returns zeros shaped like its outputs. A splitting op's effects (a KV-cache write)
     then happen only in real steps, and its values are never needed to capture the next piece."""
 
     def __init__(self, piece: Piece, runner: Runner) -> None:
-        super().__init__()
-        self.fn = piece.submodule
-        self._runner = runner
+        self.fn, self.piece_name, self._runner = piece.submodule.forward, piece.name, runner
         leaves, self._spec = tree_flatten(piece.submodule.graph.output_node().args[0])
         self._fakes = [leaf.meta.get("example_value") if isinstance(leaf, torch.fx.Node) else leaf for leaf in leaves]
 
-    def __call__(self, *args: Any) -> Any:  # type: ignore[override]
+    def __call__(self, *args: Any) -> Any:
         runner = self._runner
         if runner._capturing:
             with contextlib.suppress(TypeError, KeyError, AttributeError):
                 return tree_unflatten([runner.dispatch.materialize(v, runner._size or None) for v in self._fakes],
                                       self._spec)
-            logger.warning("%s: no shape metadata; run for real during capture", self.fn.__class__.__name__)
+            logger.warning("%s: no shape metadata; run for real during capture", self.piece_name)
         return self.fn(*args)
 
 
@@ -470,12 +467,14 @@ class Runner:
         if d.reason:
             logger.warning("CUDA graphs off, the graph runs eagerly: %s", d.reason)
         self._pieces = [_PieceRunner(p, self, eager) for p in pieces]
+        # the stand-ins are plain attributes: the generated forward finds them without going
+        # through nn.Module.__getattr__ and __call__ (about 5 us a piece)
         self.module = GraphModule(self.split.module, self.split.module.graph)
-        for piece, stand_in in zip(pieces, self._pieces):
-            setattr(self.module, piece.name, stand_in)
-        for piece in self.split.pieces:
-            if piece.is_splitting:
-                setattr(self.module, piece.name, _SplittingPiece(piece, self))
+        stand_ins = dict(zip((p.name for p in pieces), self._pieces))
+        stand_ins.update((p.name, _SplittingPiece(p, self)) for p in self.split.pieces if p.is_splitting)
+        for name, stand_in in stand_ins.items():
+            del self.module._modules[name]
+            self.module.__dict__[name] = stand_in
         # parameters/buffers a captured piece writes (a KV cache in full mode): warm-ups and
         # emulated captures would write them, so capture saves and restores them
         written = set()
@@ -544,7 +543,7 @@ class Runner:
                     args = [size if i in self._sym_idx else self._buffer(i, size) if i in self._managed
                             else self._examples[i] for i in range(len(self._examples))]
                     self._size, self._capturing = size, True
-                    self.module(*args)
+                    self.module.forward(*args)
                     self._capturing = False
                     for p in self._pieces if self.on_cuda else ():
                         p.release(size)
@@ -590,7 +589,7 @@ class Runner:
         with torch.no_grad():
             call = self._prepare(args, n, size)
             self._size = size
-            out = self.module(*call)
+            out = self.module.forward(*call)
             for i in self._written:
                 self._copy_back(i, args[i], call[i], n, size)
         counts["replays"] += 1
