@@ -290,9 +290,8 @@ def _reason(node: Node, host_scalars: Collection[str]) -> str | None:
         involved = src | _devices(value)
         if "cpu" in involved and len(involved) > 1:
             return "copies between host and device (a sync, or a pageable copy capture forbids)"
-    if isinstance(value, (torch.SymFloat, float)):
-        return None
-    if free_unbacked_symbols(value):
+    symbolic = (torch.Tensor, torch.SymInt, torch.SymBool)  # a SymFloat is a value, not a shape
+    if any(free_unbacked_symbols(v) for v in torch.utils._pytree.tree_leaves(value) if isinstance(v, symbolic)):
         return "has a data-dependent shape or value (unbacked symbol)"
     return None
 

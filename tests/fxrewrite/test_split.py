@@ -299,6 +299,19 @@ def test_missing_ops_are_reported_not_raised(toy: Recorded) -> None:
     assert_same_outputs(whole, toy)
 
 
+def test_autocast_region_before_a_splitting_op() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):  # Dynamo: _enter_autocast / _exit_autocast nodes
+            y = x.float() * 2
+        return SDPA(y, y, y) + 1
+
+    rec = record(f, [(torch.randn(2, 8, 4),)], dynamic=True)
+    assert find_capture_hazards(rec.gm) == []
+    sg = split_graph(rec.gm, [SDPA])
+    assert [p.is_splitting for p in sg.pieces] == [False, True, False]
+    assert_same_outputs(sg, rec)
+
+
 def test_adjacent_and_leading_splitting_ops_make_no_empty_piece() -> None:
     def f(q: torch.Tensor) -> torch.Tensor:
         a = SDPA(q, q, q)
