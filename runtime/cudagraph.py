@@ -169,8 +169,8 @@ class Dispatch:
         # a static tensor's dims (Dynamo gives buffers symbols too) are fixed with its address;
         # so is a SymInt input that only sizes static tensors
         fixed = {s for v, st in zip(values, static) if st for s in free_symbols(v)}
-        symbols = {s for i in captured_inputs if not static[i] for s in free_symbols(values[i])
-                   if isinstance(values[i], torch.Tensor) or s not in fixed}
+        symbols = {s for i in captured_inputs if not static[i] and isinstance(values[i], (torch.Tensor, torch.SymInt))
+                   for s in free_symbols(values[i]) if isinstance(values[i], torch.Tensor) or s not in fixed}
         self.reason: str | None = None
         if len(symbols) > 1:
             self.reason = (f"captured pieces read {len(symbols)} dynamic dimensions "
@@ -641,7 +641,16 @@ class Runner:
     # -- report -------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Counters and capture facts for the Report (see the module docstring)."""
+        """Counters and capture facts for the Report.
+
+        mode, device; cudagraphs (real graphs in use) and reason (why not, e.g. several dynamic
+        dims, a failed capture); capture_sizes, static_shape, pad_inputs; inputs (count per
+        InputSpec kind); pieces, captured_pieces, splitting_pieces, missing_splitting_ops;
+        graphs, captured, capture_s, pool_bytes (the shared pool's segments), buffer_bytes
+        (static input buffers); calls, replays, padded_calls, eager_calls and eager_reasons
+        (beyond_max, not_captured, static_input_moved, host_scalar_changed, unsupported);
+        static_input_copies and activation_copies, in all and in the last call (``_last``).
+        """
         d, split, c = self.dispatch, self.split, self._counts
         return {
             "mode": self.mode,

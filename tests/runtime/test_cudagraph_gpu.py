@@ -8,6 +8,7 @@ F.scaled_dot_product_attention or custom attention ops (functional and ``out=``)
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import random
 import sys
@@ -47,6 +48,7 @@ MODELS = {
 SPLITTING = {"custom": ("fxrtest::attn",), "custom_out": ("fxrtest::attn_out",)}
 
 
+@functools.lru_cache(maxsize=None)  # one Dynamo compile per model for the whole file
 def recorded(name: str, dtype: torch.dtype = torch.float32, dynamic: bool = True, sizes: tuple[int, ...] = (8, 5)) -> Recorded:
     if name == "llama":
         pytest.importorskip("transformers")
@@ -98,6 +100,22 @@ def test_sizes_replayed_in_any_order_share_the_pool_safely(mode: str) -> None:
     kept = [(n, assert_matches_eager(runner, rec, n)) for n in order]
     for n, out in kept[:5]:  # earlier outputs are not overwritten by later replays
         torch.testing.assert_close(out, rec.gm(*args_for(runner, rec.calls[0], n)), **TOL[torch.float32])
+
+
+def test_pool_memory_is_shared_across_sizes() -> None:
+    """Each size's activations are dead before another size runs: later captures reuse them."""
+    rec = record(seeded(lambda: ToyAttention(hidden=1024, heads=8), "cuda"), toy_inputs((64,), "cuda", 1024),
+                 dynamic=True)
+    pools = {}
+    for sizes in ((512,), (64, 128, 256, 384, 512)):
+        runner = make_runner(rec, "sdpa", "piecewise", capture_sizes=sizes)
+        runner.capture()
+        pools[sizes] = runner.stats()["pool_bytes"]
+        assert_matches_eager(runner, rec, 200)
+        del runner
+        torch.cuda.empty_cache()
+    print(f"pool bytes: {pools}")
+    assert pools[(64, 128, 256, 384, 512)] < 1.5 * pools[(512,)], pools
 
 
 def test_copies_per_step() -> None:
