@@ -83,7 +83,6 @@ import torch
 from torch.fx import GraphModule
 from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-from tqdm import tqdm
 
 from fxrewrite.config import Config
 from fxrewrite.split import (
@@ -94,6 +93,11 @@ from fxrewrite.split import (
     mutated_placeholders,
     split_graph,
 )
+
+try:
+    from tqdm import tqdm
+except ImportError:  # a nicety: without tqdm the capture is only logged
+    tqdm = None
 
 logger = logging.getLogger(__name__)
 
@@ -537,9 +541,9 @@ class Runner:
             with ctx, torch.inference_mode(False), torch.no_grad():
                 if self.on_cuda:
                     self._pool = torch.cuda.graph_pool_handle()
-                bar = tqdm(sizes, desc="capturing CUDA graphs" if self.on_cuda else "emulating CUDA graphs",
-                           unit="size", file=sys.stderr, disable=not self._progress)
-                for size in bar:
+                desc = "capturing CUDA graphs" if self.on_cuda else "emulating CUDA graphs"
+                show = self._progress and tqdm is not None
+                for size in tqdm(sizes, desc=desc, unit="size", file=sys.stderr) if show else sizes:
                     args = [size if i in self._sym_idx else self._buffer(i, size) if i in self._managed
                             else self._examples[i] for i in range(len(self._examples))]
                     self._size, self._capturing = size, True
