@@ -18,7 +18,8 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
 * ``.float()`` / ``.half()`` / ``.to(dtype)`` / ``.to(other)`` / ``.type(dtype)`` / ``.type_as``
   -> ``prims.convert_element_type``; casts to the dtype a tensor already has are removed;
 * ``x ** 2`` / ``x.pow(2)`` / ``torch.square(x)`` / ``x * x`` -> ``aten.pow.Tensor_Scalar(x, 2)``;
-* ``1 / sqrt(x)`` and ``reciprocal(sqrt(x))`` -> ``aten.rsqrt``;
+* ``1 / sqrt(x)`` and ``reciprocal(sqrt(x))`` -> ``aten.rsqrt``; ``a / sqrt(x)`` -> ``a * rsqrt(x)``
+  (equal up to rounding);
 * ``F.silu(x)`` and ``x * sigmoid(x)`` -> ``aten.silu``; ``F.gelu`` -> ``aten.gelu``;
 * ``view`` and ``reshape`` -> ``aten.reshape`` when the input is contiguous (then both are views);
   a reshape to the same shape is removed;
@@ -267,6 +268,13 @@ class _Canon:
                 if not sig.users:  # else x looks used outside any match that consumes the silu
                     self.graph.erase_node(sig)
                 return None
+        if op is DIV and isinstance(b, fx.Node) and b.target is SQRT and len(b.users) == 1:
+            # a / sqrt(v) -> a * rsqrt(v): equal up to rounding (one ulp in float32), and the
+            # form RMSNorm rules are written in
+            rsqrt = self.new(node, RSQRT, (b.args[0],))
+            self.set(node, MUL, (a, rsqrt))
+            self.graph.erase_node(b)
+            return None
         if op is DIV and a == 1:
             return None
         return self.set(node, op, (a, b))

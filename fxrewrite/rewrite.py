@@ -180,11 +180,12 @@ def _apply_subgraph_rewriter(gm: fx.GraphModule, rule: Rule, result: PassResult,
 
     replaced = replace_pattern_with_filters(gm, cr.pattern, cr.replacement, match_filters=[guard])
     for r in replaced:
+        source = r.nodes_map.get(r.anchor, r.anchor)  # r.anchor is the pattern's node
         for n in r.replacements:
-            meta.copy_provenance(r.anchor, n)
+            meta.copy_provenance(source, n)
             n.meta["fxr_rule"] = rule.name
             meta.propagate(n, fake_mode)
-        last = r.replacements[-1] if r.replacements else r.anchor
+        last = r.replacements[-1] if r.replacements else source
         result.sites.append(Site(rule.name, last.name, meta.source_line(last), meta.module_path(last)))
         result.matches += 1
 
