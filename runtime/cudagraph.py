@@ -44,15 +44,16 @@ sync, transfer or data-dependent shape in a captured piece is a :class:`CaptureH
 build, naming the op and its source line.
 
 Capture: at the first call or ``Runner.capture()``, largest size first, the split module runs
-once per size on the static buffers; each captured piece gets an eager warm-up and a capture on
-a side stream. Splitting pieces do not run then (they return zeros shaped like their outputs),
-so attention's writes (a KV cache) happen in real steps only; parameters or buffers a captured
-piece writes (full mode) are saved to host memory and restored. All graphs share one pool
-(``torch.cuda.graph_pool_handle``); once a size is captured the Runner keeps non-owning
-references to its pool tensors, so later sizes reuse the memory: one size's values are dead
-before another size runs, and inputs and outputs live outside the pool. gc is frozen and
-disabled; ``capture_begin`` / ``capture_end`` are called directly, skipping the
-``gc.collect`` / ``empty_cache`` that ``torch.cuda.graph`` may do per capture.
+once per size on the static buffers; each captured piece gets an eager warm-up, a capture on a
+side stream and a replay (later warm-ups must read real values, e.g. indices). Splitting pieces
+do not run then: they return zeros shaped like their outputs, so attention's writes (a KV cache)
+happen in real steps only; parameters or buffers a captured piece writes (full mode) are saved
+to host memory and restored. All graphs share one pool (``torch.cuda.graph_pool_handle``); once
+a size is captured the Runner keeps non-owning references to its pool tensors, so later sizes
+reuse the memory: one size's values are dead before another size runs, and inputs and outputs
+live outside the pool. gc is frozen and disabled; ``capture_begin`` / ``capture_end`` are
+called directly, skipping the ``gc.collect`` / ``empty_cache`` that ``torch.cuda.graph`` may do
+per capture.
 
 On CPU (no CUDA input) piecewise and full run the same dispatch, buffers and copies, captured
 pieces emulated by eager runs copied into fixed outputs (``stats()["cudagraphs"]`` False).
@@ -406,6 +407,7 @@ class _PieceRunner:
                 graph.capture_end()
             raise RuntimeError(f"capture of {self.piece_name} at size {size} failed: {e}") from e
         graph.capture_end()
+        graph.replay()  # capture computes nothing: later pieces' warm-ups must not read garbage (indices)
         return [static, self._from_eager, outputs, graph]
 
     def release(self, size: int) -> None:
@@ -423,15 +425,18 @@ class _SplittingPiece:
     def __init__(self, piece: Piece, runner: Runner) -> None:
         self.fn, self.piece_name, self._runner = piece.submodule.forward, piece.name, runner
         leaves, self._spec = tree_flatten(piece.submodule.graph.output_node().args[0])
-        self._fakes = [leaf.meta.get("example_value") if isinstance(leaf, torch.fx.Node) else leaf for leaf in leaves]
+        fakes = [leaf.meta.get("example_value") if isinstance(leaf, torch.fx.Node) else leaf for leaf in leaves]
+        known = all(f is not None or not isinstance(leaf, torch.fx.Node) for f, leaf in zip(fakes, leaves))
+        self._fakes = fakes if known else None
 
     def __call__(self, *args: Any) -> Any:
         runner = self._runner
-        if runner._capturing:
+        if runner._capturing and self._fakes is not None:
             with contextlib.suppress(TypeError, KeyError, AttributeError):
                 return tree_unflatten([runner.dispatch.materialize(v, runner._size or None) for v in self._fakes],
                                       self._spec)
-            logger.warning("%s: no shape metadata; run for real during capture", self.piece_name)
+        if runner._capturing:
+            logger.warning("%s: no shape metadata, so it runs for real during capture", self.piece_name)
         return self.fn(*args)
 
 

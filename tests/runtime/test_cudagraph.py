@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fxrewrite.config import Config
 from fxrewrite.runtime.cudagraph import Dispatch, Runner, ShapeError, build_runner, pad_zeros, select_size
@@ -32,6 +33,7 @@ from test_split import (  # noqa: E402
     toy_inputs,
 )
 
+SDPA = F.scaled_dot_product_attention
 SIZES = (4, 8, 16)
 TOY_CALLS = (3, 4, 5, 8, 9, 16, 17)  # padded, exact, padded, exact, padded, exact, beyond
 
@@ -346,6 +348,23 @@ def test_failed_capture_raises_then_runs_eagerly(toy: Recorded, monkeypatch: pyt
     torch.testing.assert_close(runner(*args), toy.gm(*args))
     s = runner.stats()
     assert "capture failed" in s["reason"] and s["eager_reasons"] == {"unsupported": 1}
+
+
+def test_graph_without_metadata_runs_with_static_shapes(caplog: pytest.LogCaptureFixture) -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        return SDPA(h, h, h) @ w
+
+    gm = torch.fx.symbolic_trace(f)  # no example values: shapes come from the example inputs
+    args = (torch.randn(2, 8, 16), torch.randn(16, 16))
+    runner = build_runner(gm, list(args), Config(mode="piecewise", progress=False))
+    torch.testing.assert_close(runner(*args), f(*args))
+    s = runner.stats()
+    assert s["static_shape"] and s["splitting_pieces"] == 1 and s["replays"] == 1
+    assert s["static_input_copies_last"] == 2  # plain tensors, not parameters: copied into buffers
+    assert "runs for real during capture" in caplog.text  # no metadata to fake the attention output
+    with pytest.raises(ShapeError, match=r"expected shape \(2, 8, 16\)"):
+        runner(torch.randn(2, 9, 16), args[1])
 
 
 def test_mode_none_is_the_graph_itself(toy: Recorded) -> None:
