@@ -110,6 +110,29 @@ class ShapeError(ValueError):
     """A call with shapes the graph was not compiled (or captured) for."""
 
 
+def check_capture_sizes(config: Config) -> tuple[int, ...]:
+    """``config``'s capture sizes (the default list when unset), or a ValueError saying what is
+    wrong: none, not positive integers, not strictly increasing, above ``max_capture_size``.
+
+        >>> check_capture_sizes(Config(capture_sizes=(1, 2, 4)))
+        (1, 2, 4)
+        >>> check_capture_sizes(Config(capture_sizes=(8, 4)))
+        Traceback (most recent call last):
+        ...
+        ValueError: capture_sizes must be in increasing order: (8, 4)
+    """
+    sizes = tuple(config.resolved().capture_sizes or ())
+    if not sizes:
+        raise ValueError("capture_sizes is empty")
+    if not all(isinstance(s, int) and s > 0 for s in sizes):
+        raise ValueError(f"capture_sizes must be positive integers: {sizes}")
+    if any(a >= b for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"capture_sizes must be in increasing order: {sizes}")
+    if sizes[-1] > config.max_capture_size:
+        raise ValueError(f"capture size {sizes[-1]} is above max_capture_size {config.max_capture_size}")
+    return sizes
+
+
 def select_size(n: int, sizes: Sequence[int], pad: bool) -> int | None:
     """The capture size serving ``n`` tokens (``sizes`` ascending), or None: run eagerly.
 
@@ -464,11 +487,12 @@ class Runner:
             return
         if self.mode not in ("piecewise", "full"):
             raise ValueError(f"unknown mode {self.mode!r}: expected 'none', 'piecewise' or 'full'")
+        sizes = check_capture_sizes(config)
         self.split = split_graph(gm, config.splitting_ops if self.mode == "piecewise" else ())
         pieces = [p for p in self.split.pieces if not p.is_splitting and not is_trivial(p.submodule)]
         eager = {p.index for p in self.split.pieces} - {p.index for p in pieces}
         used = {s.index for p in pieces for s in p.sources if s.kind == "input"}
-        self.dispatch = d = Dispatch(gm, example_inputs, used, config.capture_sizes, config.pad_inputs, self.on_cuda)
+        self.dispatch = d = Dispatch(gm, example_inputs, used, sizes, config.pad_inputs, self.on_cuda)
         hosts = {s.name for s in d.inputs if s.kind == "host"}
         hazards = [h for p in pieces for h in find_capture_hazards(p.submodule, hosts)]
         if hazards:

@@ -17,7 +17,15 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.config import Config
-from fxrewrite.runtime.cudagraph import Dispatch, Runner, ShapeError, build_runner, pad_zeros, select_size
+from fxrewrite.runtime.cudagraph import (
+    Dispatch,
+    Runner,
+    ShapeError,
+    build_runner,
+    check_capture_sizes,
+    pad_zeros,
+    select_size,
+)
 from fxrewrite.split import CaptureHazardError
 
 # The graph fixtures are shared with the split tests; pytest imports that file as `test_split`.
@@ -120,6 +128,21 @@ def llama() -> Recorded:
 ])
 def test_select_size(n: int, pad: bool, size: int | None) -> None:
     assert select_size(n, SIZES, pad) == size
+
+
+@pytest.mark.parametrize(("sizes", "says"), [
+    ((), r"capture_sizes is empty"),
+    ((8, 4, 16), r"capture_sizes must be in increasing order: \(8, 4, 16\)"),
+    ((4, 4), r"increasing order"),
+    ((0, 4), r"positive integers"),
+    ((8, 1024), r"capture size 1024 is above max_capture_size 512"),
+])
+def test_bad_capture_sizes_are_refused(toy: Recorded, sizes: tuple[int, ...], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        check_capture_sizes(Config(capture_sizes=sizes))
+    with pytest.raises(ValueError, match=says):
+        runner_for(toy, mode="piecewise", capture_sizes=sizes)
+    assert check_capture_sizes(Config(max_capture_size=64))[-1] == 64  # the default list
 
 
 def test_dispatch_classifies_llama_inputs(llama: Recorded) -> None:
