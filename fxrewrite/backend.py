@@ -127,6 +127,10 @@ class Backend:
             providers.configure(self.config.provider)  # raises if it names a missing library
         if self.config.dump_dir:
             prepare_dump_dir(self.config.dump_dir)
+        if self.config.mode != "none":
+            from fxrewrite.runtime.cudagraph import check_capture_sizes
+
+            check_capture_sizes(self.config)  # empty, unsorted, above the max: refused now
         self._check_rules()
         self.graphs: list[fx.GraphModule] = []
         self.runners: list[Any] = []
