@@ -194,13 +194,14 @@ def _silu_dynamic_check(x: Tensor) -> str | None:
 
 def sgl_per_token_quant(y: Tensor) -> tuple[Tensor, Tensor]:
     """sgl-kernel ``sgl_per_token_quant_fp8`` on contiguous ``y``: ``s = amax / 448``, ``q = y * (1 / s)``
-    (0 for an all-zero row); ``s`` is then raised to the spec's floor (``1e-12 / 448``, in place on
+    (not finite for an all-zero row, so those rows are zeroed); ``s`` is then raised to the spec's floor (``1e-12 / 448``, in place on
     [rows, 1] floats), so a zero row gives ``q = 0``, ``s = floor`` as the reference does."""
     rows = as_rows(y)
     assert rows is not None
     q = torch.empty(rows.shape, dtype=FP8_DTYPE, device=y.device)
     s = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=y.device)
     torch.ops.sgl_kernel.sgl_per_token_quant_fp8.default(rows, q, s)
+    q.masked_fill_(s == 0, 0)  # an all-zero row: the kernel divides by a zero scale (seen on H100)
     s.clamp_(min=SCALE_FLOOR)
     return q.view(y.shape), s.view(*y.shape[:-1], 1)
 

@@ -180,7 +180,8 @@ def test_per_head_rms_norm(provider: str, dtype: torch.dtype, tokens: int, gen: 
     qkv = torch.randn(tokens, (32 + 2 * 8) * 128, device="cuda", generator=gen).to(dtype)
     q = qkv[:, : 32 * 128].view(tokens, 32, 128)
     served = run_and_check(op, provider, [q, w, EPS], dtype)
-    assert served == {"flashinfer": "flashinfer", "sgl_kernel": "torch"}[provider]
+    # one token's heads are contiguous even when sliced: sgl-kernel serves that case too
+    assert served == {"flashinfer": "flashinfer", "sgl_kernel": "sgl_kernel" if q.is_contiguous() else "torch"}[provider]
 
 
 @pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
