@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import operator
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -388,7 +389,7 @@ class _Canon:
     def _split_users(self, node: fx.Node, bounds: list[tuple[int, int]], dim: int) -> None:
         x = node.args[0]
         users = list(node.users)
-        if not all(u.target is operator.getitem and isinstance(u.args[1], int) for u in users):
+        if not all(u.target is operator.getitem and isinstance(u.args[1], int) and -len(bounds) <= u.args[1] < len(bounds) for u in users):
             return
         for u in users:
             start, end = bounds[u.args[1]]
@@ -397,31 +398,28 @@ class _Canon:
             self.graph.erase_node(node)
 
     def chunk(self, node: fx.Node) -> None:
-        x = node.args[0]
         chunks = node.args[1] if len(node.args) > 1 else node.kwargs.get("chunks")
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-        t = meta.tensor(x)
-        if t is None or not isinstance(t.shape[dim], int):
-            return
-        size = t.shape[dim]
-        step = -(-size // chunks)
-        bounds = [(i, min(i + step, size)) for i in range(0, size, step)]
-        self._split_users(node, bounds, self.neg_dim(x, dim))
+        self._split(node, lambda size: [-(-size // chunks)] * chunks)
 
     def split(self, node: fx.Node) -> None:
-        x = node.args[0]
         sizes = node.args[1] if len(node.args) > 1 else node.kwargs.get("split_size_or_sections")
+        self._split(node, lambda size: [sizes] * -(-size // sizes) if isinstance(sizes, int) else list(sizes))
+
+    def _split(self, node: fx.Node, pieces: Callable[[int], list[Any]]) -> None:
+        """``chunk`` / ``split`` along a static dim, read by ``getitem`` users -> one slice each."""
+        x = node.args[0]
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
         t = meta.tensor(x)
         if t is None or not isinstance(t.shape[dim], int):
             return
         size = t.shape[dim]
-        if isinstance(sizes, int):
-            sizes = [min(sizes, size - i) for i in range(0, size, sizes)]
-        if not all(isinstance(s, int) for s in sizes):
-            return
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        self._split_users(node, [(s, s + n) for s, n in zip(starts, sizes)], self.neg_dim(x, dim))
+        bounds, start = [], 0
+        for n in pieces(size):
+            if not isinstance(n, int) or start >= size:
+                break
+            bounds.append((start, min(start + n, size)))
+            start += n
+        self._split_users(node, bounds, self.neg_dim(x, dim))
 
 
 def canonicalize(gm: fx.GraphModule) -> int:
