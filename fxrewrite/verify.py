@@ -333,10 +333,44 @@ def check(m: Match, seed: int = 0) -> str | None:
         return f"verify: the replacement returns {len(got)} value(s), the subgraph {len(expected)} on {where}"
     for i, (a, b) in enumerate(zip(got, expected)):
         why = compare(a, b, TOLERANCES)
-        if why is not None:
-            out = f" in output {i}" if len(expected) > 1 else ""
-            return f"verify: {why}{out} on {where}"
+        if why is None:
+            continue
+        out = f" in output {i}" if len(expected) > 1 else ""
+        if _meta_differs(a, b):
+            if _meta_check_refuses(m, rep, i):
+                return None  # the rewrite step refuses it by fake values and says which output
+            return f"verify: {why}{out} at run time, while the fake values agree (a fake impl is wrong) on {where}"
+        return f"verify: {why}{out} on {where}"
     return None
+
+
+def _meta_differs(a: Any, b: Any) -> bool:
+    return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or (
+        a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape)
+    )
+
+
+def _meta_check_refuses(m: Match, rep: fx.GraphModule, i: int) -> bool:
+    """Whether the rewrite step's own check (fake values of the replacement against the pattern's
+    outputs) refuses output ``i``: then a dtype or shape difference is its to report, with its
+    message. Running the replacement on the bound fake values tells."""
+    want = meta.tensor(m.nodes[m.rule.compiled.outputs[i]])
+    fake_mode = meta.fake_mode_of(m.anchor.graph)
+    if want is None or fake_mode is None:
+        return True
+    args = []
+    for p in rep.graph.nodes:
+        if p.op == "placeholder":
+            b = m.bindings[p.target]
+            args.append(meta.value(b) if isinstance(b, fx.Node) else b)
+    try:
+        with fake_mode:
+            outs = rep(*args)
+    except Exception:  # noqa: BLE001 - no fake value: the rewrite step refuses that too
+        return True
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    got = outs[i] if i < len(outs) else None
+    return not isinstance(got, torch.Tensor) or got.dtype != want.dtype or not meta.same_sizes(got, want)
 
 
 def compare(actual: Any, expected: Any, tolerances: dict[torch.dtype, tuple[float, float]]) -> str | None:

@@ -106,13 +106,22 @@ def halves_replacement(x):
     ],
 )
 def test_replacement_whose_output_meta_differs_is_rejected_not_applied(replacement, reason: str) -> None:
-    r = compile_once(relu_on, torch.randn(4, 8), rules=[Rule("meta", relu_pattern, replacement)], dynamic=False)
+    r = compile_once(relu_on, torch.randn(4, 8), rules=[Rule("meta", relu_pattern, replacement)], dynamic=False,
+                     verify=False)  # fmt: skip
     (rej,) = r.report.rejected
     assert rej.rule == "meta" and rej.source.startswith("test_bad_input.py:")
     assert re.fullmatch(reason, rej.reason), rej.reason
     assert r.report.rules() == {}
     torch.testing.assert_close(r.output, r.eager)
     assert "REJECTED meta at " in r.report.table()
+
+
+def test_with_verify_the_meta_check_still_gives_the_reason() -> None:
+    """Verification leaves dtype / shape differences that fake values show to the rewrite step."""
+    r = compile_once(relu_on, torch.randn(4, 8), rules=[Rule("meta", relu_pattern, half_replacement)], dynamic=False,
+                     verify=True)  # fmt: skip
+    (rej,) = r.report.rejected
+    assert re.fullmatch(r"replacement output `.+` is torch\.float16, the pattern's torch\.float32", rej.reason)
 
 
 def raising_guard(b):

@@ -467,5 +467,5 @@ def test_inplace_add_norm_of_x_plus_x() -> None:
         v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
         return w * v.to(a.dtype), s
 
-    r = compile_once(f, torch.randn(2, 8), torch.randn(8), rules=[norm.ADD_RMS_NORM])
+    r = compile_once(f, torch.randn(2, 8), torch.randn(8), rules=[norm.ADD_RMS_NORM], verify=False)
     assert_same(r.output, r.eager)

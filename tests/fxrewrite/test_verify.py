@@ -291,3 +291,27 @@ def test_inplace_aliasing_is_reproduced() -> None:
         assert rej.reason.startswith("verify: max abs error") and "in output 1" in rej.reason
     else:  # the matcher refuses in place when x is residual: the functional form ran
         assert [s.inplace for s in r.report.sites] == [False]
+
+
+@torch.library.custom_op("fxrtest_verify::lying", mutates_args=())
+def lying(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x).half()  # the fake below promises x's dtype
+
+
+lying.register_fake(lambda x: torch.empty_like(x))
+
+
+def relu_pattern(x):
+    return torch.relu(x)
+
+
+def lying_replacement(x):
+    return torch.ops.fxrtest_verify.lying(x)
+
+
+def test_a_fake_impl_that_lies_about_dtype_is_caught_at_run_time() -> None:
+    rule = Rule("lying_fake", relu_pattern, lying_replacement)
+    r = compile_once(lambda x: torch.relu(x * 2) + 1, torch.randn(4, 8), rules=[rule], match_filter=private_verifier())
+    (rej,) = r.report.rejected
+    assert rej.reason == "verify: dtype fp16 != fp32 at run time, while the fake values agree (a fake impl is wrong) on x=fp32[4, 8]"
+    assert_close(r.output, r.eager)
