@@ -201,7 +201,9 @@ def sgl_per_token_quant(y: Tensor) -> tuple[Tensor, Tensor]:
     q = torch.empty(rows.shape, dtype=FP8_DTYPE, device=y.device)
     s = torch.empty((rows.shape[0], 1), dtype=torch.float32, device=y.device)
     torch.ops.sgl_kernel.sgl_per_token_quant_fp8.default(rows, q, s)
-    q.masked_fill_(s == 0, 0)  # an all-zero row: the kernel divides by a zero scale (seen on H100)
+    # an all-zero row: the kernel divides by a zero scale (seen on H100); fp8 has no masked_fill,
+    # its bytes do (0x00 is +0.0 in e4m3)
+    q.view(torch.uint8).masked_fill_(s == 0, 0)
     s.clamp_(min=SCALE_FLOOR)
     return q.view(y.shape), s.view(*y.shape[:-1], 1)
 
