@@ -23,8 +23,8 @@ KV cache: per layer ``k_cache``, ``v_cache`` buffers of shape ``[max_seqs, max_l
 head_dim]``: one contiguous row per sequence, and **the step's i-th sequence lives in row i**
 (a slot-per-request engine whose scheduler packs running sequences into the first rows). A real
 engine uses a paged cache and a paged attention kernel; the ones at hand (flashinfer) JIT-compile
-for minutes on the GPU machine, so this model keeps a contiguous cache that prefill (torch SDPA)
-and decode (two cuBLAS batched GEMMs, see ``_decode``) read as strided views without a gather.
+for minutes on the GPU machine, so this model keeps a contiguous cache that torch SDPA can read as
+a strided view without a gather.
 
 Step metadata travels as tensors (see :func:`make_batch`), never as Python ints, so a CUDA graph
 replayed around the attention op stays valid from step to step:
@@ -141,57 +141,25 @@ def _attend_one(
 def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor, kv_range: torch.Tensor
 ) -> torch.Tensor:
-    """One query token per sequence, sequence b in cache row b: two batched GEMMs, no sync.
+    """One query token per sequence, sequence b in cache row b; one batched SDPA call, no sync.
 
-    Batch b of each GEMM is cache row b read in place, as the cuBLAS strided-batched layouts it
-    already is: K row ``[L, kv, d]`` viewed as ``[L*kv, d]`` (ld d), V row viewed as ``[L, kv*d]``
-    (ld kv*d), batch stride ``max_len*kv*d``. No copy, no transpose, no GQA repeat. The price:
-    each query head is multiplied with every KV head (kv x the FLOPs, which decode does not
-    miss), and the block that pairs query head h with its KV head h // group is taken after.
-
-        scores_all [B, H, L*kv] f32 = q [B, H, d] @ K^T          (bmm, bf16 in, f32 out)
-        logits     [B, H, L]    f32 = bias + scale * diag(scores_all)  bias = 0 / -inf by
-                                                                        position < seq_lens[b]
-        p          [B, H, L]         = softmax(logits) in f32, cast to V's dtype
-        out_all    [B, H, kv*d]      = p @ V                      (bmm, f32 accumulate)
-        out        [B, H, d]         = diag(out_all)
-
-    Prediction (H100, 8B shape, B=8, L=1024, bf16), to be measured: K and V are read once,
-    16.8 MB each; scores_all is written and read once, 8.4 MB each way (``H*4 / (d*2)`` = half
-    of K's bytes); the rest is < 2 MB. ~50 MB, ~17 us of HBM time at 3 TB/s, in 9 kernels
-    (3 tiny for the mask, 2 GEMMs, add, softmax, cast, diagonal copy): ~25-35 us per layer
-    with the gaps between kernels, against ~184 us for the SDPA call this replaces.
+    The query heads that share a KV head become that head's "query positions", so SDPA needs no
+    GQA support and reads K/V straight from the strided cache view:
+    q [B, kv, group, d] x k [B, kv, L, d], masked by ``position < seq_lens[b]``.
     """
     batch, heads, dim = q.shape
     rows, kv_heads = k_cache.shape[0], k_cache.shape[2]
-    group = heads // kv_heads
     length = kv_range.shape[0]
     # More sequences than cache rows is never a real step (make_batch refuses it); it is a
-    # CUDA-graph runner warming up at a size the engine does not run. Read rows modulo then (a
-    # gathered copy), so the op stays total. Likewise zeros in seq_lens (padding) would mask
-    # every key and give NaN; clamped to 1 they read key 0. A real sequence has its new token.
+    # CUDA-graph runner warming up at a size the engine does not run. Read rows modulo then, so
+    # the op stays total. Likewise zeros in seq_lens (padding) would mask every key: SDPA would
+    # return NaN; a real sequence always has at least its new token.
     rows_read = slice(0, batch) if batch <= rows else torch.arange(batch, device=q.device) % rows
-    k = k_cache[rows_read, :length].flatten(1, 2)  # [B, L*kv, d], a view when batch <= rows
-    v = v_cache[rows_read, :length].flatten(2, 3)  # [B, L, kv*d]
-    scores_all = _bmm_float32(q, k.transpose(1, 2))  # [B, H, L*kv]
-    # [B, kv, group, L, kv] -> the kv == kv diagonal -> [B, kv, group, L] (a strided view)
-    scores = scores_all.view(batch, kv_heads, group, length, kv_heads).diagonal(dim1=1, dim2=4).movedim(-1, 1)
-    bias = torch.where(kv_range[None, :] < seq_lens.clamp(min=1)[:, None], 0.0, float("-inf"))
-    logits = torch.add(bias[:, None, None, :], scores, alpha=dim**-0.5)  # contiguous [B, kv, group, L]
-    p = torch.softmax(logits, dim=-1).to(v.dtype).reshape(batch, heads, length)  # a view
-    out_all = torch.bmm(p, v)  # [B, H, kv*d]
-    out = out_all.view(batch, kv_heads, group, kv_heads, dim).diagonal(dim1=1, dim2=3)  # [B, group, d, kv]
-    return out.permute(0, 3, 1, 2).reshape(batch, heads, dim)
-
-
-def _bmm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with a float32 result: cuBLAS writes it from its float32 accumulator on CUDA;
-    elsewhere (CPU tests) the inputs are upcast, which gives the same sums."""
-    if a.dtype == torch.float32:
-        return torch.bmm(a, b)
-    if a.is_cuda:
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    return torch.bmm(a.float(), b.float())
+    k = k_cache[rows_read, :length].transpose(1, 2)
+    v = v_cache[rows_read, :length].transpose(1, 2)
+    mask = (kv_range[None, :] < seq_lens.clamp(min=1)[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, heads // kv_heads, dim), k, v, attn_mask=mask)
+    return out.reshape(batch, heads, dim)
 
 
 def _path(q: torch.Tensor, seq_lens: torch.Tensor, kv_range: torch.Tensor) -> str:

@@ -7,14 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from engine_model import (  # noqa: E402
     SPLITTING_OPS,
     EngineLlama,
-    _decode,
     build_model,
     float32_reference,
     fused_twin,
@@ -82,79 +80,6 @@ def test_batched_decode_equals_single_sequences() -> None:
         out = alone(**{**_batch("prefill", 5), "input_ids": ids})
         torch.testing.assert_close(together[4 * row : 4 * row + 4], out[:4], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(stepped[row], out[4], rtol=1e-5, atol=1e-5)
-
-
-def _decode_reference(q, k_cache, v_cache, seq_lens, kv_range):  # type: ignore[no-untyped-def]
-    """Decode spelled out in float64: sequence b reads cache row b % rows, its first
-    max(seq_lens[b], 1) keys; query head h reads KV head h // group."""
-    batch, heads, dim = q.shape
-    rows, kv_heads = k_cache.shape[0], k_cache.shape[2]
-    group = heads // kv_heads
-    assert kv_range.shape[0] >= int(seq_lens.max())
-    out = torch.empty(batch, heads, dim, dtype=torch.float64)
-    for b in range(batch):
-        n = max(int(seq_lens[b]), 1)
-        for h in range(heads):
-            k = k_cache[b % rows, :n, h // group].double()
-            v = v_cache[b % rows, :n, h // group].double()
-            p = torch.softmax(k @ q[b, h].double() / dim**0.5, dim=0)
-            out[b, h] = p @ v
-    return out
-
-
-def _decode_sdpa(q, k_cache, v_cache, seq_lens, kv_range):  # type: ignore[no-untyped-def]
-    """The SDPA formulation ``_decode`` replaced (strided K/V views, boolean mask)."""
-    batch, heads, dim = q.shape
-    rows, kv_heads = k_cache.shape[0], k_cache.shape[2]
-    length = kv_range.shape[0]
-    rows_read = slice(0, batch) if batch <= rows else torch.arange(batch) % rows
-    k = k_cache[rows_read, :length].transpose(1, 2)
-    v = v_cache[rows_read, :length].transpose(1, 2)
-    mask = (kv_range[None, :] < seq_lens.clamp(min=1)[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, heads // kv_heads, dim), k, v, attn_mask=mask)
-    return out.reshape(batch, heads, dim)
-
-
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["f32", "bf16"])
-@pytest.mark.parametrize(
-    "heads, kv_heads, seq_lens, length",
-    [
-        (4, 2, [9, 1, 17], 17),  # different lengths, batch < rows
-        (4, 2, [5, 0, 12, 3], 12),  # a padding row (seq_len 0 reads key 0), batch == rows
-        (4, 2, [7, 0, 20, 2, 13, 20], 24),  # batch > rows (rows read modulo), bound past max
-        (8, 8, [3, 11], 11),  # group 1 (MHA)
-        (8, 1, [6, 1, 15], 16),  # one KV head (MQA)
-    ],
-)
-def test_decode_equals_reference(
-    heads: int, kv_heads: int, seq_lens: list[int], length: int, dtype: torch.dtype, tol: float
-) -> None:
-    """The two-GEMM decode equals the spelled-out reference (and the SDPA call it replaced)
-    for mixed lengths, a zero length, more sequences than cache rows, MHA and MQA."""
-    g = torch.Generator().manual_seed(len(seq_lens) + heads)
-    rows, max_len, dim = 4, 32, 16
-    k_cache, v_cache = (torch.randn(rows, max_len, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
-    q = torch.randn(len(seq_lens), heads, dim, generator=g).to(dtype)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    kv_range = torch.arange(length, dtype=torch.int32)
-    out = _decode(q, k_cache, v_cache, lens, kv_range)
-    assert out.dtype == dtype and out.shape == q.shape
-    expected = _decode_reference(q, k_cache, v_cache, lens, kv_range)
-    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
-    sdpa = _decode_sdpa(q, k_cache, v_cache, lens, kv_range)
-    torch.testing.assert_close(out.float(), sdpa.float(), rtol=tol, atol=tol)
-
-
-def test_decode_ignores_keys_past_each_length() -> None:
-    """Keys at or past seq_lens[b] (but inside the kv_range bound) do not change row b."""
-    g = torch.Generator().manual_seed(9)
-    k_cache, v_cache = (torch.randn(3, 16, 2, 8, generator=g) for _ in range(2))
-    q = torch.randn(3, 4, 8, generator=g)
-    lens, kv_range = torch.tensor([4, 9, 16], dtype=torch.int32), torch.arange(16, dtype=torch.int32)
-    before = _decode(q, k_cache, v_cache, lens, kv_range)
-    k_cache[0, 4:] += 100.0
-    v_cache[1, 9:] -= 100.0
-    torch.testing.assert_close(_decode(q, k_cache, v_cache, lens, kv_range), before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind, size, context", [("decode", 3, 9), ("prefill", 6, 0), ("prefill", 4, 5)])
