@@ -141,6 +141,8 @@ class Backend:
         for p in pipeline(self.config):
             rules = getattr(p.fn, "keywords", {}).get("rules", [])
             for r in rules:
+                if not isinstance(r, Rule):
+                    raise TypeError(f"rules must be fxrewrite.Rule objects, got {r!r} in pass {p.name!r}")
                 _ = r.compiled
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:

@@ -306,6 +306,7 @@ class _Canon:
             dtype = self.dtype(rest[0]) if rest else None
             if dtype is None:
                 return
+            rest = []
         for a in rest:
             if isinstance(a, torch.dtype):
                 dtype = a
@@ -313,8 +314,10 @@ class _Canon:
                 dtype = self.dtype(a)
                 if dtype is None:
                     return
-            elif isinstance(a, fx.Node) and a.meta.get("fxr_kind") == "scalar":
+            elif isinstance(a, fx.Node) and a.op == "placeholder" and a.meta.get("fxr_kind") == "scalar":
                 dtype = a  # a pattern's dtype wildcard
+            elif isinstance(a, fx.Node):
+                return  # .to(<a node holding a dtype or device>): kept as written
             elif isinstance(a, (str, torch.device)) or a is None:
                 if not self.same_device(x, a):
                     return
@@ -347,6 +350,8 @@ class _Canon:
         x, shape = node.args[0], node.args[1:]
         if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
             shape = shape[0]
+        elif len(shape) == 1 and isinstance(shape[0], fx.Node) and not isinstance(meta.value(shape[0]), int):
+            return  # x.view(y.shape): a Size-valued node, kept as written
         if "size" in node.kwargs or "shape" in node.kwargs:
             shape = node.kwargs.get("size", node.kwargs.get("shape"))
         if any(isinstance(s, torch.dtype) for s in shape):
@@ -403,6 +408,8 @@ class _Canon:
 
     def split(self, node: fx.Node) -> None:
         sizes = node.args[1] if len(node.args) > 1 else node.kwargs.get("split_size_or_sections")
+        if isinstance(sizes, fx.Node) or (isinstance(sizes, (list, tuple)) and not all(isinstance(n, int) for n in sizes)):
+            return  # symbolic sizes: the bounds are not known here
         self._split(node, lambda size: [sizes] * -(-size // sizes) if isinstance(sizes, int) else list(sizes))
 
     def _split(self, node: fx.Node, pieces: Callable[[int], list[Any]]) -> None:

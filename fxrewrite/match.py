@@ -318,6 +318,9 @@ def inplace_blocker(m: Match) -> str | None:
         return "no in-place form"
     inside = set(m.internal)
     end = _position(m.anchor)
+    bound = [m.bindings[name] for name in spec.overwrites]
+    if len({id(b) for b in bound}) < len(bound):
+        return "one tensor is bound to two overwritten arguments " + ", ".join(spec.overwrites)
     for name in spec.overwrites:
         g = m.bindings[name]
         if not isinstance(g, fx.Node):

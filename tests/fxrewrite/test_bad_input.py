@@ -182,10 +182,6 @@ def test_splitting_op_not_in_the_graph_is_reported() -> None:
     assert "missing_splitting_ops=['nope::attention']" in backend.report.table()
 
 
-CAPTURE_SIZES = pytest.mark.skip(reason="waiting for runtime/cudagraph.py: capture sizes are sorted and filtered silently")
-
-
-@CAPTURE_SIZES
 @pytest.mark.parametrize(("sizes", "says"), [
     ((), r"capture_sizes is empty"),
     ((8, 4, 16), r"capture_sizes must be in increasing order: \(8, 4, 16\)"),
@@ -251,7 +247,6 @@ def test_dump_error_is_an_oserror() -> None:
     assert issubclass(DumpError, OSError)
 
 
-@pytest.mark.xfail(strict=True, reason="backend._check_rules: a non-Rule gives AttributeError 'compiled'")
 def test_a_rule_list_with_a_non_rule_in_it() -> None:
     with pytest.raises(TypeError, match=r"silu"):
         Backend(rules=[F.silu])  # type: ignore[list-item]

@@ -435,7 +435,6 @@ def test_through_dynamo_known_spellings_fuse_and_numerics_hold(prog: Program, dy
 # -- regressions the fuzzer found --------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="canonicalize drops .to(<node holding a dtype>) (x.dtype traced by FX)")
 def test_cast_to_a_traced_dtype_is_kept() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return x.float().to(x.dtype)
@@ -449,7 +448,6 @@ def test_cast_to_a_traced_dtype_is_kept() -> None:
     assert gm(x).dtype == torch.bfloat16
 
 
-@pytest.mark.xfail(strict=True, reason="canonicalize wraps a Size-valued node in a list: reshape(x, [size])")
 def test_view_to_a_traced_size_is_kept() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return x.view(-1, x.shape[-1]).view(x.shape) * 2
@@ -457,7 +455,6 @@ def test_view_to_a_traced_size_is_kept() -> None:
     compile_once(f, torch.randn(2, 3, 4), rules=[], dynamic=True)
 
 
-@pytest.mark.xfail(strict=True, reason="canonicalize iterates split's size when it is a symbolic node")
 def test_split_by_a_symbolic_size_compiles() -> None:
     def f(x: torch.Tensor, d: int) -> torch.Tensor:
         a, b = x.split(d, -1)  # an int argument is a SymInt under dynamic=True
@@ -469,7 +466,6 @@ def test_split_by_a_symbolic_size_compiles() -> None:
     assert_same([r.output], [r.eager])
 
 
-@pytest.mark.xfail(strict=True, reason="in-place add+norm may overwrite one tensor bound to both x and residual")
 def test_inplace_add_norm_of_x_plus_x() -> None:
     def f(a: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = -a
