@@ -115,7 +115,9 @@ def test_pool_memory_is_shared_across_sizes() -> None:
         del runner
         torch.cuda.empty_cache()
     print(f"pool bytes: {pools}")
-    assert pools[(64, 128, 256, 384, 512)] < 1.5 * pools[(512,)], pools
+    # Separate pools would need about sum(sizes) / 512 = 2.6x the largest size's pool; measured on
+    # an H100 (2026-11-22): 30 MiB against 20 MiB, 1.5x (the allocator rounds segments up).
+    assert pools[(64, 128, 256, 384, 512)] < 2.0 * pools[(512,)], pools
 
 
 def test_copies_per_step() -> None:
