@@ -295,6 +295,10 @@ def _check(m: Match) -> tuple[str | None, fx.Node | None]:
         if outside:
             names = ", ".join(f"`{u.name}`" for u in outside[:3])
             return f"internal node `{g.name}` has {len(outside)} user(s) outside the match ({names})", g
+    unknown = [name for name, g in m.bindings.items()
+               if isinstance(g, fx.Node) and meta.value(g) is None and name not in m.rule.scalars]  # fmt: skip
+    if unknown and m.rule.guard is not None:
+        return f"no fake value for {', '.join(unknown)}: the guard cannot check it", m.bindings[unknown[0]]
     why = m.rule.check_guard(Bindings(m.bindings))
     if why is not None:
         return why, m.anchor

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,9 @@ def propagate(node: fx.Node, fake_mode: Any) -> None:
         return
     args, kwargs = _fake_arg(node.args), _fake_arg(node.kwargs)
     try:
-        with fake_mode, torch.no_grad():
+        # The Python dispatcher lets composite ops (aten.linear -> matmul) decompose on symbolic
+        # shapes, as Dynamo does while tracing (torch 2.11 throws without it).
+        with fake_mode, torch.no_grad(), enable_python_dispatcher():
             out = node.target(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - metadata is best effort; the node still runs
         log.debug("no fake value for %s (%s): %s", node.name, node.target, e)
