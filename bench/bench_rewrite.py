@@ -13,6 +13,7 @@ layers within 1.5x of that at 8.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from typing import Any
 
@@ -25,6 +26,7 @@ from fxrewrite import models
 LAYERS = (8, 32, 128)
 
 
+@functools.lru_cache(maxsize=None)
 def _capture(layers: int) -> tuple[torch.fx.GraphModule, list[Any], float]:
     model = models.build("llama", layers=layers)
     captured: list[tuple[torch.fx.GraphModule, list[Any]]] = []
