@@ -69,6 +69,17 @@ def _bisect(args: argparse.Namespace) -> int:
     return 1 if result.found else 0
 
 
+def _model_options(p: argparse.ArgumentParser) -> None:
+    """The options both subcommands take about the built-in model and the output."""
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--static", action="store_true", help="dynamic=False (default: dynamic=True)")
+    p.add_argument("--no-merge", action="store_true", help="do not merge sibling linears")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from fxrewrite.models import FAMILIES
 
@@ -76,13 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("report", help="compile a built-in model and print what was fused and why not")
     rep.add_argument("--model", choices=FAMILIES, default="llama")
-    rep.add_argument("--layers", type=int, default=2)
-    rep.add_argument("--hidden", type=int, default=64)
-    rep.add_argument("--tokens", type=int, default=8)
-    rep.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    rep.add_argument("--static", action="store_true", help="dynamic=False (default: dynamic=True)")
-    rep.add_argument("--no-merge", action="store_true", help="do not merge sibling linears")
-    rep.add_argument("--json", action="store_true", help="print one JSON object")
+    _model_options(rep)
     rep.add_argument("--dump", metavar="DIR", help="write NN.<pass>.before.py / .after.py graph dumps here")
     rep.set_defaults(run=_report)
     bis = sub.add_parser(
@@ -97,13 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="user rules, after the defaults (repeatable)")  # fmt: skip
     bis.add_argument("--no-defaults", action="store_true", help="apply only the --rules, in the order given")
     bis.add_argument("--tol", type=float, default=1e-4, help="max abs output error vs eager (default 1e-4)")
-    bis.add_argument("--layers", type=int, default=2)
-    bis.add_argument("--hidden", type=int, default=64)
-    bis.add_argument("--tokens", type=int, default=8)
-    bis.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    bis.add_argument("--static", action="store_true", help="dynamic=False (default: dynamic=True)")
-    bis.add_argument("--no-merge", action="store_true", help="do not merge sibling linears")
-    bis.add_argument("--json", action="store_true", help="print one JSON object")
+    _model_options(bis)
     bis.set_defaults(run=_bisect)
     args = parser.parse_args(argv)
     return args.run(args)
