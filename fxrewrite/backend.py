@@ -128,7 +128,7 @@ class Backend:
         if self.config.dump_dir:
             prepare_dump_dir(self.config.dump_dir)
         if self.config.mode != "none":
-            from fxrewrite.runtime.cudagraph import check_capture_sizes
+            from fxrewrite.runtime.dispatch import check_capture_sizes
 
             check_capture_sizes(self.config)  # empty, unsorted, above the max: refused now
         self._check_rules()

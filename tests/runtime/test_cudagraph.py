@@ -17,15 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.config import Config
-from fxrewrite.runtime.cudagraph import (
-    Dispatch,
-    Runner,
-    ShapeError,
-    build_runner,
-    check_capture_sizes,
-    pad_zeros,
-    select_size,
-)
+from fxrewrite.runtime.cudagraph import Runner, build_runner
+from fxrewrite.runtime.dispatch import Dispatch, ShapeError, check_capture_sizes, pad_zeros, select_size
 from fxrewrite.split import CaptureHazardError
 
 # The graph fixtures are shared with the split tests; pytest imports that file as `test_split`.

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from fxrewrite.config import Config
-from fxrewrite.runtime.cudagraph import Runner, ShapeError, build_runner
+from fxrewrite.runtime.cudagraph import Runner, build_runner
+from fxrewrite.runtime.dispatch import ShapeError
 from fxrewrite.split import CaptureHazardError
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "fxrewrite"))
