@@ -178,7 +178,7 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path, _cls = list(stack.values())[-1]
-    return str(path)
+    return str(path).removeprefix("L['self'].")  # Dynamo's name for the compiled module itself
 
 
 def constant(node: fx.Node) -> float | int | None:

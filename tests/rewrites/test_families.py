@@ -92,7 +92,7 @@ def test_every_add_norm_is_in_place_and_every_group_merged(
     add_norm = [s for s in r.report.sites if s.rule.endswith("add_rms_norm")]
     assert len(add_norm) == 2 * layers and all(s.inplace and not s.note for s in add_norm)
     merged = [s.module for s in sites(r, "merge_siblings")]
-    prefix = "L['self'].layers"
+    prefix = "layers"
     assert merged == [
         m
         for i in range(layers)
