@@ -74,7 +74,7 @@ class BisectResult:
     site:            the first site of the last of those rules that tips the output over ``tol``.
     error:           output error with only ``site`` of its rule (and the other rules of the
                      set) rewritten; the error of the whole set when no single site is found.
-    module:          the module the site's code belongs to (``L['self'].layers.0.input_layernorm``).
+    module:          the module the site's code belongs to (``layers.0.input_layernorm``).
     rules_error:     output error with exactly ``rules`` on.
     full_error:      output error with every rule on.
     baseline_error:  output error with no rule on (canonicalization and merging only).
