@@ -16,14 +16,7 @@ from fxrewrite import Rule, models
 from fxrewrite.__main__ import main
 from fxrewrite.bisect import BadSite, BisectError, bisect, load_model, load_rules, output_error
 from fxrewrite.rewrites import activation, norm
-
-
-def eps_off_replacement(x, weight, eps):
-    return torch.ops.fxr.rms_norm(x, weight, eps * 100)
-
-
-# RMSNorm -> fxr.rms_norm with eps 100x off (wrong)
-EPS_OFF = Rule("eps_off_rms_norm", norm.rms_norm_pattern, eps_off_replacement, norm.norm_guard, norm.WILDCARDS)
+from planted import EPS_OFF  # this folder
 
 
 def sigmoid_pattern(x):

@@ -14,17 +14,10 @@ import torch.nn.functional as F
 import fxrewrite.runtime.ops  # noqa: F401  (torch.ops.fxr.*)
 from fxrewrite import Backend, InPlace, Rule, models, verify
 from fxrewrite.rewrites import activation, norm
+from planted import EPS_OFF, eps_off_replacement  # this folder
 from fxrewrite.testing import TOLERANCES, assert_close, compile_once
 
 # -- planted rules ------------------------------------------------------------------------------
-
-
-def eps_off_replacement(x, weight, eps):
-    return torch.ops.fxr.rms_norm(x, weight, eps * 100)
-
-
-# RMSNorm -> fxr.rms_norm with eps 100x off (wrong)
-EPS_OFF = Rule("eps_off_rms_norm", norm.rms_norm_pattern, eps_off_replacement, norm.norm_guard, norm.WILDCARDS)
 
 
 def silu_pattern(x):
