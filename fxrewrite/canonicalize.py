@@ -23,9 +23,10 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
 * ``F.silu(x)`` and ``x * sigmoid(x)`` -> ``aten.silu``; ``F.gelu`` -> ``aten.gelu``;
 * ``view`` and ``reshape`` -> ``aten.reshape`` when the input is contiguous (then both are views);
   a reshape to the same shape is removed;
-* ``x[..., a:b]``, ``chunk`` and ``split`` along one dim -> ``aten.slice.Tensor`` with a negative
+* ``x[..., a:b:s]``, ``chunk`` and ``split`` along one dim -> ``aten.slice.Tensor`` with a negative
   dim, start 0 for None and end ``sys.maxsize`` for "to the end"; full-range slices are removed;
-* reduction dims -> a list of negative ints;
+* reduction dims -> a list of negative ints; ``flatten`` -> ``aten.flatten.using_ints`` with
+  negative dims;
 * ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed.
 
 Pattern graphs (traced with ``torch.fx.symbolic_trace``, no fake values) go through the same code;
@@ -55,7 +56,7 @@ ADD, SUB, MUL, DIV, RSUB = A.add.Tensor, A.sub.Tensor, A.mul.Tensor, A.div.Tenso
 POW, RSQRT, SQRT, RECIP = A.pow.Tensor_Scalar, A.rsqrt.default, A.sqrt.default, A.reciprocal.default
 MEAN, SLICE, RESHAPE, LINEAR = A.mean.dim, A.slice.Tensor, A.reshape.default, A.linear.default
 SILU, GELU, SIGMOID, NEG = A.silu.default, A.gelu.default, A.sigmoid.default, A.neg.default
-CLAMP, AMAX = A.clamp.default, A.amax.default
+CLAMP, AMAX, FLATTEN = A.clamp.default, A.amax.default, A.flatten.using_ints
 
 COMMUTATIVE = frozenset({ADD, MUL})
 # Canonical ops that may still become no-ops (after a rewrite changed an input's dtype or shape).
@@ -209,6 +210,11 @@ class _Canon:
             return self.set(node, LINEAR, node.args, node.kwargs)
         if key in (("call_method", "view"), ("call_method", "reshape"), ("call_function", torch.reshape)):
             return self.reshape(node)
+        if key in (("call_method", "flatten"), ("call_function", torch.flatten)):
+            x = node.args[0]
+            start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+            end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+            return self.set(node, FLATTEN, (x, self.neg_dim(x, start), self.neg_dim(x, end)))
         if key == ("call_method", "contiguous"):
             t = meta.tensor(node.args[0])
             if t is not None and t.is_contiguous() and not node.kwargs:
@@ -223,7 +229,7 @@ class _Canon:
         if key in (("call_function", torch.split), ("call_method", "split")):
             return self.split(node)
         if node.op == "call_function" and node.target in (SLICE,):
-            return self.slice_(node, *node.args[:4])
+            return self.slice_(node, *node.args[:5])
         return None
 
     # -- forms ---------------------------------------------------------------------------------
@@ -363,8 +369,10 @@ class _Canon:
             return
         self.set(node, RESHAPE, (x, list(shape)))
 
-    def slice_(self, node: fx.Node, x: Any, dim: int = 0, start: Any = None, end: Any = None) -> None:
-        step = node.args[4] if len(node.args) > 4 else 1
+    def slice_(
+        self, node: fx.Node, x: Any, dim: int = 0, start: Any = None, end: Any = None, step: Any = None
+    ) -> None:
+        step = 1 if step is None else step
         start, end, dim = 0 if start is None else start, MAX if end is None else end, self.neg_dim(x, dim)
         t = meta.tensor(x)
         if t is not None and isinstance(end, int) and isinstance(t.shape[dim], int) and end >= t.shape[dim]:
@@ -374,7 +382,7 @@ class _Canon:
         self.set(node, SLICE, (x, dim, start, end, step))
 
     def getitem(self, node: fx.Node) -> None:
-        """``x[..., a:b]`` and ``x[a:b, :]`` -> one slice along one dim (other forms untouched)."""
+        """``x[..., a:b:s]`` and ``x[a:b, :]`` -> one slice along one dim (other forms untouched)."""
         x, idx = node.args
         idx = idx if isinstance(idx, tuple) else (idx,)
         if not all(isinstance(i, slice) or i is Ellipsis for i in idx) or idx.count(Ellipsis) > 1:
@@ -385,11 +393,9 @@ class _Canon:
         if not real:
             return self.drop(node, x)
         pos, s = real[0]
-        if s.step not in (None, 1):
-            return
         # after an Ellipsis the dim counts from the end; before it (or without one), from the front
         dim = pos - len(idx) if Ellipsis in idx and pos > idx.index(Ellipsis) else pos
-        self.slice_(node, x, dim, s.start, s.stop)
+        self.slice_(node, x, dim, s.start, s.stop, s.step)
 
     def _split_users(self, node: fx.Node, bounds: list[tuple[int, int]], dim: int) -> None:
         x = node.args[0]

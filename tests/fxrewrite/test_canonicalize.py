@@ -242,13 +242,19 @@ def test_chunk_split_and_getitem_become_slices_along_a_negative_dim() -> None:
     r = canon(
         Merged(_slices), x2d(2, 3, 8),
         before={"method.chunk": 2, "torch.functional.split": 1, "method.split": 1, "_operator.getitem": 12},
-        expect={"aten.slice": 8, "_operator.getitem": 1},  # the stepped slice stays
-        absent=["method", "torch"],
+        expect={"aten.slice": 9},
+        absent=["method", "torch", "_operator.getitem"],
     )  # fmt: skip
-    halves = [(n.args[1], n.args[2], n.args[3]) for n in calls(r, A.slice.Tensor)]
-    assert halves == [(-1, 0, 8), (-1, 8, MAX)] * 4
+    halves = [tuple(n.args[1:5]) for n in calls(r, A.slice.Tensor)]
+    assert halves == [(-1, 0, 8, 1), (-1, 8, MAX, 1)] * 4 + [(-1, 0, MAX, 2)], "stepped (GPT-J pairs) too"
     full = outputs(r)[8]
     assert full.target is A.add.Tensor and full.args[0].target is A.add.Tensor, "full-range slices removed"
+
+
+def test_flatten_method_and_function_become_one_op_with_negative_dims() -> None:
+    r = canon(lambda x: (x.flatten(1) + 1, torch.flatten(x, -2, -1) + 1, x.flatten(start_dim=0, end_dim=1) + 1),
+              x2d(2, 3, 8), expect={"aten.flatten": 3}, absent=["method.flatten", "torch.flatten"])  # fmt: skip
+    assert [tuple(n.args[1:]) for n in calls(r, A.flatten.using_ints)] == [(-2, -1), (-2, -1), (-3, -2)]
 
 
 def test_contiguous_on_contiguous_is_removed() -> None:
