@@ -141,6 +141,24 @@ def propagate(node: fx.Node, fake_mode: Any) -> None:
     node.meta["example_value"] = out
 
 
+def size_equal(a: Any, b: Any) -> bool:
+    """Two sizes are equal: identical (symbolic) expressions, or else, where one is symbolic
+    and Dynamo could not simplify it (``s0 // (s0 // 16) // 2`` for 8), equal for the traced
+    sizes; that comparison is recorded as a guard of the compiled graph (Dynamo recompiles
+    when it fails), as Inductor's shape decisions are."""
+    if dim_key(a) == dim_key(b):
+        return True
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return bool(a == b)
+    return False
+
+
+def sizes_match(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes in the sense of :func:`size_equal` (a guard where Dynamo left two spellings
+    of one size, such as ``2 * ((d + 1) // 2)`` for an even ``d``)."""
+    return a.dim() == b.dim() and all(size_equal(x, y) for x, y in zip(a.shape, b.shape))
+
+
 def same_sizes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal (possibly symbolic) shapes, compared without adding shape guards."""
     return a.dim() == b.dim() and all(dim_key(x) == dim_key(y) for x, y in zip(a.shape, b.shape))
@@ -196,3 +214,21 @@ def constant(node: fx.Node) -> float | int | None:
         c = constant(node.args[0])
         return -c if c is not None else None
     return None
+
+
+def constant_node(gm: fx.GraphModule, name: str, value: torch.Tensor, fake_mode: Any) -> fx.Node:
+    """A ``get_attr`` node (at the graph's insert point) reading ``value``, registered on ``gm`` as
+    the non-persistent buffer ``name``, with a fake value (one per shape, shared by all users)."""
+    if not hasattr(gm, name):
+        gm.register_buffer(name, value, persistent=False)
+    node = gm.graph.get_attr(name)
+    if fake_mode is not None:
+        key = (value.dtype, value.device, tuple(value.shape))
+        fakes = _CONSTANT_FAKES.setdefault(fake_mode, {})
+        if key not in fakes:
+            fakes[key] = fake_mode.from_tensor(value, static_shapes=True)
+        node.meta["example_value"] = fakes[key]
+    return node
+
+
+_CONSTANT_FAKES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], torch.Tensor]] = weakref.WeakKeyDictionary()

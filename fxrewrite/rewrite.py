@@ -154,7 +154,7 @@ def _meta_mismatch(olds: list[fx.Node], outs: list[Any]) -> str | None:
             continue
         if a.dtype != b.dtype:
             return f"replacement output `{getattr(out, 'name', out)}` is {b.dtype}, the pattern's {a.dtype}"
-        if not meta.same_shape(old, out):
+        if not meta.sizes_match(a, b):
             return f"replacement output shape {tuple(b.shape)} != pattern's {tuple(a.shape)}"
     return None
 

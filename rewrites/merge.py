@@ -23,7 +23,6 @@ slice is a strided view of the merged output). The real parameters come from the
 from __future__ import annotations
 
 import sys
-import weakref
 from collections import defaultdict
 from typing import Any
 
@@ -113,9 +112,9 @@ def _merge(gm: fx.GraphModule, lins: list[fx.Node], no_bias: bool, fake_mode: ob
     first = lins[0]
     graph = gm.graph
     with graph.inserting_before(first):
-        args = [first.args[0], _constant(gm, graph, f"fxr_merged_{index}", merged_w, fake_mode)]
+        args = [first.args[0], meta.constant_node(gm, f"fxr_merged_{index}", merged_w, fake_mode)]
         if merged_b is not None:
-            args.append(_constant(gm, graph, f"fxr_merged_{index}_bias", merged_b, fake_mode))
+            args.append(meta.constant_node(gm, f"fxr_merged_{index}_bias", merged_b, fake_mode))
         y = graph.call_function(LINEAR, tuple(args) + ((None,) if merged_b is None else ()))
         meta.copy_provenance(first, y)
         meta.propagate(y, fake_mode)
@@ -136,19 +135,3 @@ def _merge(gm: fx.GraphModule, lins: list[fx.Node], no_bias: bool, fake_mode: ob
     result.matches += 1
     result.sites.append(Site("merge_siblings", y.name, meta.source_line(y), " + ".join(names)))
     result.notes.append(f"merged {len(lins)} linears into one GEMM: {' + '.join(names)}")
-
-
-def _constant(gm: fx.GraphModule, graph: fx.Graph, name: str, value: torch.Tensor, fake_mode: object) -> fx.Node:
-    if not hasattr(gm, name):
-        gm.register_buffer(name, value, persistent=False)
-    node = graph.get_attr(name)
-    if fake_mode is not None:
-        key = (value.dtype, value.device, tuple(value.shape))
-        fakes = _FAKES.setdefault(fake_mode, {})
-        if key not in fakes:  # one fake per shape: 32 layers share it
-            fakes[key] = fake_mode.from_tensor(value, static_shapes=True)  # type: ignore[attr-defined]
-        node.meta["example_value"] = fakes[key]
-    return node
-
-
-_FAKES: weakref.WeakKeyDictionary[Any, dict[tuple, torch.Tensor]] = weakref.WeakKeyDictionary()
