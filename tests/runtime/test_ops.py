@@ -19,6 +19,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import fxrewrite.runtime.ops as ops
+import rotary_samples
 from fxrewrite.runtime.ops import activation, norm, quant
 from fxrewrite.runtime.providers import OpDef
 
@@ -286,6 +287,8 @@ def make_args(op: OpDef, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.
             args.append(fp8_scale())
         elif name == "approximate":
             args.append("tanh")
+        elif name in rotary_samples.NAMES:
+            args.append(rotary_samples.rotary_arg(name, shape, dtype, gen))
         else:
             raise AssertionError(f"no sample for parameter {name!r} of {op.name}")
     return tuple(args)
@@ -297,7 +300,7 @@ def as_tuple(out: object) -> tuple[torch.Tensor, ...]:
 
 def test_ops_lists_every_definition() -> None:
     assert ops.OPS == tuple(op.name for op in ops.DEFS)
-    assert len(set(ops.OPS)) == len(ops.OPS) == 14
+    assert len(set(ops.OPS)) == len(ops.OPS) == 17
     for name in ops.OPS:
         assert hasattr(torch.ops.fxr, name)
 

@@ -4,6 +4,7 @@ their real 0.7.2 signatures; every op's CUDA impl (``OpDef.cuda``) then runs on 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 import zlib
@@ -16,8 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import fxrewrite.runtime.ops as ops
+import rotary_samples
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import activation, norm, quant
+from fxrewrite.runtime.ops import activation, norm, quant, rotary
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 EPS = 1e-6
@@ -357,9 +359,19 @@ def _fi_act(name: str, input: Tensor, out: Tensor | None = None, enable_pdl: boo
     return out
 
 
+def _fi_rope(
+    positions: Tensor, query: Tensor, key: Tensor, head_size: int, cos_sin_cache: Tensor, is_neox: bool = True
+) -> tuple[Tensor, Tensor]:
+    assert cos_sin_cache.dtype == torch.float32 and query.stride(-1) == 1 and key.stride(-1) == 1
+    q = query.view(query.shape[0], -1, head_size)
+    k = key.view(key.shape[0], -1, head_size)
+    return tuple(rotary.rotary_embedding_q_reference(positions, t, cos_sin_cache, is_neox) for t in (q, k))  # type: ignore[return-value]
+
+
 def flashinfer_modules() -> dict[str, types.ModuleType]:
-    """``flashinfer.norm`` and ``flashinfer.activation`` with 0.7.2's signatures."""
-    fi_norm, fi_act = lib("flashinfer.norm"), lib("flashinfer.activation")
+    """``flashinfer.norm``, ``.activation`` and ``.rope`` with 0.7.2's signatures."""
+    fi_norm, fi_act, fi_rope = lib("flashinfer.norm"), lib("flashinfer.activation"), lib("flashinfer.rope")
+    fi_rope.apply_rope_with_cos_sin_cache = _fi_rope  # type: ignore[attr-defined]
     fi_norm.rmsnorm = lambda *a, **k: _fi_norm(0.0, *a, **k)  # type: ignore[attr-defined]
     fi_norm.gemma_rmsnorm = lambda *a, **k: _fi_norm(1.0, *a, **k)  # type: ignore[attr-defined]
     fi_norm.fused_add_rmsnorm = lambda *a, **k: _fi_add_norm(0.0, *a, **k)  # type: ignore[attr-defined]
@@ -367,7 +379,8 @@ def flashinfer_modules() -> dict[str, types.ModuleType]:
     fi_norm.rmsnorm_quant = _fi_rmsnorm_quant  # type: ignore[attr-defined]
     for name in ("silu", "gelu", "gelu_tanh"):
         setattr(fi_act, f"{name}_and_mul", lambda *a, _n=name, **k: _fi_act(_n, *a, **k))
-    return {"flashinfer": lib("flashinfer"), "flashinfer.norm": fi_norm, "flashinfer.activation": fi_act}
+    return {"flashinfer": lib("flashinfer"), "flashinfer.norm": fi_norm, "flashinfer.activation": fi_act,
+            "flashinfer.rope": fi_rope}  # fmt: skip
 
 
 @pytest.fixture
@@ -380,6 +393,8 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator) -> list[Any
     values = {"weight": lambda: rand(gen, shape[-1]) * 0.5, "eps": lambda: EPS, "approximate": lambda: "tanh"}
     values["scale"] = lambda: torch.tensor([0.02])
     names = inspect.signature(op.reference).parameters
+    for name in rotary_samples.NAMES:
+        values[name] = functools.partial(rotary_samples.rotary_arg, name, shape, BF16, gen)
     return [rand(gen, *shape) if name in ("x", "residual") else values[name]() for name in names]
 
 
@@ -417,8 +432,9 @@ def test_every_op_through_each_emulated_provider(
 
 
 def test_every_op_has_a_kernel(both_libraries: providers._Registry) -> None:
-    for op in ops.DEFS:
-        assert op.kernels, op.name
+    """All but ``apply_rotary``, the rules' intermediate form: no library rotates by arbitrary
+    tables; the folding pass turns it into ``rotary_embedding`` (and the report says where not)."""
+    assert [op.name for op in ops.DEFS if not op.kernels] == ["apply_rotary"]
 
 
 def test_default_order_and_fallbacks_on_real_tables(both_libraries: providers._Registry, gen: torch.Generator) -> None:
@@ -443,11 +459,13 @@ def test_dynamic_quant_zero_rows_get_the_floor_scale(both_libraries: providers._
 
 
 def test_preload_imports_every_kernel_module(registry: providers._Registry) -> None:
-    install(registry, sgl_kernel=lib("sgl_kernel"), flashinfer=None, flashinfer__norm=None, flashinfer__activation=None)
+    install(registry, sgl_kernel=lib("sgl_kernel"), flashinfer=None, flashinfer__norm=None, flashinfer__activation=None,
+            flashinfer__rope=None)  # fmt: skip
     assert providers.preload() == {
         "flashinfer": False,
         "flashinfer.activation": False,
         "flashinfer.norm": False,
+        "flashinfer.rope": False,
         "sgl_kernel": True,
     }
 
