@@ -33,12 +33,13 @@ log = logging.getLogger(__name__)
 
 def default_rule_groups() -> list[tuple[str, list[Rule]]]:
     """The default library as ordered, named passes: norm + FP8 quant, norms (add + norm before
-    plain norm), activations, then FP8 quant of fused activations."""
-    from fxrewrite.rewrites import activation, norm, quant
+    plain norm), rotary embedding, activations, then FP8 quant of fused activations."""
+    from fxrewrite.rewrites import activation, norm, quant, rotary
 
     return [
         ("fuse_norm_quant", quant.NORM_RULES),
         ("fuse_norm", norm.RULES),
+        ("fuse_rotary", rotary.RULES),
         ("fuse_activation", activation.RULES),
         ("fuse_activation_quant", quant.ACTIVATION_RULES),
     ]
@@ -80,7 +81,8 @@ def _apply(
 
 def pipeline(config: Config) -> list[Pass]:
     """The ordered passes for ``config``: canonicalize, merge sibling linears (unless turned off,
-    or ``rules=[]`` asks for no rewriting), fuse (rule groups), user rules, cleanup."""
+    or ``rules=[]`` asks for no rewriting), fuse (rule groups), user rules, fold the tables of
+    rotary embeddings the rules found (a no-op without them), cleanup."""
     passes = [Pass("canonicalize", _canonicalize_pass)]
     if config.merge_siblings and (config.rules is None or config.rules):
         from fxrewrite.rewrites.merge import merge_sibling_linears
@@ -93,6 +95,10 @@ def pipeline(config: Config) -> list[Pass]:
     if config.extra_rules:
         groups.append(("user_rules", list(config.extra_rules)))
     passes += [Pass(name, _rules_pass(rules, config)) for name, rules in groups if rules]
+    if groups:
+        from fxrewrite.rewrites.rotary import fold_rotary_tables
+
+        passes.append(Pass("fold_rotary", functools.partial(fold_rotary_tables, max_positions=config.max_positions)))
     passes.append(Pass("cleanup", _cleanup_pass))
     return passes
 
@@ -149,6 +155,8 @@ class Backend:
         for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
             if isinstance(value, torch.nn.Parameter):
                 node.meta["fxr_param"] = value  # real weights, for passes that re-lay them
+            elif isinstance(value, torch.Tensor) and getattr(value, "_dynamo_static_input_type", None):
+                node.meta["fxr_buffer"] = value  # module state (a buffer): tables may fold from it
             elif isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu":
                 node.meta["fxr_real"] = value.detach().clone()  # a lifted scalar (see meta.constant)
         pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs), lint=self.config.lint)

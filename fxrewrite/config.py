@@ -48,6 +48,9 @@ class Config:
                      ahead or a reason to refuse (bisection uses it; verification is another).
     provider:        kernel provider override: "sgl_kernel", "flashinfer", "torch", or per op
                      "rms_norm=flashinfer,silu_and_mul=torch" (env FXREWRITE_PROVIDER).
+    max_positions:   rows of the RoPE cos/sin cache folded from tables the model computes (from
+                     ``inv_freq``); positions must stay below it. Tables the model indexes (an
+                     engine's cache) keep their own row count.
     """
 
     rules: Sequence[Any] | None = None
@@ -65,6 +68,7 @@ class Config:
     match_filter: Callable[[Any], str | None] | None = None
     provider: str | None = None
     progress: bool = True
+    max_positions: int = 32768
 
     def resolved(self) -> Config:
         """Fill unset fields from the environment and defaults."""

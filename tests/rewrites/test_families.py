@@ -24,13 +24,14 @@ from fxrewrite.testing import Compiled, compile_once
 # README's table. Once per model: layer 0's input norm, on the embedding (no residual to add yet).
 # The final norm fuses with the last layer's residual add, so it counts among the 2 per layer.
 TABLE: dict[str, dict[str, tuple[int, int]]] = {
-    "llama": {"rms_norm": (0, 1), "fused_add_rms_norm_": (2, 0), "silu_and_mul": (1, 0)},
-    "mistral": {"rms_norm": (0, 1), "fused_add_rms_norm_": (2, 0), "silu_and_mul": (1, 0)},
-    "qwen2": {"rms_norm": (0, 1), "fused_add_rms_norm_": (2, 0), "silu_and_mul": (1, 0)},
-    # q_norm and k_norm: per head, over [batch, seq, heads, head_dim]
-    "qwen3": {"rms_norm": (2, 1), "fused_add_rms_norm_": (2, 0), "silu_and_mul": (1, 0)},
+    "llama": {"rms_norm": (0, 1), "fused_add_rms_norm_": (2, 0), "silu_and_mul": (1, 0), "rotary_embedding": (1, 0)},
+    "mistral": {"rms_norm": (0, 1), "fused_add_rms_norm_": (2, 0), "silu_and_mul": (1, 0), "rotary_embedding": (1, 0)},
+    "qwen2": {"rms_norm": (0, 1), "fused_add_rms_norm_": (2, 0), "silu_and_mul": (1, 0), "rotary_embedding": (1, 0)},
+    # q_norm and k_norm: per head, over [batch, seq, heads, head_dim], then RoPE on their outputs
+    "qwen3": {"rms_norm": (2, 1), "fused_add_rms_norm_": (2, 0), "silu_and_mul": (1, 0), "rotary_embedding": (1, 0)},
     # GemmaRMSNorm scales by (1 + w) in float32; Gemma's MLP is gelu_pytorch_tanh
-    "gemma": {"gemma_rms_norm": (0, 1), "gemma_fused_add_rms_norm_": (2, 0), "gelu_and_mul": (1, 0)},
+    "gemma": {"gemma_rms_norm": (0, 1), "gemma_fused_add_rms_norm_": (2, 0), "gelu_and_mul": (1, 0),
+              "rotary_embedding": (1, 0)},
 }
 
 CASES = [
@@ -127,3 +128,22 @@ def test_table_for_the_readme() -> None:
     assert per_layer["llama"] == per_layer["mistral"] == per_layer["qwen2"]
     assert per_layer["qwen3"]["rms_norm"] == 2
     assert set(TABLE) == set(models.FAMILIES)
+
+
+VIEWS = {"aten.reshape", "aten.permute", "method.transpose", "aten.slice", "method.view"}
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_qwen3_qk_norm_then_rope_leave_only_views_between(dynamic: bool) -> None:
+    """QK-norm followed by RoPE: the rotary op reads the per-head norms' outputs through views
+    alone (no copy, cast or elementwise kernel left between the two fused ops)."""
+    from fxrewrite.testing import op_name
+
+    r = compiled("qwen3", 1, BF16, True) if dynamic else compiled("qwen3", 1, F32, False)
+    (rope,) = fused_nodes(r, "rotary_embedding")
+    for arg in rope.args[1:3]:
+        node, between = arg, []
+        while not op_name(node).startswith("fxr.rms_norm"):
+            between.append(op_name(node))
+            node = node.args[0]
+        assert set(between) <= VIEWS, between

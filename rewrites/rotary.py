@@ -1,0 +1,571 @@
+"""Rotary position embedding: the rotation as model code spells it -> one kernel per layer.
+
+Two steps. The rules (``RULES``) match the rotation itself, whatever computed the tables::
+
+    # HF (rotate_half, full-width tables)        # engine (half-width tables, in float32)
+    x * cos + cat((-x[..., h:], x[..., :h])) * sin     xf = x.float(); x1, x2 = xf[..., :h], xf[..., h:]
+                                                       cat((x1*cos - x2*sin, x2*cos + x1*sin)).to(dt)
+        -> fxr.apply_rotary(x, cos, sin, interleaved, full_tables)
+
+and the GPT-J (interleaved) forms of both, and partial rotary (``cat((rotate(x[..., :r]),
+x[..., r:]))``). Then :func:`fold_rotary_tables` looks at where ``cos`` and ``sin`` come from. When
+both are functions of one integer tensor (the positions) and of constants (an ``inv_freq``
+buffer, a cos/sin cache buffer, a scaling factor), it evaluates them once at compile time, on the
+real buffers, for every position ``0 .. P-1``: that is the ``cos_sin_cache`` the kernels index.
+The table is checked, not assumed: evaluated again on shuffled positions it must shuffle the same
+way (a per-position table), and full-width HF tables must repeat their halves (or pairs) exactly.
+The rotation then becomes ``fxr.rotary_embedding_q(positions, x3, cache)`` on an ``[N, heads,
+head_dim]`` view of ``x`` (``[B, H, T, D]``, ``[B, T, H, D]`` and ``[T, H*D]``-as-``[T, H, D]``
+layouts are recognised from how the tables broadcast), and :func:`pair_rotaries` merges the q and
+k rotations of a layer into one ``fxr.rotary_embedding``::
+
+    %cos = ... inv_freq, positions ...                    %cache = get_attr[fxr_rotary_cache_0]
+    %q_embed = fxr.apply_rotary(%q, %cos, %sin, ..)  ->   %qk = fxr.rotary_embedding(%pos, %q3, %k3, %cache, True)
+    %k_embed = fxr.apply_rotary(%k, %cos, %sin, ..)
+
+``P``: the rows of a table the positions index (an engine's cache), else
+``Config.max_positions``. Positions at or past ``P`` are out of range for the kernels, as for any
+engine's cache. Where the tables cannot be folded, ``fxr.apply_rotary`` stays (the torch reference
+serves it) and the report says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
+from fxrewrite import meta
+from fxrewrite.canonicalize import CAST
+from fxrewrite.meta import dim_key
+from fxrewrite.report import NearMiss, PassResult, Site
+from fxrewrite.rule import Bindings, Rule, Scalar
+
+HALF = Scalar(int, lambda v: v > 0)
+DTYPE = Scalar(torch.dtype)
+FLAG = Scalar(bool)
+
+# --------------------------------------------------------------------------- rules: the rotation
+
+
+def _tables_guard(b: Bindings, width: Any) -> bool | str:
+    """cos and sin: floating, one shape, ``width`` features, broadcasting against ``x`` without
+    growing it (every table dim is 1 or x's size)."""
+    x, cos, sin = b["x"], b["cos"], b["sin"]
+    if not (x.dtype.is_floating_point and cos.dtype.is_floating_point):
+        return f"not floating point: x {x.dtype}, cos {cos.dtype}"
+    if not meta.same_sizes(cos, sin) or cos.dtype != sin.dtype:
+        return f"cos {cos.dtype}{tuple(cos.shape)} and sin {sin.dtype}{tuple(sin.shape)} differ"
+    if not meta.size_equal(cos.shape[-1], width):
+        return f"tables have {cos.shape[-1]} features, the rotation {width}"
+    if cos.dim() > x.dim():
+        return f"tables of rank {cos.dim()} broadcast x of rank {x.dim()} up"
+    for c, s in zip(reversed(cos.shape[:-1]), reversed(x.shape[:-1])):
+        if dim_key(c) != 1 and dim_key(c) != dim_key(s):
+            return f"table shape {tuple(cos.shape)} does not broadcast against x {tuple(x.shape)}"
+    return True
+
+
+def neox_full_guard(b: Bindings) -> bool | str:
+    if not meta.size_equal(b["x"].shape[-1], 2 * b["half"]):
+        return f"slices at {b['half']} do not halve the last dim {b['x'].shape[-1]}"
+    return _tables_guard(b, b["x"].shape[-1])
+
+
+def neox_half_guard(b: Bindings) -> bool | str:
+    if not meta.size_equal(b["x"].shape[-1], 2 * b["half"]):
+        return f"slices at {b['half']} do not halve the last dim {b['x'].shape[-1]}"
+    return _tables_guard(b, b["half"])
+
+
+def interleaved_full_guard(b: Bindings) -> bool | str:
+    if b["x"].shape[-1] % 2:
+        return f"odd last dim {b['x'].shape[-1]}"
+    return _tables_guard(b, b["x"].shape[-1])
+
+
+def interleaved_half_guard(b: Bindings) -> bool | str:
+    if b["x"].shape[-1] % 2:
+        return f"odd last dim {b['x'].shape[-1]}"
+    return _tables_guard(b, b["x"].shape[-1] // 2)
+
+
+def _neox_full(x, cos, sin, half):
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _neox_half(x, cos, sin, half):
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _interleaved_full(x, cos, sin):
+    return x * cos + torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2) * sin
+
+
+def _interleaved_half(x, cos, sin):
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
+# x * cos + rotate_half(x) * sin -> fxr.apply_rotary(x, cos, sin, False, True)   (HF)
+def neox_full_pattern(x, cos, sin, half):
+    return _neox_full(x, cos, sin, half)
+
+
+def neox_full_replacement(x, cos, sin):
+    return torch.ops.fxr.apply_rotary(x, cos, sin, False, True)
+
+
+# the same computed in float32 and cast back -> fxr.apply_rotary(...).to(dtype)
+def neox_full_upcast_pattern(x, cos, sin, half, dtype):
+    return _neox_full(x.to(torch.float32), cos, sin, half).to(dtype)
+
+
+def neox_full_upcast_replacement(x, cos, sin, dtype):
+    return torch.ops.fxr.apply_rotary(x, cos, sin, False, True).to(dtype)
+
+
+# cat((x1*cos - x2*sin, x2*cos + x1*sin)) -> fxr.apply_rotary(x, cos, sin, False, False)   (engine)
+def neox_half_pattern(x, cos, sin, half):
+    return _neox_half(x, cos, sin, half)
+
+
+def neox_half_replacement(x, cos, sin):
+    return torch.ops.fxr.apply_rotary(x, cos, sin, False, False)
+
+
+def neox_half_upcast_pattern(x, cos, sin, half, dtype):
+    return _neox_half(x.to(torch.float32), cos, sin, half).to(dtype)
+
+
+def neox_half_upcast_replacement(x, cos, sin, dtype):
+    return torch.ops.fxr.apply_rotary(x, cos, sin, False, False).to(dtype)
+
+
+# x * cos + rotate_every_two(x) * sin -> fxr.apply_rotary(x, cos, sin, True, True)   (GPT-J)
+def interleaved_full_pattern(x, cos, sin):
+    return _interleaved_full(x, cos, sin)
+
+
+def interleaved_full_replacement(x, cos, sin):
+    return torch.ops.fxr.apply_rotary(x, cos, sin, True, True)
+
+
+def interleaved_full_upcast_pattern(x, cos, sin, dtype):
+    return _interleaved_full(x.to(torch.float32), cos, sin).to(dtype)
+
+
+def interleaved_full_upcast_replacement(x, cos, sin, dtype):
+    return torch.ops.fxr.apply_rotary(x, cos, sin, True, True).to(dtype)
+
+
+# stack((x1*cos - x2*sin, x2*cos + x1*sin)).flatten(-2) -> fxr.apply_rotary(x, cos, sin, True, False)
+def interleaved_half_pattern(x, cos, sin):
+    return _interleaved_half(x, cos, sin)
+
+
+def interleaved_half_replacement(x, cos, sin):
+    return torch.ops.fxr.apply_rotary(x, cos, sin, True, False)
+
+
+def interleaved_half_upcast_pattern(x, cos, sin, dtype):
+    return _interleaved_half(x.to(torch.float32), cos, sin).to(dtype)
+
+
+def interleaved_half_upcast_replacement(x, cos, sin, dtype):
+    return torch.ops.fxr.apply_rotary(x, cos, sin, True, False).to(dtype)
+
+
+def partial_guard(b: Bindings) -> bool | str:
+    """The rotated slice is exactly the table width; the rest passes through."""
+    width = b["cos"].shape[-1] * (1 if b["full"] else 2)
+    if not meta.size_equal(width, b["r"]):
+        return f"rotates {width} features, slices at {b['r']}"
+    if dim_key(b["r"]) == dim_key(b["x"].shape[-1]):
+        return "nothing passes through"
+    return True
+
+
+# cat((apply_rotary(x[..., :r]), x[..., r:])) -> fxr.apply_rotary(x, ...)   (partial rotary)
+def partial_pattern(x, cos, sin, r, interleaved, full):
+    rotated = torch.ops.fxr.apply_rotary(x[..., :r], cos, sin, interleaved, full)
+    return torch.cat((rotated, x[..., r:]), dim=-1)
+
+
+def partial_replacement(x, cos, sin, interleaved, full):
+    return torch.ops.fxr.apply_rotary(x, cos, sin, interleaved, full)
+
+
+_H = {"half": HALF}
+_HD = {"half": HALF, "dtype": DTYPE}
+_D = {"dtype": DTYPE}
+# Upcast forms first: in float32 their casts are elided and they match what the native form would.
+ROTATION_RULES: list[Rule] = [
+    Rule("rotary_neox_upcast", neox_full_upcast_pattern, neox_full_upcast_replacement, neox_full_guard, _HD),
+    Rule("rotary_neox", neox_full_pattern, neox_full_replacement, neox_full_guard, _H),
+    Rule("rotary_neox_half_upcast", neox_half_upcast_pattern, neox_half_upcast_replacement, neox_half_guard, _HD),
+    Rule("rotary_neox_half", neox_half_pattern, neox_half_replacement, neox_half_guard, _H),
+    Rule("rotary_interleaved_upcast", interleaved_full_upcast_pattern, interleaved_full_upcast_replacement,
+         interleaved_full_guard, _D),
+    Rule("rotary_interleaved", interleaved_full_pattern, interleaved_full_replacement, interleaved_full_guard),
+    Rule("rotary_interleaved_half_upcast", interleaved_half_upcast_pattern, interleaved_half_upcast_replacement,
+         interleaved_half_guard, _D),
+    Rule("rotary_interleaved_half", interleaved_half_pattern, interleaved_half_replacement, interleaved_half_guard),
+]  # fmt: skip
+PARTIAL = Rule(
+    "rotary_partial", partial_pattern, partial_replacement, partial_guard,
+    {"r": HALF, "interleaved": FLAG, "full": FLAG},
+)  # fmt: skip
+RULES: list[Rule] = ROTATION_RULES + [PARTIAL]
+
+# --------------------------------------------------------------------------- folding the tables
+
+APPLY = torch.ops.fxr.apply_rotary.default
+ROTARY_Q = torch.ops.fxr.rotary_embedding_q.default
+ROTARY = torch.ops.fxr.rotary_embedding.default
+RESHAPE = torch.ops.aten.reshape.default
+PERMUTE = torch.ops.aten.permute.default
+SYM_SIZE = torch.ops.aten.sym_size.int
+# Ops that read a constant table at positions: their table's rows bound the positions.
+GATHERS = {
+    torch.ops.aten.index.Tensor: 0, torch.ops.aten.embedding.default: 0, torch.ops.aten.index_select.default: 0,
+    operator.getitem: 0, torch.nn.functional.embedding: 1,
+}  # fmt: skip
+
+
+class _NotFoldable(Exception):
+    """The tables of a rotation cannot be folded; the message says why."""
+
+
+def _real(node: fx.Node) -> Any:
+    """The compile-time value of a placeholder that holds module state, else None."""
+    for key in ("fxr_param", "fxr_buffer", "fxr_real"):
+        if key in node.meta:
+            return node.meta[key]
+    return None
+
+
+class _Tables:
+    """Where a rotation's ``cos`` and ``sin`` come from: one positions tensor and constants."""
+
+    def __init__(self, gm: fx.GraphModule, cos: fx.Node, sin: fx.Node, order: dict[fx.Node, int]) -> None:
+        self.gm, self.targets, self.order = gm, (cos, sin), order
+        nodes = sorted(_ancestors(cos) | _ancestors(sin), key=order.__getitem__)
+        const: dict[fx.Node, bool] = {}
+        for n in nodes:
+            if n.op == "placeholder":
+                const[n] = _real(n) is not None  # module state, not an input
+            else:  # a factory (``arange(T)``) makes positions, not a constant
+                const[n] = n.op == "get_attr" or bool(n.all_input_nodes) and all(const[a] for a in n.all_input_nodes)
+        if const[cos] and const[sin]:
+            raise _NotFoldable("cos and sin do not depend on positions")
+        self.positions = next((n for n in reversed(nodes) if not const[n] and self._dominates(n, const)), None)
+        if self.positions is None:
+            leaves = sorted({n.name for n in nodes if n.op == "placeholder" and not const[n]})
+            raise _NotFoldable(f"cos/sin depend on more than one integer positions tensor: inputs {leaves}")
+        between = self._between(self.positions)
+        self.nodes = [n for n in nodes if n in between]  # recomputed for other positions, in order
+
+    def _dominates(self, v: fx.Node, const: dict[fx.Node, bool]) -> bool:
+        t = meta.tensor(v)
+        if t is None or t.dtype not in (torch.int32, torch.int64):
+            return False
+        seen, stack = {v}, list(self.targets)
+        while stack:
+            n = stack.pop()
+            if n in seen or const[n]:
+                continue
+            seen.add(n)
+            if n.op == "placeholder" or not n.all_input_nodes:
+                return False  # an input, or a factory, reached around v
+            stack.extend(n.all_input_nodes)
+        return True
+
+    def _between(self, stop: fx.Node) -> set[fx.Node]:
+        """Nodes on the way from the positions to the tables (what evaluation recomputes)."""
+        out: set[fx.Node] = set()
+        stack = list(self.targets)
+        while stack:
+            n = stack.pop()
+            if n in out or n is stop:
+                continue
+            out.add(n)
+            stack.extend(n.all_input_nodes)
+        return out
+
+    def rows(self, default: int) -> int:
+        """How many positions the tables cover: the rows of a constant table the positions index."""
+        bounds = []
+        for n in self.nodes:
+            i = GATHERS.get(n.target) if n.op == "call_function" else None
+            if i is not None and isinstance(n.args[i], fx.Node) and n.args[i].op in ("placeholder", "get_attr"):
+                table = self._value(n.args[i], {})
+                if isinstance(table, torch.Tensor) and table.dim() >= 1:
+                    bounds.append(table.shape[0])
+        return min(bounds) if bounds else default
+
+    def _value(self, node: Any, env: dict[fx.Node, Any]) -> Any:
+        if not isinstance(node, fx.Node):
+            return node
+        if node in env:
+            return env[node]
+        if node.op == "placeholder":
+            return _real(node)
+        if node.op == "get_attr":
+            return functools.reduce(getattr, node.target.split("."), self.gm)
+        raise _NotFoldable(f"`{node.name}` is not computed from positions and constants")
+
+    def evaluate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions (shaped as the graph's positions), on the real buffers."""
+        env: dict[fx.Node, Any] = {self.positions: positions}
+
+        def arg(a: Any) -> Any:
+            return fx.node.map_aggregate(a, lambda v: self._value(v, env))
+
+        try:
+            for n in self.nodes:
+                if n.op not in ("call_function", "call_method"):
+                    continue  # placeholders and get_attr: read by _value
+                args, kwargs = arg(n.args), arg(n.kwargs)
+                if n.op == "call_method":
+                    env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+                else:
+                    env[n] = n.target(*args, **kwargs)
+        except _NotFoldable:
+            raise
+        except Exception as e:  # noqa: BLE001 - shapes baked into the graph, say; reported
+            raise _NotFoldable(f"evaluating the tables for other positions failed at `{n.name}`: {type(e).__name__}: {e}") from e
+        return env[self.targets[0]], env[self.targets[1]]
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _positions_like(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (1-D) shaped as the graph's positions ``t``: along its last non-1 dim."""
+    shape = [1] * t.dim()
+    sizes = [dim_key(s) for s in t.shape]
+    at = max((i for i, s in enumerate(sizes) if s != 1), default=t.dim() - 1)
+    shape[at] = values.numel()
+    return values.to(t.dtype).view(shape)
+
+
+def _half_of(table: torch.Tensor, interleaved: bool, what: str) -> torch.Tensor:
+    """The half-width angles of a full-width HF table, whose halves (or pairs) must repeat."""
+    a, b = (table[:, 0::2], table[:, 1::2]) if interleaved else table.chunk(2, dim=-1)
+    if not torch.equal(a, b):
+        raise _NotFoldable(f"the {'pairs' if interleaved else 'halves'} of {what} differ: not rotary tables")
+    return a
+
+
+def build_cache(tables: _Tables, width: int, full: bool, interleaved: bool, max_positions: int, device: Any) -> torch.Tensor:
+    """``[P, R]`` float32 ``cat(cos, sin)`` of the half-width angles per position, checked."""
+    p = tables.rows(max_positions)
+    pos_t = meta.tensor(tables.positions)
+    arange = torch.arange(p, device=device)
+    perm = torch.randperm(p, generator=torch.Generator().manual_seed(0)).to(device)
+    cos, sin = (v.reshape(p, -1) for v in tables.evaluate(_positions_like(pos_t, arange)))
+    cos_p, sin_p = (v.reshape(p, -1) for v in tables.evaluate(_positions_like(pos_t, perm)))
+    if cos.shape[-1] != width:
+        raise _NotFoldable(f"tables evaluate to {cos.shape[-1]} features per position, expected {width}")
+    if not (torch.equal(cos_p, cos[perm]) and torch.equal(sin_p, sin[perm])):
+        raise _NotFoldable("cos/sin are not per-position tables (shuffled positions do not shuffle them)")
+    if full:
+        cos, sin = _half_of(cos, interleaved, "cos"), _half_of(sin, interleaved, "sin")
+    return torch.cat((cos, sin), dim=-1).float().contiguous()
+
+
+def _layout(x: torch.Tensor, cos: torch.Tensor) -> tuple[list[int], list[int]]:
+    """x's token dims (tables vary along them) and head dims (tables broadcast), last dim apart."""
+    cshape = [1] * (x.dim() - cos.dim()) + list(cos.shape)
+    tokens, heads = [], []
+    for d in range(x.dim() - 1):
+        if dim_key(cshape[d]) == 1 and dim_key(x.shape[d]) != 1:
+            heads.append(d)
+        else:
+            tokens.append(d)
+    return tokens, heads
+
+
+class _Folder:
+    """One pass of :func:`fold_rotary_tables` over a graph."""
+
+    def __init__(self, gm: fx.GraphModule, max_positions: int) -> None:
+        self.gm, self.graph, self.max_positions = gm, gm.graph, max_positions
+        self.fake_mode = meta.fake_mode_of(gm.graph)
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.caches: dict[tuple[Any, ...], fx.Node] = {}
+        self.flat: dict[fx.Node, fx.Node] = {}
+
+    def node(self, target: Any, *args: Any, like: fx.Node) -> fx.Node:
+        n = self.graph.call_function(target, args)
+        n.meta["fxr_rule"] = "rotary_embedding"
+        meta.copy_provenance(like, n)
+        meta.propagate(n, self.fake_mode)
+        return n
+
+    def cache(self, n: fx.Node) -> fx.Node:
+        x, cos, sin, interleaved, full = n.args
+        key = (cos, sin, interleaved, full)
+        if key not in self.caches:
+            tables = _Tables(self.gm, cos, sin, self.order)
+            width = meta.tensor(cos).shape[-1]
+            value = build_cache(tables, width, full, interleaved, self.max_positions, meta.tensor(x).device)
+            self.caches[key] = self._constant(value, tables.positions)
+        return self.caches[key]
+
+    def _constant(self, value: torch.Tensor, positions: fx.Node) -> fx.Node:
+        """One get_attr per distinct table and positions: layers that each compute the same
+        tables (an engine's per-layer ``cos.unsqueeze(1)``) share one cache, and can pair."""
+        for node in self.caches.values():
+            old = getattr(self.gm, node.target)
+            if node.meta["fxr_positions"] is positions and old.shape == value.shape and torch.equal(old, value):
+                return node
+        first = next(n for n in self.graph.nodes if n.op != "placeholder")
+        with self.graph.inserting_before(first):
+            node = meta.constant_node(self.gm, f"fxr_rotary_cache_{len(set(self.caches.values()))}", value, self.fake_mode)
+        node.meta["fxr_positions"] = positions
+        return node
+
+    def positions(self, pos: fx.Node) -> fx.Node:
+        """The positions as one flat vector, made once per positions node."""
+        if pos not in self.flat:
+            with self.graph.inserting_after(pos):
+                self.flat[pos] = self.node(RESHAPE, pos, [-1], like=pos)
+        return self.flat[pos]
+
+    def fold(self, n: fx.Node) -> None:
+        x, cos, sin, interleaved, full = n.args
+        xt, ct = meta.tensor(x), meta.tensor(cos)
+        if xt is None or ct is None:
+            raise _NotFoldable("no shape information")
+        tokens, heads = _layout(xt, ct)
+        # The kernel's [N, heads, head_dim] view: heads and head size become static (a symbolic
+        # one, as when q is a graph input under dynamic=True, is specialized with a guard).
+        heads_n = int(functools.reduce(operator.mul, (xt.shape[d] for d in heads), 1))
+        head_dim = int(xt.shape[-1])
+        cache = self.cache(n)
+        pos = cache.meta["fxr_positions"]
+        pos_sizes = [dim_key(s) for s in meta.tensor(pos).shape if dim_key(s) != 1]
+        tok_sizes = [dim_key(xt.shape[d]) for d in tokens if dim_key(xt.shape[d]) != 1]
+        if pos_sizes != tok_sizes:
+            raise _NotFoldable(f"positions {tuple(meta.tensor(pos).shape)} do not line up with the token dims of x {tuple(xt.shape)}")
+        perm = tokens + heads + [xt.dim() - 1]
+        # The upcast forms end in casts (float32, then back): the kernel writes x's dtype at once.
+        chain = [n]
+        while len(chain[-1].users) == 1 and next(iter(chain[-1].users)).target is CAST:
+            chain.append(next(iter(chain[-1].users)))
+        while len(chain) > 1 and meta.tensor(chain[-1]).dtype != xt.dtype:
+            chain.pop()
+        replaced, out_dtype = chain[-1], meta.tensor(chain[-1]).dtype
+        with self.graph.inserting_before(n):
+            xp = x if perm == sorted(perm) else self.node(PERMUTE, x, perm, like=n)
+            x3 = self.node(RESHAPE, xp, [-1, heads_n, head_dim], like=n)
+            r = self.node(ROTARY_Q, self.positions(pos), x3, cache, not interleaved, like=n)
+            sizes = [s if isinstance(s, int) else self.node(SYM_SIZE, xp, i, like=n) for i, s in enumerate(meta.tensor(xp).shape)]
+            out = self.node(RESHAPE, r, sizes, like=n)
+            if perm != sorted(perm):
+                out = self.node(PERMUTE, out, [perm.index(d) for d in range(len(perm))], like=n)
+            if out_dtype != xt.dtype:
+                out = self.node(CAST, out, out_dtype, like=n)
+        replaced.replace_all_uses_with(out)
+        for old in reversed(chain):
+            self.graph.erase_node(old)
+
+
+def fold_rotary_tables(gm: fx.GraphModule, max_positions: int = 32768) -> PassResult:
+    """Turn each ``fxr.apply_rotary`` whose tables fold into ``fxr.rotary_embedding_q``, then pair
+    the q and k rotations of each layer (:func:`pair_rotaries`); see the module docstring."""
+    result = PassResult()
+    folder = _Folder(gm, max_positions)
+    for n in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is APPLY]:
+        if _unread(n):  # a rotation nobody reads (k of a q-only model): never pair it in
+            continue
+        try:
+            folder.fold(n)
+        except _NotFoldable as e:
+            result.near_misses.append(NearMiss("rotary_embedding", n.name, meta.source_line(n), n.args[1].name, str(e)))
+            continue
+        result.matches += 1
+    pair_rotaries(gm, result)
+    return result
+
+
+def _unread(n: fx.Node) -> bool:
+    """Erase ``n`` and the casts after it when nothing else reads them; whether it did."""
+    if not all(u.target is CAST and _unread(u) for u in list(n.users)):
+        return False
+    n.graph.erase_node(n)
+    return True
+
+
+def pair_rotaries(gm: fx.GraphModule, result: PassResult) -> None:
+    """Merge consecutive ``rotary_embedding_q`` of one positions vector, cache and layout into one
+    ``rotary_embedding`` (one kernel for q and k). The merged op takes the first one's place; the
+    second's inputs computed after that place (its views of k) move up, unless they depend on the
+    first rotation or have side effects."""
+    graph = gm.graph
+    groups: dict[tuple[Any, ...], list[fx.Node]] = defaultdict(list)
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is ROTARY_Q:
+            t = meta.tensor(n.args[1])
+            groups[(n.args[0], n.args[2], n.args[3], t.dtype if t is not None else None)].append(n)
+    fake_mode = meta.fake_mode_of(graph)
+    for nodes in groups.values():
+        i = 0
+        while i + 1 < len(nodes):
+            a, b = nodes[i], nodes[i + 1]
+            moved = _inputs_after(b, a)
+            if moved is None:
+                i += 1
+                continue
+            for m in moved:
+                a.prepend(m)
+            with graph.inserting_before(a):
+                pair = graph.call_function(ROTARY, (a.args[0], a.args[1], b.args[1], a.args[2], a.args[3]))
+                outs = [graph.call_function(operator.getitem, (pair, k)) for k in range(2)]
+            for new in [pair, *outs]:
+                new.meta["fxr_rule"] = "rotary_embedding"
+                meta.copy_provenance(a, new)
+                meta.propagate(new, fake_mode)
+            a.replace_all_uses_with(outs[0])
+            b.replace_all_uses_with(outs[1])
+            graph.erase_node(a)
+            graph.erase_node(b)
+            result.sites.append(Site("rotary_embedding", pair.name, meta.source_line(pair), meta.module_path(pair)))
+            i += 2
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is ROTARY_Q:
+            result.sites.append(Site("rotary_embedding_q", n.name, meta.source_line(n), meta.module_path(n)))
+
+
+def _inputs_after(b: fx.Node, a: fx.Node) -> list[fx.Node] | None:
+    """``b``'s ancestors that come after ``a`` in the graph, in graph order; None when one of them
+    is ``a``, reads it, or has side effects (then they cannot move before ``a``)."""
+    order = {n: i for i, n in enumerate(a.graph.nodes)}
+    found: set[fx.Node] = set()
+    stack = [b]
+    while stack:
+        n = stack.pop()
+        for x in n.all_input_nodes:
+            if x is a:
+                return None
+            if order[x] > order[a] and x not in found:
+                if x.op not in ("call_function", "call_method") or x.is_impure() or str(x.target).endswith("_"):
+                    return None
+                found.add(x)
+                stack.append(x)
+    return sorted(found, key=order.__getitem__)

@@ -1,0 +1,245 @@
+"""Rotary embedding rules and the folding of their tables (rewrites/rotary.py).
+
+Each positive case is model code as authors write it (HF rotate_half with tables computed from
+``inv_freq``, an engine's cache indexed by positions, GPT-J pairs, partial rotary, q alone) in the
+layouts models use; the fused counts are exact and outputs equal eager. Each negative twin changes
+one thing so that the rotation must not fuse, or its tables must not fold, and checks the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import BF16, DYNAMIC, F32, check, reasons
+
+from fxrewrite import Config
+from fxrewrite.rewrites import rotary
+
+HEADS, KV_HEADS, HEAD_DIM, TOKENS = 4, 2, 16, 7
+PAIR = {"rotary_embedding": 1}
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def inv_freq(dim: int, theta: float = 10000.0) -> torch.Tensor:
+    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+
+
+class HFRope(torch.nn.Module):
+    """HF Llama: tables from ``inv_freq`` and position ids inside the graph, times an attention
+    scaling, cast to the activations' dtype; q, k in ``layout`` ("bhtd" as HF, "bthd", or "flat"
+    ``[T, heads * head_dim]`` viewed per head)."""
+
+    def __init__(self, layout: str = "bhtd", scaling: float = 1.0, rotary_dim: int = HEAD_DIM) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq(rotary_dim), persistent=False)
+        self.layout, self.scaling, self.rotary_dim = layout, scaling, rotary_dim
+
+    def tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(x.dtype), (emb.sin() * self.scaling).to(x.dtype)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rotary_dim
+        if r == x.shape[-1]:
+            return x * cos + rotate_half(x) * sin
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.tables(q, position_ids)  # [B, T, D]
+        if self.layout == "bhtd":  # q [B, T, H*D] -> [B, H, T, D]
+            q = q.view(*q.shape[:2], -1, HEAD_DIM).transpose(1, 2)
+            k = k.view(*k.shape[:2], -1, HEAD_DIM).transpose(1, 2)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        elif self.layout == "bthd":
+            q, k = q.view(*q.shape[:2], -1, HEAD_DIM), k.view(*k.shape[:2], -1, HEAD_DIM)
+            cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        else:  # flat tokens: q [T, H*D], position_ids [T]
+            q, k = q.view(q.shape[0], -1, HEAD_DIM), k.view(k.shape[0], -1, HEAD_DIM)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+
+
+class EngineRope(torch.nn.Module):
+    """A serving engine: a float32 cos/sin cache indexed by positions, half-width tables,
+    computed in float32 and cast back; q, k are ``[T, heads * head_dim]``."""
+
+    def __init__(self, positions: int = 64, interleaved: bool = False) -> None:
+        super().__init__()
+        angles = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq(HEAD_DIM)
+        self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1), persistent=False)
+        self.interleaved = interleaved
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        dtype, x = x.dtype, x.float()
+        if self.interleaved:
+            x1, x2 = x[..., ::2], x[..., 1::2]
+            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(dtype)
+        x1, x2 = x[..., : HEAD_DIM // 2], x[..., HEAD_DIM // 2 :]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = self.rotate(q.view(q.shape[0], -1, HEAD_DIM), cos, sin)
+        k = self.rotate(k.view(k.shape[0], -1, HEAD_DIM), cos, sin)
+        return q.flatten(1), k.flatten(1)
+
+
+class GPTJRope(HFRope):
+    """GPT-J: pairs (2i, 2i+1) rotate; full tables repeat each angle twice."""
+
+    def tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq
+        return freqs.cos().repeat_interleave(2, -1).to(x.dtype), freqs.sin().repeat_interleave(2, -1).to(x.dtype)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + rotate_every_two(x) * sin
+
+
+def qk(tokens: int = TOKENS, batch: int | None = 1, dtype: torch.dtype = F32, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    lead = (tokens,) if batch is None else (batch, tokens)
+    q = torch.randn(*lead, HEADS * HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(*lead, KV_HEADS * HEAD_DIM, generator=g).to(dtype)
+    pos = torch.randint(0, 50, lead, generator=g)
+    return q, k, pos
+
+
+# --------------------------------------------------------------------------- positive
+
+
+@DYNAMIC
+@pytest.mark.parametrize("layout", ["bhtd", "bthd", "flat"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_hf_rotate_half_folds_inv_freq_tables(layout: str, dtype: torch.dtype, dynamic: bool) -> None:
+    inputs = qk(batch=None if layout == "flat" else 1, dtype=dtype)
+    r = check(HFRope(layout, scaling=0.75), *inputs, expect=PAIR, dynamic=dynamic)
+    cache = r.graph.fxr_rotary_cache_0
+    assert cache.dtype == torch.float32 and cache.shape == (Config().max_positions, HEAD_DIM)
+    assert reasons(r, "rotary_embedding") == []
+
+
+def test_batched_positions_fold_in_token_order() -> None:
+    """[B, T] position ids of two sequences at different offsets: tokens flatten in (B, T) order."""
+    q, k, _ = qk(batch=2)
+    pos = torch.stack((torch.arange(TOKENS), torch.arange(TOKENS) + 30))
+    check(HFRope("bhtd"), q, k, pos, expect=PAIR)
+
+
+def test_cache_rows_follow_max_positions() -> None:
+    r = check(HFRope(), *qk(), expect=PAIR, max_positions=128)
+    assert r.graph.fxr_rotary_cache_0.shape == (128, HEAD_DIM)
+
+
+@DYNAMIC
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_engine_cache_indexed_by_positions(dtype: torch.dtype, dynamic: bool) -> None:
+    model = EngineRope(positions=64)
+    r = check(model, *qk(batch=None, dtype=dtype), expect=PAIR, dynamic=dynamic)
+    assert torch.equal(r.graph.fxr_rotary_cache_0, model.cos_sin_cache), "the engine's own cache, its own rows"
+
+
+@pytest.mark.parametrize("model", [GPTJRope("bhtd"), EngineRope(interleaved=True)], ids=["gptj", "engine"])
+def test_interleaved_pairs(model: torch.nn.Module) -> None:
+    r = check(model, *qk(batch=None if isinstance(model, EngineRope) else 1), expect=PAIR)
+    assert [n.args[-1] for n in r.graph.graph.nodes if n.target is rotary.ROTARY] == [False]  # not NeoX
+
+
+def test_partial_rotary_rotates_the_first_dims() -> None:
+    r = check(HFRope("bhtd", rotary_dim=HEAD_DIM // 2), *qk(), expect=PAIR)
+    assert r.graph.fxr_rotary_cache_0.shape[-1] == HEAD_DIM // 2
+
+
+def test_q_alone() -> None:
+    class QOnly(HFRope):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(q, k, position_ids)[0] + 0  # k's rotation is dead code
+
+    check(QOnly(), *qk(), expect={"rotary_embedding_q": 1})
+
+
+def test_layers_share_one_cache_and_pair_per_layer() -> None:
+    class TwoLayers(EngineRope):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            q1, k1 = super().forward(q, k, positions)
+            return super().forward(q1 * 2, k1 * 2, positions)
+
+    r = check(TwoLayers(), *qk(batch=None), expect={"rotary_embedding": 2})
+    assert [name for name, _ in r.graph.named_buffers() if name.startswith("fxr_rotary_cache")] == ["fxr_rotary_cache_0"]
+
+
+# --------------------------------------------------------------------------- negative twins
+
+
+def test_tables_given_as_inputs_do_not_fold() -> None:
+    """cos and sin passed in (no positions, no buffers): the rotation fuses, the tables cannot
+    fold; the torch reference serves it and the report says why."""
+
+    def rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return q * cos + rotate_half(q) * sin
+
+    q = torch.randn(TOKENS, HEADS, HEAD_DIM)
+    cos, sin = torch.randn(TOKENS, 1, HEAD_DIM), torch.randn(TOKENS, 1, HEAD_DIM)
+    r = check(rope, q, cos, sin, expect={"apply_rotary": 1})
+    assert any("more than one integer positions tensor" in why for why in reasons(r, "rotary_embedding"))
+
+
+def test_slices_that_do_not_halve_do_not_match() -> None:
+    def rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return q * cos + torch.cat((-q[..., 4:], q[..., :4]), dim=-1) * sin
+
+    q = torch.randn(TOKENS, HEADS, 12)
+    r = check(rope, q, torch.randn(TOKENS, 1, 12), torch.randn(TOKENS, 1, 12), expect={})
+    assert any("do not halve" in why for why in reasons(r, "rotary_neox"))
+
+
+def test_halves_that_differ_do_not_fold() -> None:
+    """Tables whose two halves differ are not RoPE tables: the kernel (half-width angles)
+    would compute something else, so they stay unfolded."""
+
+    class Skewed(HFRope):
+        def tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            freqs = position_ids[..., None].float() * self.inv_freq
+            emb = torch.cat((freqs, 2 * freqs), dim=-1)
+            return emb.cos(), emb.sin()
+
+    r = check(Skewed(), *qk(), expect={"apply_rotary": 2})
+    assert all("halves of cos differ" in why for why in reasons(r, "rotary_embedding"))
+
+
+def test_tables_that_are_not_per_position_do_not_fold() -> None:
+    """Angles summed over the sequence depend on other tokens' positions. (A cumsum of the
+    integer positions would be fine: the kernel then reads the table at those summed positions.)"""
+
+    class Running(HFRope):
+        def tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            freqs = (position_ids[..., None].float() * self.inv_freq).cumsum(1)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return emb.cos(), emb.sin()
+
+    r = check(Running(), *qk(), expect={"apply_rotary": 2})
+    assert all("not per-position" in why for why in reasons(r, "rotary_embedding"))
+
+
+def test_rotation_read_elsewhere_does_not_pair_across_it() -> None:
+    """q's rotation feeds k's input: the two cannot run as one kernel; each runs alone."""
+
+    class Chained(HFRope):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+            cos, sin = self.tables(q, position_ids)
+            q = q.view(q.shape[0], -1, HEAD_DIM)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q1 = self.rotate(q, cos, sin)
+            return self.rotate(q1[:, :KV_HEADS] * 2, cos, sin)
+
+    check(Chained(), *qk(batch=None), expect={"rotary_embedding_q": 2})
