@@ -19,7 +19,11 @@ def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.bfloat16)
 def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> list[Any]:
     """Arguments of ``op`` on CPU: ``x`` (and ``residual``) of ``shape``, a [hidden] weight, eps
     1e-6, a static FP8 scale 0.02, GELU's tanh approximation."""
-    values = {"weight": lambda: rand(gen, shape[-1], dtype=dtype) * 0.5, "eps": lambda: EPS, "approximate": lambda: "tanh"}
-    values["scale"] = lambda: torch.tensor([0.02])
+    values = {
+        "weight": lambda: rand(gen, shape[-1], dtype=dtype) * 0.5,
+        "eps": lambda: EPS,
+        "scale": lambda: torch.tensor([0.02]),
+        "approximate": lambda: "tanh",
+    }
     names = inspect.signature(op.reference).parameters
     return [rand(gen, *shape, dtype=dtype) if name in ("x", "residual") else values[name]() for name in names]
