@@ -25,6 +25,8 @@ the CPU tests use that.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -114,6 +116,12 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, scale_ptr, d, BLOCK: tl.cons
 # --------------------------------------------------------------------------- launchers
 
 
+def _device_of(x: Tensor) -> contextlib.AbstractContextManager[object]:
+    """Triton launches on the current CUDA device: make it ``x``'s (tensor-parallel processes may
+    hold several); nothing for CPU tensors (the interpreter)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 def _warps(block: int) -> int:
     """About 16 values per thread: 4 warps up to 2048 columns, 32 warps at 16384 and above."""
     return max(4, min(32, block // 512))
@@ -138,10 +146,11 @@ def _rms_norm_quant(
     q, s = _outputs(x, n, dynamic)
     total = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if residual is not None else q
     block = triton.next_power_of_2(n)
-    _rms_norm_quant_kernel[(rows.shape[0],)](
-        rows, res, weight, total, q, s, s if dynamic else scale, rows.stride(0), res.stride(0), n, eps,
-        BLOCK=block, HAS_RESIDUAL=residual is not None, DYNAMIC=dynamic, num_warps=_warps(block),
-    )  # fmt: skip
+    with _device_of(x):
+        _rms_norm_quant_kernel[(rows.shape[0],)](
+            rows, res, weight, total, q, s, s if dynamic else scale, rows.stride(0), res.stride(0), n, eps,
+            BLOCK=block, HAS_RESIDUAL=residual is not None, DYNAMIC=dynamic, num_warps=_warps(block),
+        )  # fmt: skip
     return (
         q.view(x.shape),
         s.view(*x.shape[:-1], 1) if dynamic else None,
@@ -155,9 +164,10 @@ def _silu_and_mul_quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor
     q, s = _outputs(x, d, dynamic)
     block = triton.next_power_of_2(d) if dynamic else min(triton.next_power_of_2(d), STATIC_BLOCK)
     grid = (q.shape[0], triton.cdiv(d, block))
-    _silu_and_mul_quant_kernel[grid](
-        x, q, s, s if dynamic else scale, d, BLOCK=block, DYNAMIC=dynamic, num_warps=_warps(block)
-    )
+    with _device_of(x):
+        _silu_and_mul_quant_kernel[grid](
+            x, q, s, s if dynamic else scale, d, BLOCK=block, DYNAMIC=dynamic, num_warps=_warps(block)
+        )
     shape = (*x.shape[:-1], d)
     return q.view(shape), s.view(*shape[:-1], 1) if dynamic else None
 
