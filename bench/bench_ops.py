@@ -2,6 +2,7 @@
 
     python bench/bench_ops.py [--out bench/ops.md] [--tokens 1,8,64,512,4096] [--hidden 4096]
                               [--mlp-hidden 4096] [--ops rms_norm,silu_and_mul] [--provider SPEC]
+                              [--no-compare]
 
 For each ``fxr`` op and token count T (hidden 4096; the gated activations take [T, 2 * 4096]
 and give [T, 4096], i.e. d = hidden, change with --mlp-hidden, e.g. 14336 for Llama-3-8B):
@@ -15,6 +16,10 @@ and give [T, 4096], i.e. d = hidden, change with --mlp-hidden, e.g. 14336 for Ll
               twin's, as the model spells it) per call;
 - floor:      bytes that must move (each tensor argument read once, each output written once)
               over the device-to-device copy bandwidth measured in this run (read + write).
+
+Then, for every op that more than one importable provider has a kernel for, the same check and
+fused timing with each provider forced in turn (``providers.configure("<op>=<provider>")``),
+side by side on the same inputs: the table the op modules' kernel order is set from.
 
 Timing: K back-to-back calls captured in one CUDA graph, rotating over enough input sets that
 they exceed twice the L2 cache (at most K sets), replayed after warm-up; the median over the
@@ -30,19 +35,28 @@ import math
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
+from fxrewrite.runtime.ops import quant
 from fxrewrite.runtime.providers import OpDef
 
 DTYPE = torch.bfloat16
 EPS = 1e-6
-FP8 = torch.float8_e4m3fn
 REPLAYS = 15
+
+
+@dataclass
+class Forced:
+    """One provider forced for one op: who served (its label, or "torch" on a fallback), check, time."""
+
+    served: str
+    check: str
+    fused_us: float
 
 
 @dataclass
@@ -55,6 +69,7 @@ class Row:
     unfused_us: float
     bytes_moved: int
     floor_us: float
+    forced: dict[str, Forced] = field(default_factory=dict)
 
     def cells(self) -> list[str]:
         return [
@@ -126,15 +141,10 @@ def check(op: OpDef, tokens: int, hidden: int, mlp_hidden: int) -> tuple[str, st
     got = outputs(op, getattr(torch.ops.fxr, op.name)(*args), args)
     want = outputs(op, op.reference(*ref_args), ref_args)
     served = [name for name in providers.served().get(op.name, {}) if name != "fallbacks"]
-    problems = []
-    for i, (g, w) in enumerate(zip(got, want)):
-        g, w = g.float(), w.float()
-        if got[i].dtype == FP8:
-            bad = ~torch.isclose(g, w, rtol=0.13, atol=0.02)
-        elif got[i].dtype == torch.float32:
-            bad = ~torch.isclose(g, w, rtol=1e-2, atol=0)
-        else:
-            bad = ~torch.isclose(g, w, rtol=2e-2, atol=2e-2)
+    problems, rest = quant.fp8_output_mismatches(got, want, quant.fp8_scale_rtol(DTYPE))
+    for i in rest:
+        g, w = got[i].float(), want[i].float()
+        bad = ~torch.isclose(g, w, rtol=2e-2, atol=2e-2)
         if bad.any():
             problems.append(f"out{i}: {int(bad.sum())} of {bad.numel()} off, max err {float((g - w).abs().max()):.3g}")
     return ",".join(served) or "?", "; ".join(problems) or "ok"
@@ -193,27 +203,71 @@ def functional_twin(op: OpDef) -> OpDef:
     return ops.DEFS[ops.OPS.index(op.name.rstrip("_"))]
 
 
-def bench_op(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, bandwidth: float) -> Row:
+def kernel_providers(op: OpDef) -> list[str]:
+    """Providers with a kernel for ``op`` whose library imports here, in ``PROVIDERS`` order."""
+    usable = {k.provider for k in op.kernels if providers.library(k.module or k.provider) is not None}
+    return [p for p in providers.PROVIDERS if p in usable]
+
+
+def bench_op(
+    op: OpDef, tokens: int, hidden: int, mlp_hidden: int, bandwidth: float, compare: Sequence[str], spec: str | None
+) -> Row:
+    """The op as configured (``spec``), then with each of ``compare`` forced, on the same inputs."""
     provider, verdict = check(op, tokens, hidden, mlp_hidden)
     first = make_args(op, tokens, hidden, mlp_hidden)
     moved = bytes_moved(op, first)
     calls = calls_for(tokens)
     n_sets = max(1, min(calls, math.ceil(2 * l2_bytes() / moved)))
     arg_sets = [first] + [make_args(op, tokens, hidden, mlp_hidden) for _ in range(n_sets - 1)]
-    fused = graph_time_us(getattr(torch.ops.fxr, op.name), arg_sets, calls)
+    fn = getattr(torch.ops.fxr, op.name)
+    fused = graph_time_us(fn, arg_sets, calls)
     unfused = graph_time_us(functional_twin(op).reference, arg_sets, calls)
+    row = Row(op.name, tokens, provider, verdict, fused, unfused, moved, moved / bandwidth * 1e6)
+    for name in compare:
+        providers.configure(f"{op.name}={name}")
+        served, forced_verdict = check(op, tokens, hidden, mlp_hidden)
+        row.forced[name] = Forced(served, forced_verdict, graph_time_us(fn, arg_sets, calls))
+    providers.configure(spec)
     del arg_sets, first
     torch.cuda.empty_cache()
-    return Row(op.name, tokens, provider, verdict, fused, unfused, moved, moved / bandwidth * 1e6)
+    return row
 
 
 # --------------------------------------------------------------------------- report
 
 
+def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
 def table(rows: Sequence[Row]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join("---" for _ in HEADER) + "|"]
-    lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
-    return "\n".join(lines)
+    return markdown(HEADER, [r.cells() for r in rows])
+
+
+def side_by_side(rows: Sequence[Row]) -> str:
+    """Per op and T: each forced provider's time and its ratio to the floor; the fastest that
+    passed its check. A cell names who served when that was not the provider itself."""
+    names = [p for p in providers.PROVIDERS if any(p in r.forced for r in rows)]
+    header = ["op", "T", "floor us", "unfused us", *(f"{p} us (/ floor)" for p in names), "fastest", "order now"]
+    lines = []
+    for r in rows:
+        if not r.forced:
+            continue
+        cells = []
+        for p in names:
+            f = r.forced.get(p)
+            if f is None:
+                cells.append("-")
+                continue
+            note = "" if f.served == p else f" [{f.served}]"
+            note += "" if f.check == "ok" else f" CHECK: {f.check}"
+            cells.append(f"{f.fused_us:.2f} ({f.fused_us / r.floor_us:.2f}x){note}")
+        ok = {p: f.fused_us for p, f in r.forced.items() if f.check == "ok" and f.served.startswith(p)}
+        fastest = min(ok, key=ok.__getitem__) if ok else "?"
+        order = " > ".join(dict.fromkeys(k.provider for k in ops.DEFS[ops.OPS.index(r.op)].kernels))
+        lines.append([r.op, str(r.tokens), f"{r.floor_us:.2f}", f"{r.unfused_us:.2f}", *cells, fastest, order])
+    return markdown(header, lines)
 
 
 def criteria(rows: Sequence[Row]) -> list[str]:
@@ -227,6 +281,9 @@ def criteria(rows: Sequence[Row]) -> list[str]:
             misses.append(f"- {r.op} T={r.tokens}: speedup {speedup:.1f}x over unfused ({r.provider})")
         if r.check != "ok":
             misses.append(f"- {r.op} T={r.tokens}: check {r.check}")
+        for name, f in r.forced.items():
+            if f.check != "ok":
+                misses.append(f"- {r.op} T={r.tokens} forced to {name}: check {f.check}")
     return misses
 
 
@@ -238,6 +295,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mlp-hidden", type=int, default=4096, help="d of the gated activations: x is [T, 2d]")
     parser.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     parser.add_argument("--provider", default=None, help="override, as FXREWRITE_PROVIDER")
+    parser.add_argument(
+        "--compare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time each provider forced in turn, where more than one has a kernel (default: on)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_ops needs CUDA", file=sys.stderr)
@@ -249,10 +312,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     bandwidth = copy_bandwidth()
     rows = []
     for op in chosen:
+        compare = kernel_providers(op) if args.compare else []
+        compare = compare if len(compare) > 1 else []
         for tokens in token_counts:
-            rows.append(bench_op(op, tokens, args.hidden, args.mlp_hidden, bandwidth))
-            print(" | ".join(rows[-1].cells()), file=sys.stderr, flush=True)
-    importable = {name: providers.available(name) for name in ("sgl_kernel", "flashinfer")}
+            rows.append(bench_op(op, tokens, args.hidden, args.mlp_hidden, bandwidth, compare, args.provider))
+            forced = ", ".join(f"{p} {f.fused_us:.2f} {f.check}" for p, f in rows[-1].forced.items())
+            line = " | ".join(rows[-1].cells()) + (f" | forced: {forced}" if forced else "")
+            print(line, file=sys.stderr, flush=True)
+    importable = {name: providers.available(name) for name in providers.PROVIDERS[:-1]}
     misses = criteria(rows)
     report = "\n".join(
         [
@@ -265,6 +332,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "",
             table(rows),
             "",
+            *(
+                ["Each provider forced in turn (same inputs; `fastest`: of those that served the op "
+                 "themselves and passed the check; `order now`: the op's kernel order):", "", side_by_side(rows), ""]
+                if any(r.forced for r in rows)
+                else []
+            ),
             "Issue 3 bar (T=4096 within 1.3x of floor; T<=64 at least 3x faster than unfused): "
             + ("all met." if not misses else "missed by"),
             *misses,
@@ -275,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(report)
-    return 0 if all(r.check == "ok" for r in rows) else 1
+    return 0 if all(r.check == "ok" and all(f.check == "ok" for f in r.forced.values()) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""Which library serves a fused op on this device: sgl-kernel, flashinfer, or the torch reference.
+"""Which library serves a fused op on this device: sgl-kernel, flashinfer, our Triton kernels, or
+the torch reference.
 
 Each op module hands :func:`dispatch` its kernels (one :class:`Kernel` per library that can run
-the op) and its plain-torch reference. At the first call per (op, device) the candidates are
-fixed: those of the overriding provider if one is configured, else all in preference order
-(``sgl_kernel``, then ``flashinfer``), each marked unusable when its library does not import or
+the op), in its order of preference, and its plain-torch reference. The order is per op, set by
+measurement (``bench/bench_ops.py`` times every provider side by side): mostly ``sgl_kernel``,
+then ``flashinfer``; a single Triton kernel first where the libraries need two. At the first
+call per (op, device) the candidates are fixed: those of the overriding provider if one is
+configured, else all in the op's order, each marked unusable when its library does not import or
 the device is too old. Every call then takes the first candidate whose per-call constraints
 hold (dtype, alignment, layout, rank); a call no kernel can serve runs the reference and is
 counted as a fallback keyed ``(op, reason)``: slower, never wrong.
@@ -12,9 +15,10 @@ counted as a fallback keyed ``(op, reason)``: slower, never wrong.
     y = torch.ops.fxr.rms_norm(x, w, 1e-6)                           # served by flashinfer
     providers.served()  # {"rms_norm": {"flashinfer": 1, "fallbacks": {}}}
 
-Imports of ``sgl_kernel`` / ``flashinfer`` are lazy and guarded: neither imports without a GPU
-driver, and this module never needs them on CPU. Counters count Python-level calls: a CUDA
-graph replay does not pass through here, its capture does.
+Imports of ``sgl_kernel`` / ``flashinfer`` / ``triton`` (through
+``fxrewrite.runtime.triton_kernels``) are lazy and guarded: the first two do not import without a
+GPU driver, Triton is optional, and this module never needs any of them on CPU. Counters count
+Python-level calls: a CUDA graph replay does not pass through here, its capture does.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-PROVIDERS: tuple[str, ...] = ("sgl_kernel", "flashinfer", "torch")
-"""All provider names, in preference order; ``torch`` (the reference) is always last."""
+PROVIDERS: tuple[str, ...] = ("sgl_kernel", "flashinfer", "triton", "torch")
+"""All provider names (what an override may name); ``torch`` (the reference) is always last. The
+order of preference is each op's own: the order of its kernels."""
 
 ENV_VAR = "FXREWRITE_PROVIDER"
 _DEFAULT = "*"  # key of the override that applies to every op not named on its own
@@ -44,9 +49,10 @@ _DEFAULT = "*"  # key of the override that applies to every op not named on its 
 class Kernel:
     """One way a library runs an op.
 
-    provider:        "sgl_kernel" or "flashinfer": what the override names.
+    provider:        "sgl_kernel", "flashinfer" or "triton": what the override names.
     module:          the module that must import for ``run`` to work (default ``provider``),
-                     e.g. "flashinfer.norm"; ``run`` gets it from :func:`library`.
+                     e.g. "flashinfer.norm", "fxrewrite.runtime.triton_kernels"; ``run`` gets it
+                     from :func:`library`.
     run:             takes the op's arguments, returns what the op returns.
     check:           takes the op's arguments; None when ``run`` can serve them, else the reason.
     min_capability:  oldest CUDA compute capability the kernel supports, e.g. (8, 9) for FP8.
@@ -197,9 +203,7 @@ def _plan(op: str, kernels: Sequence[Kernel], device: torch.device) -> _Plan:
     if plan is not None:
         return plan
     forced = _override(op)
-    chosen = sorted(
-        (k for k in kernels if forced in (None, k.provider)), key=lambda k: PROVIDERS.index(k.provider)
-    )
+    chosen = [k for k in kernels if forced in (None, k.provider)]  # the op's order of preference
     cap = device_capability(device)
     candidates = []
     for k in chosen:
@@ -249,7 +253,7 @@ class OpDef:
 
     reference:     the spec in plain torch; its annotations give the schema; CPU impl.
     fake:          output shapes and dtypes for fake tensors (same signature).
-    kernels:       the libraries' ways to run it on CUDA, any order (:class:`Kernel`).
+    kernels:       the libraries' ways to run it on CUDA (:class:`Kernel`), the preferred first.
     mutates_args:  names of the arguments an in-place op overwrites.
     """
 
@@ -314,7 +318,7 @@ HALF_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
 
 def check_half(*tensors: torch.Tensor) -> str | None:
-    """Both libraries' kernels take bf16/fp16 only, all tensors of one dtype (no casts inside)."""
+    """Every library's kernels take bf16/fp16 only, all tensors of one dtype (no casts inside)."""
     dtype = tensors[0].dtype
     if dtype not in HALF_DTYPES:
         return f"dtype {_short(dtype)} not bf16/fp16"

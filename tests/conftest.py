@@ -1,9 +1,17 @@
-"""Shared test setup: seeded randomness for every test; GPU tests skipped without CUDA."""
+"""Shared test setup: seeded randomness for every test; GPU tests skipped without CUDA; Triton's
+interpreter on machines without CUDA."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Without CUDA, Triton kernels run only interpreted, on CPU tensors. The flag must be set
+    # before Triton is imported: its own library functions (tl.sum, tl.max) are decorated then.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -8,14 +8,21 @@ Every op is a norm or activation reference followed by one of them:
     y = rms_norm(x, w, eps)                               q = torch.ops.fxr.rms_norm_quant_fp8(x, w, eps, scale)
     q = (y.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
 
-CUDA: flashinfer's ``rmsnorm_quant`` (static, one kernel); sgl-kernel's ``rmsnorm`` or
+CUDA: one Triton kernel per op (``fxrewrite.runtime.triton_kernels``, when Triton imports);
+flashinfer's ``rmsnorm_quant`` (static, one kernel); sgl-kernel's ``rmsnorm`` or
 ``silu_and_mul`` then ``sgl_per_token_quant_fp8`` (dynamic, two kernels); labels with "+torch"
 mark where part of the op (the residual add, a static quantization) runs as plain torch.
+
+A kernel may round differently from the spec (e.g. multiply the weight in float32 where the spec
+rounds the normed value to bf16 first): it is correct when every FP8 value lies within one e4m3
+step of the spec's after dequantization and its per-token scales are within two roundings of
+the input dtype (:func:`fp8_mismatch`, what the GPU tests and the benchmark check).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -63,6 +70,75 @@ def quant_fp8_per_token(y: Tensor) -> tuple[Tensor, Tensor]:
     y = y.float()
     s = y.abs().amax(-1, keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
     return (y / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
+
+
+# --------------------------------------------------------------------------- what a kernel may differ by
+
+
+def _fp8_neighbours(q: Tensor) -> tuple[Tensor, Tensor]:
+    """The e4m3 values one step below and one above each element of ``q`` (float32; +-448
+    saturate). e4m3fn bytes are sign | magnitude with magnitudes ordered as their values, so
+    stepping is +-1 on the signed magnitude (+0 and -0 are one point)."""
+    byte = q.view(torch.uint8).to(torch.int16)
+    signed = torch.where(byte >= 128, 128 - byte, byte)
+    top = int(torch.tensor(FP8_MAX, dtype=FP8_DTYPE).view(torch.uint8))  # 0x7E: 0x7F is NaN
+
+    def value(m: Tensor) -> Tensor:
+        m = m.clamp(-top, top)
+        return torch.where(m < 0, 128 - m, m).to(torch.uint8).view(FP8_DTYPE).float()
+
+    return value(signed - 1), value(signed + 1)
+
+
+def fp8_scale_rtol(dtype: torch.dtype) -> float:
+    """How far a kernel's per-token scale may be from the spec's, relatively: the amax of values
+    one rounding of ``dtype`` apart, i.e. one ``eps`` step, twice for float32 slack."""
+    return 2 * torch.finfo(dtype).eps
+
+
+def fp8_mismatch(
+    q: Tensor, q_ref: Tensor, s: Tensor | None = None, s_ref: Tensor | None = None, *, scale_rtol: float = 0.0
+) -> str | None:
+    """None when ``q`` (FP8) is as good as the spec's ``q_ref``, else what differs: every scale
+    ``s`` within ``scale_rtol`` of ``s_ref`` (per-token [..., 1]; None for a static scale, the
+    same for both), and every value ``q * s`` within one e4m3 step of ``q_ref`` in the
+    reference's grid: between its neighbours times ``s_ref``, widened by ``scale_rtol``."""
+    if s is None or s_ref is None:
+        s = s_ref = torch.ones((), device=q.device)
+    else:
+        rel = (s - s_ref).abs() / s_ref
+        if not bool((rel <= scale_rtol).all()):
+            n = int((~(rel <= scale_rtol)).sum())
+            return f"{n} of {rel.numel()} scales off by more than {scale_rtol:.2g} (max {float(rel.max()):.3g})"
+    got, want = q.float() * s, q_ref.float() * s_ref
+    below, above = _fp8_neighbours(q_ref)
+    slack = got.abs() * scale_rtol
+    bad = ~((got >= below * s_ref - slack) & (got <= above * s_ref + slack))  # NaN is bad
+    if bool(bad.any()):
+        i = int(bad.flatten().nonzero()[0])
+        worst = f"{float(got.flatten()[i]):.4g} where the spec has {float(want.flatten()[i]):.4g}"
+        return f"{int(bad.sum())} of {bad.numel()} FP8 values more than one e4m3 step off (first: {worst})"
+    return None
+
+
+def fp8_output_mismatches(
+    got: Sequence[Tensor], want: Sequence[Tensor], scale_rtol: float
+) -> tuple[list[str], list[int]]:
+    """:func:`fp8_mismatch` over an op's outputs (an FP8 output followed by a float32 one: that
+    is its per-token scale). Returns (what differs, indices of the outputs left to the caller:
+    neither FP8 nor scales)."""
+    problems, rest, i = [], [], 0
+    while i < len(got):
+        if got[i].dtype != FP8_DTYPE:
+            rest.append(i)
+            i += 1
+            continue
+        dynamic = i + 1 < len(got) and got[i + 1].dtype == torch.float32
+        scales = (got[i + 1], want[i + 1]) if dynamic else (None, None)
+        problem = fp8_mismatch(got[i], want[i], *scales, scale_rtol=scale_rtol)
+        problems += [f"out{i}: {problem}"] if problem else []
+        i += 2 if dynamic else 1
+    return problems, rest
 
 
 # --------------------------------------------------------------------------- references (the spec)
@@ -189,7 +265,39 @@ def _silu_dynamic_check(x: Tensor) -> str | None:
     return check_act_and_mul(x, half_aligned=True) or _hidden_multiple_of_4(x.shape[-1] // 2)
 
 
+# The Triton kernels read rows at any stride and alignment (Triton specializes on both); they need
+# what :func:`check_norm` / :func:`check_act_and_mul` ask of every provider, and a row that fits
+# one program where the kernel reduces over it (the norms; dynamic SiLU-and-mul).
+TRITON_MAX_ROW = 32768
+
+
+def _fits_one_program(n: int) -> str | None:
+    return None if n <= TRITON_MAX_ROW else f"row of {n} values exceeds one Triton program ({TRITON_MAX_ROW})"
+
+
+def _triton_rows_check(x: Tensor, weight: Tensor, others: tuple[Tensor, ...], scale: Tensor | None) -> str | None:
+    reason = check_norm(x, weight, *others) or _fits_one_program(x.shape[-1])
+    return reason or (check_scale(x, scale) if scale is not None else None)
+
+
+def _triton_norm_check(x: Tensor, weight: Tensor, eps: float, scale: Tensor | None = None) -> str | None:
+    return _triton_rows_check(x, weight, (), scale)
+
+
+def _triton_fused_add_check(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor | None = None
+) -> str | None:
+    return _triton_rows_check(x, weight, (residual,), scale)
+
+
+def _triton_silu_check(x: Tensor, scale: Tensor | None = None) -> str | None:
+    reason = check_act_and_mul(x, half_aligned=False)
+    return reason or (check_scale(x, scale) if scale is not None else _fits_one_program(x.shape[-1] // 2))
+
+
 # --------------------------------------------------------------------------- kernels
+
+P = functools.partial
 
 
 def sgl_per_token_quant(y: Tensor) -> tuple[Tensor, Tensor]:
@@ -238,42 +346,68 @@ def _sgl_silu_dynamic(x: Tensor) -> tuple[Tensor, Tensor]:
     return sgl_per_token_quant(sgl_silu_and_mul(x))
 
 
-P = functools.partial
+TRITON_MODULE = "fxrewrite.runtime.triton_kernels"
+
+
+def _triton(op: str, *args: object) -> object:
+    """The Triton provider's launcher for ``op`` (same name, same signature as the op)."""
+    return getattr(providers.library(TRITON_MODULE), op)(*args)
+
+
+def _triton_kernel(op: str, check: Callable[..., str | None]) -> Kernel:
+    return Kernel("triton", P(_triton, op), check, FP8_CAPABILITY, module=TRITON_MODULE)
+
+
 FP8 = FP8_CAPABILITY
 _FI = "flashinfer.norm"
 
 # --------------------------------------------------------------------------- the ops
 
+# Each op's kernels in order of preference (bench/bench_ops.py times them side by side): a
+# single Triton kernel before the libraries' two; flashinfer's one kernel before Triton's.
 DEFS: tuple[OpDef, ...] = (
     OpDef(
         "rms_norm_quant_fp8",
         rms_norm_quant_fp8_reference,
         _rms_norm_quant_fake,
-        (Kernel("flashinfer", _flashinfer_rms_norm_quant, _static_check, FP8, module=_FI),),
+        (
+            Kernel("flashinfer", _flashinfer_rms_norm_quant, _static_check, FP8, module=_FI),
+            _triton_kernel("rms_norm_quant_fp8", _triton_norm_check),
+        ),
     ),
     OpDef(
         "rms_norm_dynamic_quant_fp8",
         rms_norm_dynamic_quant_fp8_reference,
         _rms_norm_dynamic_quant_fake,
-        (Kernel("sgl_kernel", _sgl_rms_norm_dynamic_quant, _dynamic_check, FP8),),
+        (
+            _triton_kernel("rms_norm_dynamic_quant_fp8", _triton_norm_check),
+            Kernel("sgl_kernel", _sgl_rms_norm_dynamic_quant, _dynamic_check, FP8),
+        ),
     ),
     OpDef(
         "fused_add_rms_norm_quant_fp8",
         fused_add_rms_norm_quant_fp8_reference,
         _fused_add_quant_fake,
-        (Kernel("flashinfer", _fused_add_static, _fused_add_static_check, FP8, "flashinfer+torch", _FI),),
+        (
+            _triton_kernel("fused_add_rms_norm_quant_fp8", _triton_fused_add_check),
+            Kernel("flashinfer", _fused_add_static, _fused_add_static_check, FP8, "flashinfer+torch", _FI),
+        ),
     ),
     OpDef(
         "fused_add_rms_norm_dynamic_quant_fp8",
         fused_add_rms_norm_dynamic_quant_fp8_reference,
         _fused_add_dynamic_quant_fake,
-        (Kernel("sgl_kernel", _fused_add_dynamic, _fused_add_dynamic_check, FP8, "sgl_kernel+torch"),),
+        (
+            _triton_kernel("fused_add_rms_norm_dynamic_quant_fp8", _triton_fused_add_check),
+            Kernel("sgl_kernel", _fused_add_dynamic, _fused_add_dynamic_check, FP8, "sgl_kernel+torch"),
+        ),
     ),
     OpDef(
         "silu_and_mul_quant_fp8",
         silu_and_mul_quant_fp8_reference,
         _silu_quant_fake,
         (
+            _triton_kernel("silu_and_mul_quant_fp8", _triton_silu_check),
             Kernel(
                 "sgl_kernel",
                 P(_silu_static, sgl_silu_and_mul),
@@ -293,7 +427,10 @@ DEFS: tuple[OpDef, ...] = (
         "silu_and_mul_dynamic_quant_fp8",
         silu_and_mul_dynamic_quant_fp8_reference,
         _silu_dynamic_quant_fake,
-        (Kernel("sgl_kernel", _sgl_silu_dynamic, _silu_dynamic_check, FP8),),
+        (
+            _triton_kernel("silu_and_mul_dynamic_quant_fp8", _triton_silu_check),
+            Kernel("sgl_kernel", _sgl_silu_dynamic, _silu_dynamic_check, FP8),
+        ),
     ),
 )
 for _op in DEFS:

@@ -1,0 +1,205 @@
+"""Single-kernel Triton implementations of the FP8 ops that sgl-kernel and flashinfer serve as
+two kernels (or not at all): RMSNorm, add + RMSNorm, SiLU-and-mul, each fused with static or
+dynamic per-token FP8 (float8_e4m3fn) quantization.
+
+This module is the ``triton`` provider's library, as ``sgl_kernel`` and ``flashinfer`` are the
+others: it imports ``triton`` at the top, so the op modules never import it; they reach it
+through ``providers.library("fxrewrite.runtime.triton_kernels")``, which turns a missing or
+broken Triton into "not importable" (counted fallback), and the package imports without it.
+
+    # two kernels (norm, then sgl_per_token_quant_fp8)     # one kernel
+    y = sgl_rms_norm(x, w, eps)                             q, s = rms_norm_dynamic_quant_fp8(x, w, eps)
+    q, s = sgl_per_token_quant(y)
+
+Every launcher below takes the op's arguments and returns what ``torch.ops.fxr.<op>`` returns;
+the per-call constraints (half dtypes, layout, FP8-capable device) are checked by the op
+modules before a launcher is called. Rounding follows the reference (the spec) step by step:
+the sum, the normed value, the weighted value, SiLU and its product are rounded to the input
+dtype where the unfused torch code rounds them; the per-token scale ``max(amax, 1e-12) / 448``
+and ``y / s`` are IEEE divisions. What differs is summation order and the approximate ``rsqrt``,
+``exp`` and SiLU division: at most one FP8 step, rarely.
+
+Under ``TRITON_INTERPRET=1`` (read when this module is imported) the kernels run on CPU tensors;
+the CPU tests use that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fxrewrite.runtime.ops import quant
+
+FP8_MAX: tl.constexpr = tl.constexpr(quant.FP8_MAX)
+AMAX_FLOOR: tl.constexpr = tl.constexpr(quant.AMAX_FLOOR)
+# Static SiLU-and-mul has no row reduction: blocks of columns spread few tokens over many SMs.
+# Everything else holds a row in one program: at most quant.TRITON_MAX_ROW values (the op
+# module's check), 32 warps of 32 values per thread.
+STATIC_BLOCK = 1024
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _quantize_store(y, q_ptrs, mask, s_ptr, scale_ptr, DYNAMIC: tl.constexpr):
+    """Store ``y`` (float32, one row or part of one) as FP8: dynamic per token
+    (``s = max(amax, 1e-12) / 448`` stored at ``s_ptr``) or by the static scale at ``scale_ptr``;
+    ``q = clamp(y / s, -448, 448)`` rounded to nearest even. The division is IEEE, per value, as
+    the spec's: ``y`` and ``amax`` are both values of the input dtype, so ``y / s`` lands exactly
+    on e4m3 midpoints often, and multiplying by ``1 / s`` (as sgl-kernel and flashinfer do)
+    rounds about 0.5% of them the other way (measured on CPU)."""
+    if DYNAMIC:
+        amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
+        s = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
+        tl.store(s_ptr, s)
+    else:
+        s = tl.load(scale_ptr)
+    q = tl.clamp(tl.math.div_rn(y, s), -FP8_MAX, FP8_MAX)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_quant_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    sum_ptr,
+    q_ptr,
+    s_ptr,
+    scale_ptr,
+    x_stride,
+    r_stride,
+    n,
+    eps,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+):
+    """One row per program: ``[sum = x + r]; y = w * (h * rsqrt(mean(h^2) + eps)).to(dtype)``
+    with ``h = sum.float()``, rounded to the input dtype as the reference does; then FP8."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(sum_ptr + row * n + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (w * h.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    _quantize_store(y, q_ptr + row * n + cols, mask, s_ptr + row, scale_ptr, DYNAMIC)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, scale_ptr, d, BLOCK: tl.constexpr, DYNAMIC: tl.constexpr):
+    """Program (row, block): ``y = (silu(gate).to(dtype) * up).to(dtype)`` over ``BLOCK`` columns
+    of ``gate = x[row, :d]``, ``up = x[row, d:]``; then FP8 (dynamic: one block holds the row)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    dtype = x_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * 2 * d + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * d + d + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu, approximate division
+    y = (act * up).to(dtype).to(tl.float32)
+    _quantize_store(y, q_ptr + row * d + cols, mask, s_ptr + row, scale_ptr, DYNAMIC)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _device_of(x: Tensor) -> contextlib.AbstractContextManager[object]:
+    """Triton launches on the current CUDA device: make it ``x``'s (tensor-parallel processes may
+    hold several); nothing for CPU tensors (the interpreter)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _warps(block: int) -> int:
+    """About 16 values per thread: 4 warps up to 2048 columns, 32 warps at 16384 and above."""
+    return max(4, min(32, block // 512))
+
+
+def _outputs(x: Tensor, d: int, dynamic: bool) -> tuple[Tensor, Tensor]:
+    """q [rows, d] FP8 and s [rows, 1] float32 (a 1-element placeholder when static)."""
+    rows = x.numel() // x.shape[-1]
+    q = torch.empty((rows, d), dtype=quant.FP8_DTYPE, device=x.device)
+    s = torch.empty((rows if dynamic else 1, 1), dtype=torch.float32, device=x.device)
+    return q, s
+
+
+def _rms_norm_quant(
+    x: Tensor, weight: Tensor, eps: float, scale: Tensor | None, residual: Tensor | None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(q, s or None when static, sum or None without residual), shaped as the op returns them."""
+    n = x.shape[-1]
+    rows = x.view(-1, n)
+    res = residual.view(-1, n) if residual is not None else rows
+    dynamic = scale is None
+    q, s = _outputs(x, n, dynamic)
+    total = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if residual is not None else q
+    block = triton.next_power_of_2(n)
+    with _device_of(x):
+        _rms_norm_quant_kernel[(rows.shape[0],)](
+            rows, res, weight, total, q, s, s if dynamic else scale, rows.stride(0), res.stride(0), n, eps,
+            BLOCK=block, HAS_RESIDUAL=residual is not None, DYNAMIC=dynamic, num_warps=_warps(block),
+        )  # fmt: skip
+    return (
+        q.view(x.shape),
+        s.view(*x.shape[:-1], 1) if dynamic else None,
+        total.view(x.shape) if residual is not None else None,
+    )
+
+
+def _silu_and_mul_quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    d = x.shape[-1] // 2
+    dynamic = scale is None
+    q, s = _outputs(x, d, dynamic)
+    block = triton.next_power_of_2(d) if dynamic else min(triton.next_power_of_2(d), STATIC_BLOCK)
+    grid = (q.shape[0], triton.cdiv(d, block))
+    with _device_of(x):
+        _silu_and_mul_quant_kernel[grid](
+            x, q, s, s if dynamic else scale, d, BLOCK=block, DYNAMIC=dynamic, num_warps=_warps(block)
+        )
+    shape = (*x.shape[:-1], d)
+    return q.view(shape), s.view(*shape[:-1], 1) if dynamic else None
+
+
+# --------------------------------------------------------------------------- the ops' signatures
+
+
+def rms_norm_quant_fp8(x: Tensor, weight: Tensor, eps: float, scale: Tensor) -> Tensor:
+    return _rms_norm_quant(x, weight, eps, scale, None)[0]
+
+
+def rms_norm_dynamic_quant_fp8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    q, s, _ = _rms_norm_quant(x, weight, eps, None, None)
+    return q, s  # type: ignore[return-value]
+
+
+def fused_add_rms_norm_quant_fp8(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor
+) -> tuple[Tensor, Tensor]:
+    q, _, total = _rms_norm_quant(x, weight, eps, scale, residual)
+    return q, total  # type: ignore[return-value]
+
+
+def fused_add_rms_norm_dynamic_quant_fp8(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _rms_norm_quant(x, weight, eps, None, residual)  # type: ignore[return-value]
+
+
+def silu_and_mul_quant_fp8(x: Tensor, scale: Tensor) -> Tensor:
+    return _silu_and_mul_quant(x, scale)[0]
+
+
+def silu_and_mul_dynamic_quant_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    return _silu_and_mul_quant(x, None)  # type: ignore[return-value]

@@ -1,0 +1,34 @@
+"""Sample arguments for the fused ops, by parameter name (shared by the tests in this folder)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import rotary_samples
+import torch
+
+from fxrewrite.runtime.providers import OpDef
+
+EPS = 1e-6
+
+
+def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> list[Any]:
+    """Arguments of ``op`` on CPU: ``x`` (and ``residual``) of ``shape``, a [hidden] weight, eps
+    1e-6, a static FP8 scale 0.02, GELU's tanh approximation, rotary arguments from
+    :mod:`rotary_samples`."""
+    values = {
+        "weight": lambda: rand(gen, shape[-1], dtype=dtype) * 0.5,
+        "eps": lambda: EPS,
+        "scale": lambda: torch.tensor([0.02]),
+        "approximate": lambda: "tanh",
+    }
+    for name in rotary_samples.NAMES:
+        values[name] = functools.partial(rotary_samples.rotary_arg, name, shape, dtype, gen)
+    names = inspect.signature(op.reference).parameters
+    return [rand(gen, *shape, dtype=dtype) if name in ("x", "residual") else values[name]() for name in names]
