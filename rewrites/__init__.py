@@ -4,6 +4,6 @@ Families export plain lists; the backend's pipeline applies them in a fixed orde
 (``fxrewrite.backend.pipeline``). Nothing registers itself at import time.
 """
 
-from fxrewrite.rewrites import activation, norm
+from fxrewrite.rewrites import activation, collective, norm
 
-__all__ = ["activation", "norm"]
+__all__ = ["activation", "collective", "norm"]
