@@ -164,7 +164,6 @@ def run_ranks(fn: Any, *args: Any, world: int = 2, backend: str = "gloo", timeou
         assert run_ranks(worker, 3)[0].tolist() == [3.0, 3.0, 3.0]
     """
     import multiprocessing as mp
-    import pickle
     import socket
 
     with socket.socket() as s:
@@ -181,7 +180,7 @@ def run_ranks(fn: Any, *args: Any, world: int = 2, backend: str = "gloo", timeou
         while len(got) < world and all(ok for ok, _ in got.values()):  # one failure ends the wait
             if not queue.empty():
                 rank, ok, value = queue.get()
-                got[rank] = (ok, pickle.loads(value) if ok else value)  # by value: no shared memory
+                got[rank] = (ok, _loads(value) if ok else value)
             elif all(p.exitcode is not None for p in procs) and queue.empty():
                 raise RuntimeError(f"ranks {sorted(set(range(world)) - set(got))} died without a result "
                                    f"(exit codes {[p.exitcode for p in procs]})")
@@ -203,7 +202,6 @@ def run_ranks(fn: Any, *args: Any, world: int = 2, backend: str = "gloo", timeou
 
 def _rank_main(rank: int, world: int, backend: str, port: int, queue: Any, fn: Any, args: tuple) -> None:
     import os
-    import pickle
     import traceback
 
     import torch.distributed as dist
@@ -215,12 +213,28 @@ def _rank_main(rank: int, world: int, backend: str, port: int, queue: Any, fn: A
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world)
         out = fn(rank, world, *args)
-        queue.put((rank, True, pickle.dumps(_to_cpu(out))))
+        queue.put((rank, True, _dumps(_to_cpu(out))))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _dumps(v: Any) -> bytes:
+    """By value (``torch.save``: every dtype, FP8 included), not through shared memory, which
+    a rank that has exited no longer serves."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(v, buf)
+    return buf.getvalue()
+
+
+def _loads(b: bytes) -> Any:
+    import io
+
+    return torch.load(io.BytesIO(b), weights_only=False)
 
 
 def _to_cpu(v: Any) -> Any:

@@ -4,7 +4,7 @@ The model code is written with ``torch.distributed._functional_collectives`` as 
 linear ends; the process group is a fake one (``torch.testing._internal.distributed.fake_pg``,
 one process playing rank 0 of 2: its all-reduce returns its input), so eager and compiled runs
 compute the same thing and the rules are tested in process, fast. The real sum over ranks is
-tested in tests/runtime/test_collective.py and tests/bench/test_tp_model.py.
+tested in tests/runtime/test_collective_ops.py and tests/bench/test_tp_model.py.
 """
 
 from __future__ import annotations
