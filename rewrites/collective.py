@@ -69,13 +69,15 @@ def all_reduce_add_rms_norm_quant_replacement(x, residual, weight, eps, scale, g
     return out[0], out[1]
 
 
+# Tried only on graphs with an all-reduce: elsewhere every add + norm would be a near miss.
+REQUIRES = (torch.ops._c10d_functional.all_reduce.default,)
 ALL_REDUCE_ADD_RMS_NORM = Rule(
     "all_reduce_add_rms_norm", all_reduce_add_rms_norm_pattern, all_reduce_add_rms_norm_replacement,
-    all_reduce_norm_guard, COLLECTIVE_WILDCARDS,
+    all_reduce_norm_guard, COLLECTIVE_WILDCARDS, requires=REQUIRES,
 )  # fmt: skip
 ALL_REDUCE_ADD_RMS_NORM_QUANT = Rule(
     "all_reduce_add_rms_norm_quant_fp8", all_reduce_add_rms_norm_quant_pattern,
-    all_reduce_add_rms_norm_quant_replacement, all_reduce_norm_scale_guard, COLLECTIVE_WILDCARDS,
+    all_reduce_add_rms_norm_quant_replacement, all_reduce_norm_scale_guard, COLLECTIVE_WILDCARDS, requires=REQUIRES,
 )  # fmt: skip
 
 # The quantized form first: it contains the plain one.

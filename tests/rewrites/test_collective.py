@@ -120,3 +120,14 @@ def test_not_when_the_norm_weight_has_another_dtype() -> None:
 
 def test_rules_are_listed_quant_first() -> None:
     assert [r.name for r in collective.RULES] == ["all_reduce_add_rms_norm_quant_fp8", AR]
+
+
+def test_not_tried_on_a_graph_without_collectives() -> None:
+    """A plain add + norm (no all-reduce in the graph) is no near miss of the collective rules."""
+
+    def fn(x: torch.Tensor, residual: torch.Tensor, m: torch.nn.Module = LlamaRMSNorm(64)) -> tuple[torch.Tensor, ...]:
+        h = x * 2 + residual
+        return m(h), h
+
+    r = check(fn, *_inputs(), expect={"fused_add_rms_norm": 1})
+    assert reasons(r, AR) == [] and reasons(r, "all_reduce_add_rms_norm_quant_fp8") == []
