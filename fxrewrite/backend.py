@@ -32,11 +32,13 @@ log = logging.getLogger(__name__)
 
 
 def default_rule_groups() -> list[tuple[str, list[Rule]]]:
-    """The default library as ordered, named passes: norm + FP8 quant, norms (add + norm before
-    plain norm), rotary embedding, activations, then FP8 quant of fused activations."""
-    from fxrewrite.rewrites import activation, norm, quant, rotary
+    """The default library as ordered, named passes: all-reduce + add + norm (tensor parallel;
+    first, or the add + norm rules would take its sites), norm + FP8 quant, norms (add + norm
+    before plain norm), rotary embedding, activations, then FP8 quant of fused activations."""
+    from fxrewrite.rewrites import activation, collective, norm, quant, rotary
 
     return [
+        ("fuse_collective", collective.RULES),
         ("fuse_norm_quant", quant.NORM_RULES),
         ("fuse_norm", norm.RULES),
         ("fuse_rotary", rotary.RULES),

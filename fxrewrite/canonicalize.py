@@ -27,7 +27,10 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
   dim, start 0 for None and end ``sys.maxsize`` for "to the end"; full-range slices are removed;
 * reduction dims -> a list of negative ints; ``flatten`` -> ``aten.flatten.using_ints`` with
   negative dims;
-* ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed.
+* ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed;
+* a call of an op packet with one overload -> that overload, arguments bound: Dynamo records
+  ``torch.ops._c10d_functional.all_reduce(x, 'sum', '0')`` (the packet) for a functional
+  collective, patterns trace to ``.default``.
 
 Pattern graphs (traced with ``torch.fx.symbolic_trace``, no fake values) go through the same code;
 rules that depend on shapes (negative dims, no-op removal) only act where shapes are known, so
@@ -177,6 +180,10 @@ class _Canon:
     def visit(self, node: fx.Node) -> None:
         if isinstance(node.target, torch._ops.OpOverload) and node.target not in _NOOP_CANDIDATES:
             return  # already canonical (a second run, or ATen in the source): nothing to do
+        if isinstance(node.target, torch._ops.OpOverloadPacket):
+            if node.op == "call_function" and node.target.overloads() == ["default"]:
+                self.set(node, node.target.default, node.args, node.kwargs)
+            return None
         key = _key(node)
         if node.op == "call_method" and node.target in _DTYPE_METHODS:
             return self.cast(node, node.args[0], _DTYPE_METHODS[node.target])

@@ -42,7 +42,13 @@ def apply_rules(
     fake_mode = meta.fake_mode_of(gm.graph)
     erased: set[fx.Node] = set()
     misses: list[tuple[fx.Node, NearMiss]] = []
+    present: set[Any] | None = None
     for rule in rules:
+        if rule.requires:
+            if present is None:
+                present = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+            if present.isdisjoint(rule.requires):
+                continue
         if rule.via == "subgraph_rewriter":
             _apply_subgraph_rewriter(gm, rule, result, fake_mode)
             continue

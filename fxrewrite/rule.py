@@ -127,6 +127,9 @@ class Rule:
                  False or a string (the reason, shown in near misses) to reject.
     via:         "walk" (fxrewrite's matcher: scalar wildcards, commutativity, several outputs,
                  in-place) or "subgraph_rewriter" (``torch.fx.subgraph_rewriter``; no wildcards).
+    requires:    call targets of which the graph must hold at least one for the rule to be tried
+                 at all; otherwise it is skipped without near misses (an all-reduce rule on a
+                 graph with no collective: every add + norm would "nearly" match it).
     """
 
     name: str
@@ -136,6 +139,7 @@ class Rule:
     scalars: Mapping[str, Scalar] = dataclasses.field(default_factory=dict)
     inplace: InPlace | None = None
     via: Literal["walk", "subgraph_rewriter"] = "walk"
+    requires: tuple[Any, ...] = ()
 
     def __repr__(self) -> str:
         return f"Rule({self.name!r})"

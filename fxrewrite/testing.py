@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -145,3 +146,102 @@ def check_rewrite(
     assert_counts(result.counts(), expect, absent)
     assert_close(result.output, result.eager)
     return result
+
+
+def run_ranks(fn: Any, *args: Any, world: int = 2, backend: str = "gloo", timeout: float = 300.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined in a process group
+    (``backend``: "gloo" on CPU, "nccl" with one GPU per rank, ``cuda:{rank}``); returns each
+    rank's result (picklable; tensors go to the CPU first). ``fn`` must be importable by its
+    module name (a module-level function of a test file is). A rank that raises fails the call
+    with its traceback; past ``timeout`` seconds the ranks are killed (a collective one rank
+    skipped hangs the others).
+
+        def worker(rank, world, n):
+            t = torch.ones(n) * (rank + 1)
+            torch.distributed.all_reduce(t)
+            return t
+
+        assert run_ranks(worker, 3)[0].tolist() == [3.0, 3.0, 3.0]
+    """
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, backend, port, queue, fn, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world and all(ok for ok, _ in got.values()):  # one failure ends the wait
+            if not queue.empty():
+                rank, ok, value = queue.get()
+                got[rank] = (ok, _loads(value) if ok else value)
+            elif all(p.exitcode is not None for p in procs) and queue.empty():
+                raise RuntimeError(f"ranks {sorted(set(range(world)) - set(got))} died without a result "
+                                   f"(exit codes {[p.exitcode for p in procs]})")
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(got))} still running after {timeout:.0f} s")
+            else:
+                time.sleep(0.05)
+    finally:
+        failed = len(got) < world or not all(ok for ok, _ in got.values())
+        for p in procs:
+            p.join(timeout=1 if failed else 30)
+            if p.is_alive():
+                p.kill()
+    errors = [f"rank {r}:\n{v}" for r, (ok, v) in sorted(got.items()) if not ok]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [got[r][1] for r in range(world)]
+
+
+def _rank_main(rank: int, world: int, backend: str, port: int, queue: Any, fn: Any, args: tuple) -> None:
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        out = fn(rank, world, *args)
+        queue.put((rank, True, _dumps(_to_cpu(out))))
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _dumps(v: Any) -> bytes:
+    """By value (``torch.save``: every dtype, FP8 included), not through shared memory, which
+    a rank that has exited no longer serves."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(v, buf)
+    return buf.getvalue()
+
+
+def _loads(b: bytes) -> Any:
+    import io
+
+    return torch.load(io.BytesIO(b), weights_only=False)
+
+
+def _to_cpu(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().cpu()
+    if isinstance(v, dict):
+        return {k: _to_cpu(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_to_cpu(x) for x in v)
+    return v

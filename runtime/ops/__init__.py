@@ -3,15 +3,16 @@
 One module per family; each op is an :class:`~fxrewrite.runtime.providers.OpDef` (reference =
 spec and CPU impl, fake impl, CUDA kernels chosen by the providers) registered with
 :func:`~fxrewrite.runtime.providers.define_op`: ``norm`` (RMSNorm, Gemma, add + norm, in-place
-twins), ``activation`` (SiLU/GELU and mul), ``quant`` (FP8 static and per-token variants), ``rotary`` (RoPE: the rotation with the model's
-tables, and the cache-indexed kernels' op).
+twins), ``activation`` (SiLU/GELU and mul), ``quant`` (FP8 static and per-token variants),
+``rotary`` (RoPE: the rotation with the model's tables, and the cache-indexed kernels' op),
+``collective`` (all-reduce + add + RMSNorm, + FP8, for tensor parallelism).
 ``DEFS`` holds every definition, ``OPS`` every op name.
 """
 
-from fxrewrite.runtime.ops import activation, norm, quant, rotary
+from fxrewrite.runtime.ops import activation, collective, norm, quant, rotary
 from fxrewrite.runtime.providers import OpDef
 
-DEFS: tuple[OpDef, ...] = norm.DEFS + activation.DEFS + quant.DEFS + rotary.DEFS
+DEFS: tuple[OpDef, ...] = norm.DEFS + activation.DEFS + quant.DEFS + rotary.DEFS + collective.DEFS
 OPS: tuple[str, ...] = tuple(op.name for op in DEFS)
 
-__all__ = ["DEFS", "OPS", "activation", "norm", "quant", "rotary"]
+__all__ = ["DEFS", "OPS", "activation", "collective", "norm", "quant", "rotary"]

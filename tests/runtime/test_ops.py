@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -272,6 +272,19 @@ def test_dynamic_quant_of_zero_rows_has_floor_scale() -> None:
 # --------------------------------------------------------------------------- generic: every op
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fake_group() -> Iterator[None]:
+    """A fake 2-rank default group (rank 0; its all-reduce returns the input) for the collective
+    ops (runtime/ops/collective.py); their sums over real ranks: tests/runtime/test_collective_ops.py."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 
 def make_args(op: OpDef, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> tuple[object, ...]:
     """Arguments for ``op`` by parameter name; ``shape`` is that of ``x`` (even last dim)."""
@@ -289,6 +302,8 @@ def make_args(op: OpDef, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.
             args.append("tanh")
         elif name in rotary_samples.NAMES:
             args.append(rotary_samples.rotary_arg(name, shape, dtype, gen))
+        elif name == "group_name":  # the collective ops: the fake group of `fake_group`
+            args.append(torch.distributed.group.WORLD.group_name)
         else:
             raise AssertionError(f"no sample for parameter {name!r} of {op.name}")
     return tuple(args)
@@ -300,7 +315,7 @@ def as_tuple(out: object) -> tuple[torch.Tensor, ...]:
 
 def test_ops_lists_every_definition() -> None:
     assert ops.OPS == tuple(op.name for op in ops.DEFS)
-    assert len(set(ops.OPS)) == len(ops.OPS) == 17
+    assert len(set(ops.OPS)) == len(ops.OPS) == 19
     for name in ops.OPS:
         assert hasattr(torch.ops.fxr, name)
 

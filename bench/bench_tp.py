@@ -1,0 +1,265 @@
+"""Step latency of the serving-engine Llama at tensor parallel 2: with and without the all-reduce
+fusion, NCCL against flashinfer, piecewise and full CUDA graphs; one run, one table.
+
+    source .devkit/setup.sh && NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 bench/bench_tp.py \\
+        --layers 16 --out tp.md                     # bench/tp_gpu.sh runs this with the tests
+    torchrun --nproc-per-node 2 bench/bench_tp.py --shape tiny --device cpu   # a CPU smoke test (gloo)
+
+Every rank builds the full model from one seed (``engine_model.build_model``), keeps its shard
+(``tp_model.shard``) and a KV cache of its heads filled with random values. Rows, in the order
+they run (the comparisons first, in case ``--budget-s`` runs out):
+
+    eager                         the TP model as written (funcol all-reduce = NCCL)
+    piecewise, AR fused: flashinfer   default rules; ``fxr.all_reduce_add_rms_norm`` served by
+                                  flashinfer's trtllm_allreduce_fusion (one-shot / two-shot by size)
+    piecewise, AR fused: NCCL     the same graph, the op's NCCL path forced
+                                  (``provider="all_reduce_add_rms_norm=torch"``)
+    piecewise, AR not fused       default rules without ``fuse_collective``: NCCL all-reduce, then
+                                  the in-place fused add + RMSNorm kernel
+    full, ... (the same three)    one CUDA graph per decode step
+
+Columns: decode of 8 and 64 sequences after ``--context`` cached tokens, prefill of 512 and 2048
+tokens (beyond the largest capture size, 512, the graph runs eagerly, as engines do). A cell is
+the median step time of rank 0 (CUDA events, from an idle device; both ranks run the same
+fixed number of steps: a collective needs both); "first call" includes Dynamo, the passes,
+workspace creation and captures; "rel err" is the largest ``max|y - ref| / max|ref|`` against
+the eager TP model on fresh inputs. Rank 0 writes the markdown to ``--out`` after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_e2e import FILL_SEED, CHECK_SEED, Clock, Scenario, _short, rel_err  # noqa: E402
+from engine_model import SPLITTING_OPS, build_model, llama_8b, make_batch, mark_static_metadata, tiny  # noqa: E402
+from tp_model import shard  # noqa: E402
+
+AR_OP = "all_reduce_add_rms_norm"
+WARMUP = {"decode": (3, 50), "prefill": (2, 10)}  # (warm-up calls, timed steps): the same on every rank
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """One row: how fxrewrite is configured (mode None: eager, no compile)."""
+
+    key: str
+    label: str
+    mode: str | None
+    provider: str = ""
+    collective: bool = True
+    kinds: tuple[str, ...] = ("decode", "prefill")
+
+
+SYSTEMS = (
+    System("eager", "eager (NCCL)", None),
+    System("pw-fi", "piecewise, AR fused: flashinfer", "piecewise"),
+    System("pw-nccl", "piecewise, AR fused: NCCL", "piecewise", f"{AR_OP}=torch"),
+    System("pw-none", "piecewise, AR not fused (NCCL + add-norm)", "piecewise", collective=False),
+    System("full-fi", "full, AR fused: flashinfer", "full", kinds=("decode",)),
+    System("full-nccl", "full, AR fused: NCCL", "full", f"{AR_OP}=torch", kinds=("decode",)),
+    System("full-none", "full, AR not fused (NCCL + add-norm)", "full", collective=False, kinds=("decode",)),
+)
+
+
+def columns(shape: str, context: int) -> list[Scenario]:
+    """Decode 8 and 64; prefill 512 and 2048 (not 4096 as bench_e2e: the KV cache rows grow with
+    it, and full graphs save and restore the cache around each capture)."""
+    prefill = (512, 2048) if shape == "8b" else (64, 256)
+    ctx = context if shape == "8b" else min(context, 64)
+    return [Scenario(f"decode {b}", "decode", b, ctx) for b in (8, 64)] + [
+        Scenario(f"prefill {t}", "prefill", t, 0) for t in prefill
+    ]
+
+
+def rules(collective: bool) -> list[Any] | None:
+    """The default library, or the default library without ``fuse_collective``."""
+    if collective:
+        return None
+    from fxrewrite.backend import default_rule_groups
+
+    return [r for name, group in default_rule_groups() if name != "fuse_collective" for r in group]
+
+
+@dataclasses.dataclass
+class Row:
+    cells: dict[str, str] = dataclasses.field(default_factory=dict)
+    first_call_s: float | None = None
+    max_err: float | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, checks: dict, refs: dict,
+               clock: Clock, deadline: float) -> Row:  # fmt: skip
+    import fxrewrite
+    from fxrewrite.runtime import providers
+
+    row = Row()
+    if _past(deadline):
+        return Row(cells={c.name: "skipped" for c in cols}, notes=["skipped, past --budget-s"])
+    torch._dynamo.reset()
+    providers.reset_counts()
+    backend = None
+    if system.mode is None:
+        step = model
+    else:
+        capture = tuple(sorted({c.size for c in cols if c.size <= 512 and c.kind in system.kinds}))
+        backend = fxrewrite.Backend(mode=system.mode, splitting_ops=SPLITTING_OPS, capture_sizes=capture,
+                                    provider=system.provider, rules=rules(system.collective), progress=False)  # fmt: skip
+        step = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+    errors = []
+    for col in cols:
+        if col.kind not in system.kinds:
+            row.cells[col.name] = "n/a"
+            continue
+        if _past(deadline):
+            row.cells[col.name] = "skipped"
+            continue
+        batch = batches[col.name]
+        warm, reps = WARMUP[col.kind]
+        first = clock.wall(lambda: step(**batch))
+        row.first_call_s = first if row.first_call_s is None else row.first_call_s
+        for _ in range(warm - 1):
+            step(**batch)
+        ms = clock.median_ms(lambda: step(**batch), reps)
+        model.fill_kv_cache_random(FILL_SEED)
+        errors.append(rel_err(step(**checks[col.name]), refs[col.name]))
+        row.cells[col.name] = f"{ms:.2f}"
+        _log(f"  {system.label:44s} {col.name:13s} {ms:8.3f} ms  rel err {errors[-1]:.1e}")
+    row.max_err = max(errors) if errors else None
+    if backend is not None:
+        backend.refresh_runtime()
+        served = providers.served().get(AR_OP)
+        fused = sum(g.fused_ops.get(AR_OP, 0) for g in backend.report.graphs)
+        row.notes.append(f"{AR_OP} sites {fused} in {len(backend.report.graphs)} graphs; served (Python calls: "
+                         f"eager steps, warm-ups, captures) {served}")  # fmt: skip
+        misses = [f"{m.rule}: {m.reason}" for m in backend.report.near_misses if m.rule == AR_OP]
+        if misses:
+            row.notes.append(f"near misses: {misses[:3]}")
+    del step, backend
+    torch._dynamo.reset()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return row
+
+
+def _past(deadline: float) -> bool:
+    """Whether any rank is past the deadline (all ranks must agree, or one would wait alone)."""
+    late = torch.tensor([1.0 if time.time() > deadline else 0.0], device=_DEVICE[0])
+    dist.all_reduce(late, op=dist.ReduceOp.MAX)
+    return bool(late.item())
+
+
+_DEVICE: list[torch.device] = [torch.device("cpu")]
+
+
+def _log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def render(header: list[str], rows: dict[str, Row], cols: list[Scenario]) -> str:
+    names = [c.name for c in cols]
+    out = [*header, "", "| system | " + " | ".join(f"{n} ms" for n in names) + " | first call s | rel err |",
+           "|" + "---|" * (len(names) + 3)]  # fmt: skip
+    labels = {s.key: s.label for s in SYSTEMS}
+    for key, r in rows.items():
+        first = f"{r.first_call_s:.1f}" if r.first_call_s is not None else "-"
+        err = f"{r.max_err:.1e}" if r.max_err is not None else "-"
+        out.append(f"| {labels[key]} | " + " | ".join(r.cells.get(n, "-") for n in names) + f" | {first} | {err} |")
+    notes = [f"- {labels[k]}: {n}" for k, r in rows.items() for n in r.notes]
+    return "\n".join(out + ["", "Notes:", *(notes or ["- none"])]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--shape", choices=("8b", "tiny"), default="8b")
+    p.add_argument("--layers", type=int, default=None, help="override the layer count")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--context", type=int, default=1024, help="cached tokens per sequence in decode")
+    p.add_argument("--systems", default=None, help="comma-separated keys: " + ", ".join(s.key for s in SYSTEMS))
+    p.add_argument("--budget-s", type=float, default=220.0, help="start no column after this many seconds")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    start = time.time()
+    cuda = args.device.startswith("cuda")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+        _DEVICE[0] = torch.device("cuda", local)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_grad_enabled(False)
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+    device, dtype = _DEVICE[0], torch.bfloat16 if cuda else torch.float32
+    cfg = llama_8b() if args.shape == "8b" else tiny()
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
+    cols = columns(args.shape, args.context)
+    max_seqs = max(c.size for c in cols if c.kind == "decode")
+    max_len = max(c.context + (1 if c.kind == "decode" else c.size) for c in cols)
+    _log(f"rank {rank}/{world}: building {cfg.num_layers} layers on {device}, sharding")
+    full = build_model(cfg, device=device, dtype=dtype, seed=0)
+    model = shard(full, rank, world, dist.group.WORLD.group_name)
+    weight_gb = sum(t.numel() * t.element_size() for t in model.parameters()) / 1e9
+    del full
+    torch.cuda.empty_cache() if cuda else None
+    model.allocate_kv_cache(max_seqs, max_len)
+
+    def batch(c: Scenario, seed: int) -> dict[str, torch.Tensor]:
+        return mark_static_metadata(make_batch(cfg, c.kind, c.size, c.context, max_len=max_len, device=device, seed=seed))
+
+    batches = {c.name: batch(c, 0) for c in cols}
+    checks = {c.name: batch(c, CHECK_SEED) for c in cols}
+    refs = {}
+    for c in cols:
+        model.fill_kv_cache_random(FILL_SEED)
+        refs[c.name] = model(**checks[c.name]).float()
+    clock = Clock(device)
+    deadline = start + args.budget_s
+    keys = args.systems.split(",") if args.systems else [s.key for s in SYSTEMS]
+    header = [
+        f"# TP={world}: serving-engine Llama ({args.shape}, {cfg.num_layers} layers), all-reduce fusion",
+        "",
+        f"- command: `torchrun --nproc-per-node {world} bench/bench_tp.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        f"- device: {torch.cuda.get_device_name(device) if cuda else 'CPU'} x{world}; torch {torch.__version__}; "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}",
+        f"- model per rank: hidden {cfg.hidden_size}, {cfg.num_heads // world}/{cfg.num_kv_heads // world} heads/KV heads, "
+        f"MLP {cfg.intermediate_size // world}, {dtype}, {weight_gb:.2f} GB of weights; KV cache {max_seqs} x {max_len}",
+        f"- decode: one new token per sequence after {cols[0].context} cached; prefill: one sequence from position 0; "
+        f"step ms: rank 0's median of {WARMUP['decode'][1]} (decode) / {WARMUP['prefill'][1]} (prefill) steps",
+    ]
+    rows: dict[str, Row] = {}
+    for system in (s for s in SYSTEMS if s.key in keys):
+        _log(f"{system.label} ...")
+        try:
+            rows[system.key] = run_system(system, model, cols, batches, checks, refs, clock, deadline)
+        except Exception as e:  # noqa: BLE001 - a row that fails says why; the others still run
+            rows[system.key] = Row(cells={c.name: "failed" for c in cols}, notes=[f"failed: {_short(e)}"])
+            _log(traceback.format_exc(limit=-8))
+            torch._dynamo.reset()
+        text = render(header, rows, cols)
+        if rank == 0 and args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+    if rank == 0:
+        print(text)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

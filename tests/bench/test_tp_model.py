@@ -1,0 +1,169 @@
+"""The tensor-parallel Llama (``bench/tp_model.py``) on two ranks against the single-device model
+with the same weights: eagerly, and compiled by fxrewrite with the all-reduce fused into the
+add + RMSNorm that follows it, eager, piecewise and full CUDA graphs.
+
+CPU: two gloo processes, float32, CUDA graphs emulated (the Runner's CPU path). GPU (marked
+``gpu``; needs two devices): two NCCL processes, bf16, the flashinfer all-reduce kernel and the
+NCCL fallback, each inside captured pieces. One spawn per test runs every system; each step
+runs twice (capture, then replay) and the output of both is checked.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from engine_model import SPLITTING_OPS, build_model, float32_reference, make_batch, mark_static_metadata, tiny  # noqa: E402
+from tp_model import local_config, shard, shard_kv_cache  # noqa: E402
+
+from fxrewrite.testing import op_counts, run_ranks  # noqa: E402
+
+CPU_CFG = tiny()
+# wide enough for the flashinfer kernel (hidden >= 1024 in bf16); still a toy
+GPU_CFG = tiny(hidden_size=1024, intermediate_size=2048, num_heads=8, num_kv_heads=4, head_dim=128, vocab_size=512)
+MAX_SEQS, MAX_LEN = 4, 64
+STEPS = (("prefill", 12, 0), ("decode", 4, 20))  # the decode reads the prefill's keys in row 0
+SIZES = (4, 12)  # the steps' token counts: nothing padded (a padded row would write KV slot 0)
+AR_OP = "all_reduce_add_rms_norm"
+NCCL = f"{AR_OP}=torch"  # the op's NCCL path (its reference), forced
+
+# name: (mode, provider override, with the collective rule); "none" runs on GPU only (on CPU
+# the emulated CUDA graphs run the same rewritten graph, and each system costs ~7 s on 2 cores)
+CPU_SYSTEMS = {
+    "piecewise": ("piecewise", "", True),
+    "full": ("full", "", True),
+    "unfused": ("piecewise", "", False),
+}
+GPU_SYSTEMS = {
+    "none": ("none", "", True),
+    **CPU_SYSTEMS,
+    "piecewise-nccl": ("piecewise", NCCL, True),
+    "full-nccl": ("full", NCCL, True),
+}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def _rules(collective: bool) -> list[Any] | None:
+    """The default library, or the default library without the collective rules."""
+    if collective:
+        return None
+    from fxrewrite.backend import default_rule_groups
+
+    return [r for name, rules in default_rule_groups() if name != "fuse_collective" for r in rules]
+
+
+def tp_worker(rank: int, world: int, device: str, dtype: torch.dtype, cfg: Any, systems: dict) -> dict[str, Any]:
+    """One rank: the full model (seeded like every rank's), its shard, the steps eagerly on
+    both, then each system compiled on the shard. Errors are relative to the float32 reference
+    of the full model (``float32_reference``); ``single`` is the full model's own error."""
+    import torch.distributed as dist
+
+    import fxrewrite
+    from fxrewrite.runtime import providers
+
+    device = device.format(rank=rank)
+    torch.set_grad_enabled(False)
+    group = dist.group.WORLD.group_name
+    full = build_model(cfg, device=device, dtype=dtype, seed=0)
+    full.allocate_kv_cache(MAX_SEQS, MAX_LEN)
+    full.fill_kv_cache_random(7)
+    model = shard(full, rank, world, group)
+    shard_kv_cache(full, model, rank, world)
+    batches = [mark_static_metadata(make_batch(cfg, k, n, c, max_len=MAX_LEN, device=device, seed=i))
+               for i, (k, n, c) in enumerate(STEPS)]  # fmt: skip
+    refs, single, eager = [], [], []
+    for b in batches:  # in order: each step sees the cache the previous one wrote
+        single.append(rel_err(full(**b), ref := float32_reference(full, b)))
+        refs.append(ref)
+        eager.append(rel_err(model(**b), ref))
+    out: dict[str, Any] = {"single": single, "eager": eager}
+    for name, (mode, provider, collective) in systems.items():
+        torch._dynamo.reset()
+        providers.reset_counts()
+        backend = fxrewrite.Backend(mode=mode, splitting_ops=SPLITTING_OPS, capture_sizes=SIZES, provider=provider,
+                                    rules=_rules(collective), progress=False)  # fmt: skip
+        step = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+        errs = [rel_err(step(**b), ref) for _ in range(2) for b, ref in zip(batches, refs)]
+        backend.refresh_runtime()
+        counts = [op_counts(g) for g in backend.graphs]
+        out[name] = {
+            "errs": errs,
+            "fused": [c[f"fxr.{AR_OP}"] for c in counts],
+            "all_reduce": [c["_c10d_functional.all_reduce"] for c in counts],
+            "near_misses": [m.reason for m in backend.report.near_misses if m.rule == AR_OP],
+            "served": providers.served().get(AR_OP, {}),
+            "replays": sum((g.runtime or {}).get("replays", 0) for g in backend.report.graphs),
+        }
+    torch._dynamo.reset()
+    return out
+
+
+def check_results(results: list[dict[str, Any]], systems: dict, tol: float, cfg: Any) -> None:
+    """Every rank, every system: output within ``tol`` of the reference (relative to its max),
+    2 fused sites per layer in each graph (attention and MLP all-reduces), no all-reduce left
+    over (the collective rule's absence leaves one per site), CUDA graphs replayed."""
+    layers = cfg.num_layers
+    for rank, res in enumerate(results):
+        assert max(res["eager"]) < tol, (rank, res["eager"], res["single"])
+        for name, (mode, _, collective) in systems.items():
+            r = res[name]
+            assert max(r["errs"]) < tol, (rank, name, r["errs"], res["single"])
+            assert r["fused"] == ([2 * layers] * len(r["fused"]) if collective else [0] * len(r["fused"])), (name, r)
+            assert r["all_reduce"] == ([0] * len(r["fused"]) if collective else [2 * layers] * len(r["fused"])), (name, r)
+            assert r["near_misses"] == [], (name, r["near_misses"])
+            if mode != "none":
+                assert r["replays"] > 0, (name, r)
+
+
+def test_local_config_and_shards_cover_the_full_weights() -> None:
+    """Each rank's shapes are the full ones divided; the two shards of every split weight
+    concatenate back to the full weight."""
+    full = build_model(CPU_CFG, seed=0)
+    shards = [shard(full, r, 2, "unused") for r in range(2)]
+    local = local_config(CPU_CFG, 2)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, 64)
+    a, b = (s.layers[1] for s in shards)
+    w = full.layers[1]
+    torch.testing.assert_close(torch.cat([a.self_attn.o_proj.weight, b.self_attn.o_proj.weight], 1), w.self_attn.o_proj.weight)
+    torch.testing.assert_close(torch.cat([a.mlp.down_proj.weight, b.mlp.down_proj.weight], 1), w.mlp.down_proj.weight)
+    q = CPU_CFG.num_heads * CPU_CFG.head_dim // 2
+    torch.testing.assert_close(torch.cat([a.self_attn.qkv_proj.weight[:q], b.self_attn.qkv_proj.weight[:q]]),
+                               w.self_attn.qkv_proj.weight[: 2 * q])
+    with pytest.raises(ValueError, match="num_kv_heads=2 is not divisible by the 4 ranks"):
+        local_config(CPU_CFG, 4)
+
+
+def test_tp2_equals_single_device_on_cpu() -> None:
+    """Two gloo ranks, float32: the TP model eager and compiled (no CUDA graphs on CPU: the
+    Runner's emulation) equals the single-device model; 2 sites per layer fused."""
+    results = run_ranks(tp_worker, "cpu", torch.float32, CPU_CFG, CPU_SYSTEMS, backend="gloo")
+    check_results(results, CPU_SYSTEMS, 1e-5, CPU_CFG)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tp2_equals_single_device_on_two_gpus() -> None:
+    """Two NCCL ranks, bf16: eager, piecewise and full CUDA graphs with the all-reduce inside
+    captured pieces, through flashinfer's fused kernel and through NCCL; within bf16 error of
+    the float32 reference (as the single-GPU bf16 model is)."""
+    results = run_ranks(tp_worker, "cuda:{rank}", torch.bfloat16, GPU_CFG, GPU_SYSTEMS, backend="nccl", timeout=400)
+    for rank, res in enumerate(results):
+        print(f"rank {rank}: single {res['single']}, eager {res['eager']}")
+        for name in GPU_SYSTEMS:
+            print(f"  {name}: errs {['%.1e' % e for e in res[name]['errs']]} served {res[name]['served']}")
+    check_results(results, GPU_SYSTEMS, 3e-2, GPU_CFG)
+    for res in results:
+        for name in ("none", "piecewise", "full"):
+            served = res[name]["served"]
+            assert served.get("flashinfer-oneshot", 0) > 0 and not served["fallbacks"], (name, served)
+        for name in ("piecewise-nccl", "full-nccl"):
+            assert res[name]["served"].get("torch", 0) > 0, res[name]["served"]
