@@ -213,10 +213,20 @@ def _target(m: EngineLlama | str) -> EngineLlama:
     return m
 
 
-def _fx(fused: bool, mode: str, rules: list[Any] | None, sizes: str) -> Build:
+def _without_rope() -> list[Any]:
+    """The default library less the RoPE rules: the "with and without this rule" rows."""
+    from fxrewrite.backend import default_rule_groups
+    from fxrewrite.rewrites import rotary
+
+    return [r for _, rules in default_rule_groups() for r in rules if r not in rotary.RULES]
+
+
+def _fx(fused: bool, mode: str, rules: list[Any] | str | None, sizes: str) -> Build:
     def build(model: EngineLlama, twin: EngineLlama | str, capture: dict[str, tuple[int, ...]]) -> tuple[Step, Any]:
         import fxrewrite
 
+        nonlocal rules
+        rules = _without_rope() if rules == "no-rope" else rules
         config = fxrewrite.Config(mode=mode, splitting_ops=SPLITTING_OPS, capture_sizes=capture[sizes])
         backend = fxrewrite.Backend(config=config, rules=rules)
         return torch.compile(_target(twin if fused else model), backend=backend, fullgraph=True, dynamic=True), backend
@@ -238,6 +248,9 @@ SYSTEMS = (
     System("fxrewrite", "fxrewrite piecewise", _fx(False, "piecewise", None, "all")),
     System("fused-piecewise", "hand-fused piecewise", _fx(True, "piecewise", [], "all")),
     System("fxrewrite-full", "fxrewrite full", _fx(False, "full", None, "decode"), kinds=("decode",)),
+    System("fxrewrite-norope", "fxrewrite piecewise, RoPE rule off", _fx(False, "piecewise", "no-rope", "all")),
+    System("fxrewrite-full-norope", "fxrewrite full, RoPE rule off", _fx(False, "full", "no-rope", "decode"),
+           kinds=("decode",)),  # fmt: skip
     System("inductor-cg", "inductor + CUDA graphs", _inductor("reduce-overhead"), needs_cuda=True, inductor=True),
     System("piecewise-norewrite", "piecewise, no rewrites", _fx(False, "piecewise", [], "all")),
     System("inductor", "inductor", _inductor(None), inductor=True),
