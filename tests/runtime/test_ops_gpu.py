@@ -24,7 +24,7 @@ import torch
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import quant, rotary  # rotary: test_rotary_gpu.py
+from fxrewrite.runtime.ops import collective, quant, rotary
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -37,6 +37,9 @@ DTYPES = [torch.bfloat16, torch.float16]
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 # (tokens, hidden): hidden 4096 over token counts, then odd sizes: hidden 33 (vectors of 1),
 # 3420 (Qwen2.5-VL MLP half: not 16-byte rows), 5120.
+# Ops whose arguments are [tokens, hidden] activations; the rotary ops (q/k per head, a cache)
+# have tests/runtime/test_rotary_gpu.py, the all-reduce ops (a process group) test_collective_ops.py.
+GENERIC = [op for op in ops.DEFS if op not in rotary.DEFS + collective.DEFS]
 SHAPES = [(1, 4096), (7, 4096), (64, 4096), (513, 4096), (4096, 4096), (3, 33), (5, 3420), (2, 5120)]
 
 
@@ -145,7 +148,7 @@ def run_and_check(op: OpDef, provider: str, args: list[Any], dtype: torch.dtype)
 @pytest.mark.parametrize(("tokens", "hidden"), SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
-@pytest.mark.parametrize("op", [op for op in ops.DEFS if op not in rotary.DEFS], ids=lambda op: op.name)
+@pytest.mark.parametrize("op", GENERIC, ids=lambda op: op.name)
 def test_op_against_reference(
     op: OpDef, provider: str, dtype: torch.dtype, tokens: int, hidden: int, gen: torch.Generator
 ) -> None:
@@ -222,7 +225,7 @@ def test_triton_long_rows(op: OpDef, hidden: int, gen: torch.Generator) -> None:
 # --------------------------------------------------------------------------- graphs and tracing
 
 
-@pytest.mark.parametrize("op", ops.DEFS, ids=lambda op: op.name)
+@pytest.mark.parametrize("op", GENERIC, ids=lambda op: op.name)
 def test_cuda_graph_capture_and_replay(op: OpDef, gen: torch.Generator) -> None:
     """Each op captures into a CUDA graph (no host sync, no allocation outside the pool) and
     replays on new inputs copied into the captured ones."""
