@@ -68,5 +68,7 @@ def test_rewrite_all_passes(benchmark: Any, layers: int, lint: bool) -> None:
         us_per_node=round(median / nodes * 1e6, 2),
         passes={p.name: round(p.ms, 2) for p in report.passes},
         fused_ops=report.fused_ops,
+        rejected=[f"{r.rule} at {r.site}: {r.reason}" for r in report.rejected][:5],
+        near_misses=len(report.near_misses),
     )
     assert report.fused_ops.get("silu_and_mul") == layers  # the benchmark measures real work

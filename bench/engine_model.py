@@ -10,11 +10,12 @@ that writes the step's keys and values into a KV cache and reads the cache back:
                -> add+norm -> gate_up_proj -> silu*mul -> down_proj -> add ] x L -> norm
 
 The hand-fused twin (``build_model(..., fused=True)`` or :func:`fused_twin`) has the same module
-tree and the same weights; only three spots differ, each a call to a fused op registered by
+tree and the same weights; only four spots differ, each a call to a fused op registered by
 ``fxrewrite.runtime.ops``:
 
     RMSNorm          ``self.weight * (x.float() * rsqrt(...)).to(dtype)`` -> ``fxr.rms_norm``
     add + RMSNorm    ``x = x + residual; residual = x; norm(x)``        -> ``fxr.fused_add_rms_norm_``
+    RoPE             ``cos, sin = cache[positions]; rotate q, k``        -> ``fxr.rotary_embedding``
     SiLU-and-mul     ``gate, up = x.chunk(2, -1); F.silu(gate) * up``    -> ``fxr.silu_and_mul``
 
 It is the ceiling the rewriter should reach on the plain model.
@@ -319,10 +320,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """qkv_proj -> RoPE -> ``fxbench.attention`` (writes and reads this layer's KV cache) -> o_proj."""
+    """qkv_proj -> RoPE -> ``fxbench.attention`` (writes and reads this layer's KV cache) -> o_proj.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
+    ``rope`` is ``(cos, sin)`` ``[T, d/2]`` float32, or for the hand-fused twin ``(positions,
+    cos_sin_cache)``, which ``fxr.rotary_embedding`` reads itself.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -337,8 +343,7 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         slots: torch.Tensor,
         seq_lens: torch.Tensor,
         kv_range: torch.Tensor,
@@ -346,8 +351,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.fused:
+            q, k = torch.ops.fxr.rotary_embedding.default(rope[0], q, k, rope[1], True)
+        else:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = torch.ops.fxbench.attention.default(
             q, k, v, self.k_cache, self.v_cache, slots, seq_lens, kv_range, query_start
@@ -376,7 +385,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = FusedRMSNorm if fused else RMSNorm
         self.input_layernorm = norm(cfg.hidden_size, cfg.rms_eps, dtype)
-        self.self_attn = Attention(cfg, dtype)
+        self.self_attn = Attention(cfg, dtype, fused)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_eps, dtype)
         self.mlp = MLP(cfg, fused, dtype)
 
@@ -384,8 +393,7 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         slots: torch.Tensor,
         seq_lens: torch.Tensor,
         kv_range: torch.Tensor,
@@ -396,7 +404,7 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, slots, seq_lens, kv_range, query_start)
+        hidden = self.self_attn(hidden, rope, slots, seq_lens, kv_range, query_start)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -427,11 +435,15 @@ class EngineLlama(nn.Module):
         kv_range: torch.Tensor,
         query_start: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        if self.fused:
+            rope = (positions, self.cos_sin_cache)
+        else:
+            cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+            rope = (cos, sin)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, slots, seq_lens, kv_range, query_start)
+            hidden, residual = layer(hidden, residual, rope, slots, seq_lens, kv_range, query_start)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -344,6 +344,18 @@ class _Tables:
         return env[self.targets[0]], env[self.targets[1]]
 
 
+# Ops that only reshape their input (every element keeps its value): the table behind them is the same.
+RESHAPES = {"unsqueeze", "view", "reshape", "expand", "squeeze", torch.ops.aten.unsqueeze.default,
+            torch.ops.aten.reshape.default, torch.ops.aten.expand.default, torch.ops.aten.squeeze.dim}  # fmt: skip
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """``node`` with reshapes of one input peeled off."""
+    while node.op in ("call_function", "call_method") and node.target in RESHAPES and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
 def _ancestors(node: fx.Node) -> set[fx.Node]:
     seen, stack = set(), [node]
     while stack:
@@ -419,9 +431,11 @@ class _Folder:
 
     def cache(self, n: fx.Node) -> fx.Node:
         x, cos, sin, interleaved, full = n.args
-        key = (cos, sin, interleaved, full)
+        # Layers that each reshape the model's tables (HF's per-layer ``cos.unsqueeze(1)``) read
+        # the same values: evaluate the tables once per source, not once per layer.
+        key = (_source(cos), _source(sin), interleaved, full)
         if key not in self.caches:
-            tables = _Tables(self.gm, cos, sin, self.order)
+            tables = _Tables(self.gm, key[0], key[1], self.order)
             width = meta.tensor(cos).shape[-1]
             value = build_cache(tables, width, full, interleaved, self.max_positions, meta.tensor(x).device)
             self.caches[key] = self._constant(value, tables.positions)

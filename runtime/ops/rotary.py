@@ -97,6 +97,9 @@ def _apply_rotary_fake(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, f
 
 
 def _rotary_q_fake(positions: Tensor, q: Tensor, cos_sin_cache: Tensor, is_neox: bool) -> Tensor:
+    # One position per token: tells Dynamo the two sizes are one symbol (else each input that
+    # only this op reads gets its own).
+    torch._check(positions.shape[0] == q.shape[0], lambda: f"{positions.shape[0]} positions for {q.shape[0]} tokens")
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
