@@ -429,8 +429,13 @@ def _hand_fused(model: EngineLlama) -> EngineLlama | str:
 
 
 def _warm_process(device: torch.device, inductor: bool) -> None:
-    """Pay the process's one-time costs (Dynamo and Inductor imports, compile workers) before
-    any measured first call."""
+    """Pay the process's one-time costs (Dynamo and Inductor imports, compile workers, the kernel
+    libraries' imports: sgl-kernel and flashinfer take about 3.5 s each on the H100 machine, which
+    an engine pays at start-up whatever it compiles with) before any measured first call."""
+    from fxrewrite.runtime import providers
+
+    if device.type == "cuda":
+        providers.preload()
     x = torch.randn(64, device=device)
     torch.compile(lambda t: torch.sin(t) + 1, backend="eager")(x)
     if inductor:

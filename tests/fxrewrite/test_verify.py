@@ -308,3 +308,23 @@ def test_a_fake_impl_that_lies_about_dtype_is_caught_at_run_time() -> None:
     (rej,) = r.report.rejected
     assert rej.reason == "verify: dtype fp16 != fp32 at run time, while the fake values agree (a fake impl is wrong) on x=fp32[4, 8]"
     assert_close(r.output, r.eager)
+
+
+def test_low_precision_output_is_judged_against_float64_where_the_code_cancels() -> None:
+    """bf16 ``a*b - c*d`` with nearly equal products: the code (three roundings) and a kernel
+    rounding once differ by more than bf16's tolerance of the small result; judged against the
+    float64 result, the kernel is the more accurate and passes; a wrong result does not."""
+    from fxrewrite.verify import _no_less_accurate
+
+    g = torch.Generator().manual_seed(0)
+    a, c = torch.randn(256, generator=g) * 30, torch.randn(256, generator=g) * 30
+    b = torch.randn(256, generator=g)
+    d = a * b / c + 1e-3 * torch.randn(256, generator=g)  # a*b - c*d is small
+    bf = [t.bfloat16() for t in (a, b, c, d)]
+    exact = bf[0].double() * bf[1].double() - bf[2].double() * bf[3].double()  # as verify runs it
+    code = bf[0] * bf[1] - bf[2] * bf[3]
+    once = exact.bfloat16()
+    assert not torch.allclose(once.float(), code.float(), rtol=2e-2, atol=2e-2), "the case must need the fallback"
+    assert _no_less_accurate(once, code, exact)
+    assert not _no_less_accurate(bf[0] * bf[1] + bf[2] * bf[3], code, exact)  # a sign error
+    assert not _no_less_accurate(once + 3.0, code, exact)
