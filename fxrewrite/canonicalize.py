@@ -28,6 +28,7 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
 * reduction dims -> a list of negative ints; ``flatten`` -> ``aten.flatten.using_ints`` with
   negative dims;
 * ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed;
+  ``permute`` of a ``transpose`` / ``permute`` becomes one permute, and the identity is removed;
 * a call of an op packet with one overload -> that overload, arguments bound: Dynamo records
   ``torch.ops._c10d_functional.all_reduce(x, 'sum', '0')`` (the packet) for a functional
   collective, patterns trace to ``.default``.
@@ -63,7 +64,8 @@ CLAMP, AMAX, FLATTEN = A.clamp.default, A.amax.default, A.flatten.using_ints
 
 COMMUTATIVE = frozenset({ADD, MUL})
 # Canonical ops that may still become no-ops (after a rewrite changed an input's dtype or shape).
-_NOOP_CANDIDATES = frozenset({CAST, RESHAPE, SLICE, RECIP})
+PERMUTE = A.permute.default
+_NOOP_CANDIDATES = frozenset({CAST, RESHAPE, SLICE, RECIP, PERMUTE})
 
 _DTYPE_METHODS = {
     "float": torch.float32,
@@ -235,6 +237,8 @@ class _Canon:
             return self.chunk(node)
         if key in (("call_function", torch.split), ("call_method", "split")):
             return self.split(node)
+        if node.op == "call_function" and node.target is PERMUTE:
+            return self.permute(node)
         if node.op == "call_function" and node.target in (SLICE,):
             return self.slice_(node, *node.args[:5])
         return None
@@ -292,6 +296,31 @@ class _Canon:
         if op is DIV and a == 1:
             return None
         return self.set(node, op, (a, b))
+
+    def permute(self, node: fx.Node) -> None:
+        """``permute`` of a ``transpose`` or ``permute`` -> one permute of the source; the identity
+        permutation is removed (a rewrite that views ``[B, H, T, D]`` as ``[B, T, H, D]`` undoes
+        the model's transpose)."""
+        x, dims = node.args[0], node.args[1]
+        r = self.rank(x)
+        if r is None or not isinstance(x, fx.Node) or not all(isinstance(d, int) for d in dims):
+            return None
+        dims = [d % r for d in dims]
+        inner: list[int] | None = None
+        if x.op == "call_method" and x.target == "transpose" and len(x.args) == 3 and all(isinstance(d, int) for d in x.args[1:]):
+            inner = list(range(r))
+            a, b = x.args[1] % r, x.args[2] % r
+            inner[a], inner[b] = inner[b], inner[a]
+        elif x.op == "call_function" and x.target is PERMUTE and all(isinstance(d, int) for d in x.args[1]):
+            inner = [d % r for d in x.args[1]]
+        src = x
+        if inner is not None:
+            dims, src = [inner[d] for d in dims], x.args[0]
+        if dims == list(range(r)):
+            return self.drop(node, src)
+        if src is not x:
+            self.set(node, PERMUTE, (src, dims))
+        return None
 
     def pow(self, node: fx.Node) -> None:
         x, e = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("exponent")

@@ -310,3 +310,18 @@ def test_canonicalize_keeps_operator_arithmetic_on_sizes() -> None:
               expect={"_operator.mul": 1, "aten.reshape": 1})  # fmt: skip
     (mul,) = [n for n in r.graph.graph.nodes if n.target is operator.mul]
     assert isinstance(mul.args[0], fx.Node)
+
+
+def test_permute_of_transpose_composes_and_identity_goes() -> None:
+    x = torch.randn(2, 3, 4, 5)
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = x.transpose(1, 2)
+        back = torch.ops.aten.permute.default(t, [0, 2, 1, 3])  # undoes the transpose
+        other = torch.ops.aten.permute.default(t, [3, 2, 1, 0])  # does not
+        return back + 1, other + 1
+
+    r = canon(fn, x, expect={"aten.permute": 1})
+    (p,) = calls(r, A.permute.default)
+    assert p.args[0] is placeholder(r, "x") and list(p.args[1]) == [3, 1, 2, 0]
+    assert outputs(r)[0].args[0] is placeholder(r, "x"), "identity removed"
