@@ -147,3 +147,14 @@ def test_qwen3_qk_norm_then_rope_leave_only_views_between(dynamic: bool) -> None
             between.append(op_name(node))
             node = node.args[0]
         assert set(between) <= VIEWS, between
+
+
+@pytest.mark.parametrize(("family", "layers", "dtype", "dynamic"), CASES)
+def test_one_rotary_cache_per_model(family: str, layers: int, dtype: torch.dtype, dynamic: bool) -> None:
+    """HF computes cos/sin once per forward and reshapes them in every layer: the tables are
+    evaluated once and every layer's rotary op reads the one float32 cache."""
+    r = compiled(family, layers, dtype, dynamic)
+    caches = {n.args[3] for n in fused_nodes(r, "rotary_embedding")}
+    assert len(caches) == 1
+    (cache,) = caches
+    assert cache.op == "get_attr" and getattr(r.graph, cache.target).dtype == torch.float32
