@@ -255,7 +255,7 @@ class _Tables:
     """Where a rotation's ``cos`` and ``sin`` come from: one positions tensor and constants."""
 
     def __init__(self, gm: fx.GraphModule, cos: fx.Node, sin: fx.Node, order: dict[fx.Node, int]) -> None:
-        self.gm, self.targets, self.order = gm, (cos, sin), order
+        self.gm, self.targets = gm, (cos, sin)
         nodes = sorted(_ancestors(cos) | _ancestors(sin), key=order.__getitem__)
         const: dict[fx.Node, bool] = {}
         for n in nodes:
@@ -418,7 +418,6 @@ class _Folder:
     def __init__(self, gm: fx.GraphModule, max_positions: int) -> None:
         self.gm, self.graph, self.max_positions = gm, gm.graph, max_positions
         self.fake_mode = meta.fake_mode_of(gm.graph)
-        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.caches: dict[tuple[Any, ...], fx.Node] = {}
         self.flat: dict[fx.Node, fx.Node] = {}
 
@@ -435,7 +434,8 @@ class _Folder:
         # the same values: evaluate the tables once per source, not once per layer.
         key = (_source(cos), _source(sin), interleaved, full)
         if key not in self.caches:
-            tables = _Tables(self.gm, key[0], key[1], self.order)
+            order = {node: i for i, node in enumerate(self.graph.nodes)}  # folds so far added nodes
+            tables = _Tables(self.gm, key[0], key[1], order)
             width = meta.tensor(cos).shape[-1]
             value = build_cache(tables, width, full, interleaved, self.max_positions, meta.tensor(x).device)
             self.caches[key] = self._constant(value, tables.positions)
