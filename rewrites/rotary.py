@@ -383,17 +383,21 @@ def _half_of(table: torch.Tensor, interleaved: bool, what: str) -> torch.Tensor:
     return a
 
 
+CHECKED_POSITIONS = 1024  # positions re-evaluated, shuffled, to check the tables are per position
+
+
 def build_cache(tables: _Tables, width: int, full: bool, interleaved: bool, max_positions: int, device: Any) -> torch.Tensor:
     """``[P, R]`` float32 ``cat(cos, sin)`` of the half-width angles per position, checked."""
     p = tables.rows(max_positions)
     pos_t = meta.tensor(tables.positions)
     arange = torch.arange(p, device=device)
-    perm = torch.randperm(p, generator=torch.Generator().manual_seed(0)).to(device)
+    # the check: shuffled positions (a random sample of them) must read the same rows
+    sample = torch.randperm(p, generator=torch.Generator().manual_seed(0))[:CHECKED_POSITIONS].to(device)
     cos, sin = (v.reshape(p, -1) for v in tables.evaluate(_positions_like(pos_t, arange)))
-    cos_p, sin_p = (v.reshape(p, -1) for v in tables.evaluate(_positions_like(pos_t, perm)))
+    cos_p, sin_p = (v.reshape(len(sample), -1) for v in tables.evaluate(_positions_like(pos_t, sample)))
     if cos.shape[-1] != width:
         raise _NotFoldable(f"tables evaluate to {cos.shape[-1]} features per position, expected {width}")
-    if not (torch.equal(cos_p, cos[perm]) and torch.equal(sin_p, sin[perm])):
+    if not (torch.equal(cos_p, cos[sample]) and torch.equal(sin_p, sin[sample])):
         raise _NotFoldable("cos/sin are not per-position tables (shuffled positions do not shuffle them)")
     if full:
         cos, sin = _half_of(cos, interleaved, "cos"), _half_of(sin, interleaved, "sin")
@@ -538,11 +542,12 @@ def pair_rotaries(gm: fx.GraphModule, result: PassResult) -> None:
             t = meta.tensor(n.args[1])
             groups[(n.args[0], n.args[2], n.args[3], t.dtype if t is not None else None)].append(n)
     fake_mode = meta.fake_mode_of(graph)
+    order = {n: float(i) for i, n in enumerate(graph.nodes)}  # kept up to date: linear in the graph
     for nodes in groups.values():
         i = 0
         while i + 1 < len(nodes):
             a, b = nodes[i], nodes[i + 1]
-            moved = _inputs_after(b, a)
+            moved = _inputs_after(b, a, order)
             if moved is None:
                 i += 1
                 continue
@@ -551,6 +556,10 @@ def pair_rotaries(gm: fx.GraphModule, result: PassResult) -> None:
             with graph.inserting_before(a):
                 pair = graph.call_function(ROTARY, (a.args[0], a.args[1], b.args[1], a.args[2], a.args[3]))
                 outs = [graph.call_function(operator.getitem, (pair, k)) for k in range(2)]
+            placed = [*moved, pair, *outs]
+            lo = order.get(placed[0].prev, -1.0)
+            for k, n in enumerate(placed, 1):  # between the node before them and `a`
+                order[n] = lo + (order[a] - lo) * k / (len(placed) + 1)
             for new in [pair, *outs]:
                 new.meta["fxr_rule"] = "rotary_embedding"
                 meta.copy_provenance(a, new)
@@ -566,10 +575,10 @@ def pair_rotaries(gm: fx.GraphModule, result: PassResult) -> None:
             result.sites.append(Site("rotary_embedding_q", n.name, meta.source_line(n), meta.module_path(n)))
 
 
-def _inputs_after(b: fx.Node, a: fx.Node) -> list[fx.Node] | None:
-    """``b``'s ancestors that come after ``a`` in the graph, in graph order; None when one of them
-    is ``a``, reads it, or has side effects (then they cannot move before ``a``)."""
-    order = {n: i for i, n in enumerate(a.graph.nodes)}
+def _inputs_after(b: fx.Node, a: fx.Node, order: dict[fx.Node, float]) -> list[fx.Node] | None:
+    """``b``'s ancestors that come after ``a`` in the graph (``order``: positions), in graph
+    order; None when one of them is ``a``, reads it, or has side effects (then they cannot move
+    before ``a``)."""
     found: set[fx.Node] = set()
     stack = [b]
     while stack:
