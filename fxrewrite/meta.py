@@ -232,3 +232,16 @@ def constant_node(gm: fx.GraphModule, name: str, value: torch.Tensor, fake_mode:
 
 
 _CONSTANT_FAKES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def ancestors(*nodes: fx.Node, stop: fx.Node | None = None) -> set[fx.Node]:
+    """``nodes`` and every node they read, transitively; the walk does not enter ``stop``."""
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen and n is not stop:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+

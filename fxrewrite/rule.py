@@ -119,6 +119,20 @@ class Bindings(Mapping[str, Any]):
 Guard = Callable[[Bindings], "bool | str | None"]
 
 
+def all_of(*guards: Guard) -> Guard:
+    """A guard that accepts when every one of ``guards`` does; the first rejection is the reason."""
+
+    def guard(b: Bindings) -> bool | str | None:
+        for g in guards:
+            ok = g(b)
+            if not (ok is True or ok is None):
+                return ok
+        return True
+
+    guard.__doc__ = " and ".join(g.__name__ for g in guards)
+    return guard
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Rule:
     """``Rule(name, pattern, replacement, guard)``; see the module docstring.
@@ -195,7 +209,7 @@ class CompiledRule:
         anchor = outputs[0]
         if not isinstance(anchor, fx.Node) or anchor.op != "call_function":
             raise RuleError(f"rule {rule.name!r}: the pattern's first output must be an operation, got {anchor}")
-        ancestors = _ancestors(anchor)
+        ancestors = meta.ancestors(anchor)
         for o in outputs[1:]:
             if o not in ancestors:
                 raise RuleError(
@@ -256,12 +270,3 @@ def _check_outputs(rule: str, what: str, gm: fx.GraphModule, n: int) -> None:
     if got != n:
         raise RuleError(f"rule {rule!r}: the {what} returns {got} value(s), the pattern {n}")
 
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen

@@ -24,7 +24,7 @@ import torch
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite.rewrites.norm import WILDCARDS, add_norm_guard, add_rms_norm_pattern
 from fxrewrite.rewrites.quant import add_norm_scale_guard
-from fxrewrite.rule import Bindings, Rule, Scalar
+from fxrewrite.rule import Bindings, Rule, Scalar, all_of
 from fxrewrite.runtime.ops.collective import all_reduce_sum
 from fxrewrite.runtime.ops.quant import quant_fp8_static
 
@@ -37,15 +37,9 @@ def _same_weight_dtype(b: Bindings) -> bool | str:
     return True
 
 
-def all_reduce_norm_guard(b: Bindings) -> bool | str:
-    """add + norm's guard, and the weight in the input's dtype."""
-    ok = add_norm_guard(b)
-    return _same_weight_dtype(b) if ok is True else ok
-
-
-def all_reduce_norm_scale_guard(b: Bindings) -> bool | str:
-    ok = add_norm_scale_guard(b)
-    return _same_weight_dtype(b) if ok is True else ok
+# add + norm's guard (+ the scale's), and the weight in the input's dtype
+all_reduce_norm_guard = all_of(add_norm_guard, _same_weight_dtype)
+all_reduce_norm_scale_guard = all_of(add_norm_scale_guard, _same_weight_dtype)
 
 
 # s = all_reduce(x) + residual; norm(s) -> fxr.all_reduce_add_rms_norm(x, residual, weight, eps, group_name)

@@ -17,7 +17,7 @@ import torch
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite.rewrites.norm import WILDCARDS, add_norm_guard, add_rms_norm_pattern, norm_guard, rms_norm_pattern
-from fxrewrite.rule import Bindings, Rule
+from fxrewrite.rule import Bindings, Rule, all_of
 from fxrewrite.runtime.ops.quant import quant_fp8_per_token, quant_fp8_static
 
 
@@ -29,14 +29,8 @@ def scale_guard(b: Bindings) -> bool | str:
     return True
 
 
-def norm_scale_guard(b: Bindings) -> bool | str:
-    ok = scale_guard(b)
-    return norm_guard(b) if ok is True else ok
-
-
-def add_norm_scale_guard(b: Bindings) -> bool | str:
-    ok = scale_guard(b)
-    return add_norm_guard(b) if ok is True else ok
+norm_scale_guard = all_of(scale_guard, norm_guard)
+add_norm_scale_guard = all_of(scale_guard, add_norm_guard)
 
 
 # quant_static(norm(x)) -> fxr.rms_norm_quant_fp8(x, weight, eps, scale)

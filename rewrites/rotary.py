@@ -256,7 +256,7 @@ class _Tables:
 
     def __init__(self, gm: fx.GraphModule, cos: fx.Node, sin: fx.Node, order: dict[fx.Node, int]) -> None:
         self.gm, self.targets = gm, (cos, sin)
-        nodes = sorted(_ancestors(cos) | _ancestors(sin), key=order.__getitem__)
+        nodes = sorted(meta.ancestors(cos, sin), key=order.__getitem__)
         const: dict[fx.Node, bool] = {}
         for n in nodes:
             if n.op == "placeholder":
@@ -269,7 +269,7 @@ class _Tables:
         if self.positions is None:
             leaves = sorted({n.name for n in nodes if n.op == "placeholder" and not const[n]})
             raise _NotFoldable(f"cos/sin depend on more than one integer positions tensor: inputs {leaves}")
-        between = self._between(self.positions)
+        between = meta.ancestors(*self.targets, stop=self.positions)
         self.nodes = [n for n in nodes if n in between]  # recomputed for other positions, in order
 
     def _dominates(self, v: fx.Node, const: dict[fx.Node, bool]) -> bool:
@@ -286,18 +286,6 @@ class _Tables:
                 return False  # an input, or a factory, reached around v
             stack.extend(n.all_input_nodes)
         return True
-
-    def _between(self, stop: fx.Node) -> set[fx.Node]:
-        """Nodes on the way from the positions to the tables (what evaluation recomputes)."""
-        out: set[fx.Node] = set()
-        stack = list(self.targets)
-        while stack:
-            n = stack.pop()
-            if n in out or n is stop:
-                continue
-            out.add(n)
-            stack.extend(n.all_input_nodes)
-        return out
 
     def rows(self, default: int) -> int:
         """How many positions the tables cover: the rows of a constant table the positions index."""
@@ -355,15 +343,6 @@ def _source(node: fx.Node) -> fx.Node:
         node = node.args[0]
     return node
 
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _positions_like(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
