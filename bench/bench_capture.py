@@ -59,7 +59,7 @@ def main() -> None:
     config = fxrewrite.Config(mode="piecewise", splitting_ops=SPLITTING_OPS, capture_sizes=SIZES,
                               max_capture_size=SIZES[-1], pad_inputs=False)  # fmt: skip
     backend = fxrewrite.Backend(config)
-    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+    compiled = backend.compile(model)
     with torch.no_grad():
         torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -67,7 +67,7 @@ def _inductor(mode: str | None) -> Compiler:
 
 def _with_backend(backend: Any) -> Compiler:
     def compile_(model: torch.nn.Module) -> Callable[..., Any]:
-        return torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+        return backend.compile(model)
 
     return compile_
 

@@ -118,7 +118,7 @@ def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, 
         capture = tuple(sorted({c.size for c in cols if c.size <= 512 and c.kind in system.kinds}))
         backend = fxrewrite.Backend(mode=system.mode, splitting_ops=SPLITTING_OPS, capture_sizes=capture,
                                     provider=system.provider, rules=rules(system.collective), progress=False)  # fmt: skip
-        step = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+        step = backend.compile(model)
     errors = []
     for col in cols:
         if col.kind not in system.kinds:

@@ -1,13 +1,19 @@
 """Decode step of the 8B-shaped engine Llama, fxrewrite full against Inductor + CUDA graphs, in
-one process: steps back to back between two CUDA events, then the kernels of 5 steps by
-``torch.profiler`` (GPU only).
+one process: steps back to back between two CUDA events, steps one at a time from an idle device
+(bench_e2e's method: host time before the replay counts), and with ``--profile`` the kernels of
+5 steps by ``torch.profiler`` (GPU only).
 
-    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024]
+Rows: fxrewrite full through ``Backend.compile`` (Python floats are graph constants), the same
+through plain ``torch.compile`` (Dynamo lifts the 65 eps floats to tensors built every call),
+and Inductor + CUDA graphs (``mode="reduce-overhead"``).
+
+    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,7 +29,8 @@ import fxrewrite  # noqa: E402
 from fxrewrite.runtime import providers  # noqa: E402
 
 
-def profile(label: str, step: Any, batch: dict[str, torch.Tensor], reps: int = 20) -> None:
+def measure(label: str, step: Any, batch: dict[str, torch.Tensor], profile: bool, reps: int = 50) -> tuple[float, float]:
+    """(back-to-back ms per step, median ms of single steps from an idle device)."""
     with torch.no_grad():
         t = time.perf_counter()
         for _ in range(3):
@@ -36,18 +43,32 @@ def profile(label: str, step: Any, batch: dict[str, torch.Tensor], reps: int = 2
             step(**batch)
         end.record()
         end.synchronize()
-        print(f"{label}: {start.elapsed_time(end) / reps:.3f} ms per step, back to back", flush=True)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                step(**batch)
+        b2b = start.elapsed_time(end) / reps
+        single = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+            s.record()
+            step(**batch)
+            e.record()
+            e.synchronize()
+            single.append(s.elapsed_time(e))
+        idle = statistics.median(single)
+        print(f"{label}: {b2b:.3f} ms per step back to back, {idle:.3f} ms from an idle device", flush=True)
+        if profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    step(**batch)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+    return b2b, idle
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", type=int, default=8)
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     providers.preload()
     cfg = llama_8b()
@@ -57,11 +78,23 @@ def main() -> None:
     batch = mark_static_metadata(
         make_batch(cfg, "decode", args.seqs, args.context, num_seqs=args.seqs, max_len=4096, device="cuda")
     )
+    rows = {}
+
+    def fx() -> fxrewrite.Backend:
+        return fxrewrite.Backend(mode="full", splitting_ops=SPLITTING_OPS, capture_sizes=(args.seqs,), progress=False)
+
     torch._dynamo.reset()
-    backend = fxrewrite.Backend(mode="full", splitting_ops=SPLITTING_OPS, capture_sizes=(args.seqs,), progress=False)
-    profile("fxrewrite full", torch.compile(model, backend=backend, fullgraph=True, dynamic=True), batch)
+    rows["fxrewrite full (Backend.compile)"] = measure("fxrewrite full", fx().compile(model), batch, args.profile)
     torch._dynamo.reset()
-    profile("inductor + CUDA graphs", torch.compile(model, mode="reduce-overhead", fullgraph=True), batch)
+    lifted = torch.compile(model, backend=fx(), fullgraph=True, dynamic=True)
+    rows["fxrewrite full (torch.compile, floats lifted)"] = measure("fxrewrite full, floats lifted", lifted, batch, False)
+    torch._dynamo.reset()
+    inductor = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    rows["inductor + CUDA graphs"] = measure("inductor + CUDA graphs", inductor, batch, args.profile)
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, decode {args.seqs} after {args.context}")
+    print("| system | back to back ms | idle-device ms |\n|---|---|---|")
+    for name, (b2b, idle) in rows.items():
+        print(f"| {name} | {b2b:.3f} | {idle:.3f} |")
 
 
 if __name__ == "__main__":

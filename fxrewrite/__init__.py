@@ -2,7 +2,7 @@
 
     import fxrewrite
     backend = fxrewrite.Backend()
-    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+    compiled = backend.compile(model)  # torch.compile(fullgraph=True, dynamic=True), floats constant
 """
 
 from fxrewrite.backend import Backend, compile, pipeline

@@ -26,7 +26,7 @@ def _report(args: argparse.Namespace) -> int:
     model = models.build(args.model, layers=args.layers, hidden=args.hidden, dtype=DTYPES[args.dtype])
     inputs = models.example_inputs(model, tokens=args.tokens)
     backend = fxrewrite.Backend(fxrewrite.Config(dump_dir=args.dump, merge_siblings=not args.no_merge))
-    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=not args.static)
+    compiled = backend.compile(model, dynamic=not args.static)
     with torch.no_grad():
         t0 = time.perf_counter()
         out = models.hidden_states(compiled(*inputs))

@@ -1,7 +1,7 @@
 """The ``torch.compile`` backend that wires the stages together.
 
     backend = fxrewrite.Backend()
-    model = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+    model = backend.compile(model)  # torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
     model(x)                       # Dynamo captures, our passes rewrite, the graph runs eagerly
     print(backend.report.table())  # what was fused, what nearly was and why
     backend.graphs[0].print_readable()
@@ -105,6 +105,20 @@ def pipeline(config: Config) -> list[Pass]:
     return passes
 
 
+class _SpecializeFloats:
+    """Dynamo's ``specialize_float`` on for a compile or call (10 us a call cheaper than
+    ``torch._dynamo.config.patch``)."""
+
+    __slots__ = ("prior",)
+
+    def __enter__(self) -> None:
+        self.prior = torch._dynamo.config.specialize_float
+        torch._dynamo.config.specialize_float = True
+
+    def __exit__(self, *exc: object) -> None:
+        torch._dynamo.config.specialize_float = self.prior
+
+
 class Backend:
     """A ``torch.compile`` backend: ``torch.compile(model, backend=Backend(config))``.
 
@@ -140,6 +154,11 @@ class Backend:
 
             check_capture_sizes(self.config)  # empty, unsorted, above the max: refused now
         self._check_rules()
+        if self.config.specialize_floats:
+            # Dynamo enters ``backend_ctx_ctor()`` around every compile and call of the frame
+            # (it copies this instance attribute onto its wrapper of the backend)
+            self.backend_ctx_ctor = _SpecializeFloats
+        self._warned_floats = False
         self.graphs: list[fx.GraphModule] = []
         self.runners: list[Any] = []
         self.report = Report()
@@ -154,6 +173,7 @@ class Backend:
                 _ = r.compiled
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        self._check_floats(gm)
         for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
             if isinstance(value, torch.nn.Parameter):
                 node.meta["fxr_param"] = value  # real weights, for passes that re-lay them
@@ -174,6 +194,31 @@ class Backend:
         self.runners.append(runner)
         return runner
 
+    def compile(self, model: Any, *, dynamic: bool | None = True) -> Any:
+        """``torch.compile(model, backend=self, fullgraph=True, dynamic=dynamic)``, with Python
+        floats made graph constants (``Config.specialize_floats``).
+
+        ``torch.compile`` wraps a backend in an object of its own, which drops the backend's
+        ``backend_ctx_ctor``; ``torch._dynamo.optimize``, which ``torch.compile`` calls, keeps it.
+        """
+        return torch._dynamo.optimize(self, nopython=True, dynamic=dynamic)(model)
+
+    def _check_floats(self, gm: fx.GraphModule) -> None:
+        """Warn (once) when Dynamo lifted Python floats to tensors although ``specialize_floats``
+        asks for constants: ``torch.compile`` does not pass ``backend_ctx_ctor`` on."""
+        if not self.config.specialize_floats or self._warned_floats:
+            return
+        lifted = [n.name for n in gm.graph.find_nodes(op="placeholder")
+                  if getattr(n.meta.get("grapharg"), "pass_arg_as_tensor", False)]
+        if lifted:
+            self._warned_floats = True
+            log.warning(
+                "Dynamo lifted %d Python floats to graph inputs (%s): every call builds a tensor for "
+                "each, and a CUDA-graph runner checks each on the host. Compile with "
+                "fxrewrite.compile(model, ...), or set torch._dynamo.config.specialize_float = True "
+                "before torch.compile, to make them constants.", len(lifted), ", ".join(lifted[:3]) + (
+                    ", ..." if len(lifted) > 3 else ""))
+
     def refresh_runtime(self) -> None:
         """Copy the runners' latest statistics (replays, copies, eager calls) into the report."""
         for g, r in zip(self.report.graphs, self.runners):
@@ -186,7 +231,7 @@ class Backend:
 
 
 def compile(model: Any, config: Config | None = None, *, dynamic: bool = True, **kw: Any) -> tuple[Any, Backend]:
-    """``torch.compile(model, backend=Backend(config, **kw), fullgraph=True, dynamic=dynamic)``;
-    returns the compiled callable and the backend (for its report and graphs)."""
+    """``Backend(config, **kw).compile(model, dynamic=dynamic)``: the compiled callable and the
+    backend (for its report and graphs)."""
     backend = Backend(config, **kw)
-    return torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic), backend
+    return backend.compile(model, dynamic=dynamic), backend

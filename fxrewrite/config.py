@@ -48,6 +48,12 @@ class Config:
                      ahead or a reason to refuse (bisection uses it; verification is another).
     provider:        kernel provider override: "sgl_kernel", "flashinfer", "torch", or per op
                      "rms_norm=flashinfer,silu_and_mul=torch" (env FXREWRITE_PROVIDER).
+    specialize_floats: Python floats the model reads (RMSNorm eps, attention scale) become
+                     constants of the graph, guarded by value: Dynamo's ``specialize_float`` is
+                     on while this backend compiles and runs (Inductor does the same under CUDA
+                     graphs). A float that changes recompiles. False lets Dynamo lift them to CPU
+                     scalar tensors under ``dynamic=True``: one tensor built per float per call
+                     (about 0.5 ms a step for a 32-layer Llama's 65 eps values).
     max_positions:   rows of the RoPE cos/sin cache folded from tables the model computes (from
                      ``inv_freq``); positions must stay below it. Tables the model indexes (an
                      engine's cache) keep their own row count.
@@ -68,6 +74,7 @@ class Config:
     match_filter: Callable[[Any], str | None] | None = None
     provider: str | None = None
     progress: bool = True
+    specialize_floats: bool = True
     max_positions: int = 32768
 
     def resolved(self) -> Config:
