@@ -24,8 +24,9 @@ KV cache: per layer ``k_cache``, ``v_cache`` buffers of shape ``[max_seqs, max_l
 head_dim]``: one contiguous row per sequence, and **the step's i-th sequence lives in row i**
 (a slot-per-request engine whose scheduler packs running sequences into the first rows). A real
 engine uses a paged cache and a paged attention kernel; the ones at hand (flashinfer) JIT-compile
-for minutes on the GPU machine, so this model keeps a contiguous cache that torch SDPA can read as
-a strided view without a gather.
+for minutes on the GPU machine, so this model keeps a contiguous cache: decode reads it with a
+Triton split-KV kernel on CUDA (bench/decode_attention.py), torch SDPA elsewhere; prefill with
+torch SDPA (a strided view, no gather).
 
 Step metadata travels as tensors (see :func:`make_batch`), never as Python ints, so a CUDA graph
 replayed around the attention op stays valid from step to step:
@@ -48,12 +49,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+try:  # Triton kernels for CUDA tensors: cache write, split-KV decode (bench/decode_attention.py)
+    import decode_attention as _triton
+except ImportError:  # no Triton: torch serves every step
+    _triton = None
+
+
+# "torch" makes CUDA steps use the torch path too (to compare); env FXBENCH_ATTENTION at import
+KERNELS = os.environ.get("FXBENCH_ATTENTION", "triton")
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return _triton is not None and t.is_cuda and KERNELS == "triton"
 
 __all__ = [
     "SPLITTING_OPS",
@@ -142,15 +157,17 @@ def _attend_one(
 def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor, kv_range: torch.Tensor
 ) -> torch.Tensor:
-    """One query token per sequence, sequence b in cache row b; one batched SDPA call, no sync.
-
-    The query heads that share a KV head become that head's "query positions", so SDPA needs no
+    """One query token per sequence, sequence b in cache row b; no sync. CUDA tensors: the Triton
+    split-KV kernel of bench/decode_attention.py where Triton is installed. Otherwise one
+    batched SDPA call: the query heads that share a KV head become that head's "query positions", so SDPA needs no
     GQA support and reads K/V straight from the strided cache view:
     q [B, kv, group, d] x k [B, kv, L, d], masked by ``position < seq_lens[b]``.
     """
     batch, heads, dim = q.shape
     rows, kv_heads = k_cache.shape[0], k_cache.shape[2]
     length = kv_range.shape[0]
+    if _use_triton(q):
+        return _triton.decode_attention(q, k_cache, v_cache, seq_lens, length)
     # More sequences than cache rows is never a real step (make_batch refuses it); it is a
     # CUDA-graph runner warming up at a size the engine does not run. Read rows modulo then, so
     # the op stays total. Likewise zeros in seq_lens (padding) would mask every key: SDPA would
@@ -199,8 +216,11 @@ def attention(
     eagerly (it does, between the pieces of a piecewise graph).
     """
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kv_heads, dim).index_copy_(0, slots, k)
-    v_cache.view(-1, kv_heads, dim).index_copy_(0, slots, v)
+    if _use_triton(k) and k_cache.is_contiguous() and v_cache.is_contiguous():
+        _triton.store_kv(k, v, k_cache, v_cache, slots)
+    else:
+        k_cache.view(-1, kv_heads, dim).index_copy_(0, slots, k)
+        v_cache.view(-1, kv_heads, dim).index_copy_(0, slots, v)
     path = _path(q, seq_lens, kv_range)
     if path == "decode":
         out = _decode(q, k_cache, v_cache, seq_lens, kv_range)

@@ -1,0 +1,105 @@
+"""Decode attention of the engine model alone: the Triton split-KV kernel (bench/decode_attention.py)
+against torch SDPA over the same per-row cache, with the HBM floor (GPU).
+
+    source .devkit/setup.sh && python3 bench/bench_attention.py [--context 1024]
+
+8B shape (32 query heads, 8 KV heads, head dim 128, bf16), 32 layers each with its own cache (so
+the step's keys come from HBM, not L2), one query token per sequence after ``--context`` cached
+tokens. Time: one CUDA graph of the 32 layers' decode attention, median of 20 replays (CUDA
+events); floor: the keys and values read / the copy bandwidth measured in the same run; error:
+max |y - ref| / max |ref| of layer 0 against float64 SDPA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import decode_attention  # noqa: E402
+import engine_model  # noqa: E402
+
+HEADS, KV_HEADS, DIM, LAYERS = 32, 8, 128, 32
+
+
+def graph_ms(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2**30 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    return 2 * 2**30 / (graph_ms(lambda: dst.copy_(src)) / 1e3)
+
+
+def decode(kernels: str, *args):  # type: ignore[no-untyped-def]
+    engine_model.KERNELS = kernels
+    return engine_model._decode(*args)
+
+
+def sweep(batch, q, caches, seq_lens, length, floor) -> None:  # type: ignore[no-untyped-def]
+    """Time each Tuning on the same inputs; print the default and the three fastest."""
+    times = {}
+    for block, per_sm, warps in itertools.product((32, 64, 128), (1, 2, 4, 8), (2, 4, 8)):
+        t = decode_attention.Tuning(block=block, per_sm=per_sm, warps=warps)
+        times[t] = graph_ms(lambda: [decode_attention.decode_attention(q, k, v, seq_lens, length, t) for k, v in caches])
+    best = sorted(times, key=times.get)[:3]
+    default = decode_attention.Tuning()
+    print(f"  sweep at batch {batch}: default {times[default]:.3f} ms ({times[default] / floor:.2f}x floor); "
+          + "; ".join(f"{t} {times[t]:.3f} ms ({times[t] / floor:.2f}x)" for t in best), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--sweep", action="store_true", help="also time other launch parameters (decode_attention.Tuning)")
+    args = p.parse_args()
+    bandwidth = copy_bandwidth()
+    length = args.context + 1
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.3f} TB/s, "
+          f"decode after {args.context} cached tokens, {LAYERS} layers")  # fmt: skip
+    print("| batch | triton ms | torch SDPA ms | SDPA / triton | floor ms | triton / floor | triton err | SDPA err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for batch in (1, 8, 64):
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        shape = (batch, length + 15, KV_HEADS, DIM)
+        caches = [(torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)) for _ in range(LAYERS)]  # fmt: skip
+        q = torch.randn(batch, HEADS, DIM, generator=g, device="cuda", dtype=torch.bfloat16)
+        seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+        kv_range = torch.arange(length, dtype=torch.int32, device="cuda")
+        row = {}
+        for backend in ("triton", "torch"):
+            row[backend] = graph_ms(lambda: [decode(backend, q, k, v, seq_lens, kv_range) for k, v in caches])
+            ref = decode("torch", q.double(), caches[0][0].double(), caches[0][1].double(), seq_lens, kv_range)
+            got = decode(backend, q, *caches[0], seq_lens, kv_range).double()
+            row[backend + "_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
+        floor = 1e3 * LAYERS * batch * length * KV_HEADS * DIM * 2 * 2 / bandwidth
+        if args.sweep:
+            sweep(batch, q, caches, seq_lens, length, floor)
+        print(f"| {batch} | {row['triton']:.3f} | {row['torch']:.3f} | {row['torch'] / row['triton']:.2f}x | {floor:.3f} "
+              f"| {row['triton'] / floor:.2f}x | {row['triton_err']:.1e} | {row['torch_err']:.1e} |", flush=True)  # fmt: skip
+        del caches
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Split-KV decode attention ("flash decoding") over the engine model's per-row KV cache, in Triton.
+
+The engine model's decode step has one query token per sequence, sequence b in cache row b,
+``heads // kv_heads`` query heads per KV head. Torch SDPA over the masked cache keeps one
+program per (sequence, KV head): 64 programs at batch 8 on a 132-SM H100, far from the memory
+bandwidth the step needs. Here each (sequence, KV head) is cut into ``splits`` slices of the key
+range, one program each:
+
+    partial:  grid (batch * kv_heads, splits); a program loads its KV head's query heads as one
+              [group, dim] tile, walks its slice of the row's first ``seq_lens[b]`` keys in
+              blocks with an online softmax, and writes its output and log-sum-exp (float32)
+    combine:  grid (batch * heads); weights exp(lse_s - max lse) merge the slices
+
+``splits`` depends on shapes only (batch, kv heads, the key bound ``length``), so a CUDA graph
+captures a fixed launch; the lengths are read on the device. Sequences past the cache's rows
+read row ``b % rows``, as the torch path does (a runner warming up a size the engine never runs).
+
+:func:`store_kv` writes a step's keys and values into the cache in one launch (two
+``index_copy_`` otherwise). This file imports Triton at the top; :mod:`engine_model` imports it
+only where Triton is installed and uses it for CUDA tensors, torch elsewhere
+(``engine_model.KERNELS = "torch"``, or env ``FXBENCH_ATTENTION=torch``, forces torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _partial_kernel(
+    q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, lse_ptr,
+    q_sb, q_sh, k_sr, k_sn, k_sh, v_sr, v_sn, v_sh,
+    rows, kv_heads, length, chunk, scale,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
+    SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid, split = tl.program_id(0), tl.program_id(1)
+    b, kvh = pid // kv_heads, pid % kv_heads
+    row = b % rows
+    seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 1), length)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    g, d = tl.arange(0, GROUP_PAD), tl.arange(0, DIM)
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
+    k_row = k_ptr + row * k_sr + kvh * k_sh
+    v_row = v_ptr + row * v_sr + kvh * v_sh
+    for n0 in range(start, end, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        valid = n < end
+        k = tl.load(k_row + n[:, None] * k_sn + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        total = total * alpha + tl.sum(p, 1)
+        v = tl.load(v_row + n[:, None] * v_sn + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    # an empty slice (its start past the sequence's length) has total 0: weight 0 in the combine
+    out = (b * kv_heads * GROUP + heads) * SPLITS + split
+    keep = g < GROUP
+    tl.store(o_ptr + out[:, None] * DIM + d[None, :], acc / tl.maximum(total, 1e-30)[:, None], mask=keep[:, None])
+    tl.store(lse_ptr + out, tl.where(total > 0, m + tl.log(total), float("-inf")), mask=keep)
+
+
+@triton.jit
+def _combine_kernel(o_ptr, lse_ptr, out_ptr, out_sb, out_sh, heads,
+                    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr):  # fmt: skip
+    bh = tl.program_id(0)
+    s, d = tl.arange(0, SPLITS_PAD), tl.arange(0, DIM)
+    lse = tl.load(lse_ptr + bh * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, 0))
+    o = tl.load(o_ptr + (bh * SPLITS + s)[:, None] * DIM + d[None, :], mask=(s < SPLITS)[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    b, h = bh // heads, bh % heads
+    tl.store(out_ptr + b * out_sb + h * out_sh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, k_st, k_sh, v_st, v_sh,
+                     HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, DIM: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    h, d = tl.arange(0, HEADS_PAD), tl.arange(0, DIM)
+    keep = (h < HEADS)[:, None]
+    cached = slot * (HEADS * DIM) + h[:, None] * DIM + d[None, :]
+    tl.store(kc_ptr + cached, tl.load(k_ptr + t * k_st + h[:, None] * k_sh + d[None, :], mask=keep), mask=keep)
+    tl.store(vc_ptr + cached, tl.load(v_ptr + t * v_st + h[:, None] * v_sh + d[None, :], mask=keep), mask=keep)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """``k_cache.view(-1, kv_heads, dim)[slots] = k`` and the same for v, in one launch: k, v
+    [T, kv_heads, dim] with unit stride along dim (views of a merged projection are fine);
+    caches contiguous."""
+    tokens, heads, dim = k.shape
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    _store_kv_kernel[(tokens,)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), DIM=dim)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Launch parameters (bench_attention.py --sweep compares others)."""
+
+    block: int = 64  # keys per step of a program's walk
+    per_sm: int = 2  # programs to aim for per SM
+    warps: int = 4
+    stages: int = 2
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
+def split_plan(batch: int, kv_heads: int, length: int, device: torch.device, tuning: Tuning = Tuning()) -> tuple[int, int]:
+    """(splits, keys per split): enough programs to fill the device, slices of whole blocks."""
+    want = triton.cdiv(tuning.per_sm * _sms(device), batch * kv_heads)
+    want = max(1, min(want, triton.cdiv(length, tuning.block)))
+    chunk = triton.cdiv(triton.cdiv(length, want), tuning.block) * tuning.block
+    return triton.cdiv(length, chunk), chunk
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor, length: int,
+    tuning: Tuning = Tuning(),
+) -> torch.Tensor:
+    """Attention of q [B, heads, dim] (one token per sequence) over cache rows ``b % rows``:
+    keys ``[0, min(seq_lens[b], length))`` (at least one) of k_cache / v_cache
+    [rows, max_len, kv_heads, dim]. -> [B, heads, dim], contiguous, q's dtype."""
+    batch, heads, dim = q.shape
+    rows, _, kv_heads, _ = k_cache.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    group = heads // kv_heads
+    splits, chunk = split_plan(batch, kv_heads, length, q.device, tuning)
+    o_part = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _partial_kernel[(batch * kv_heads, splits)](
+        q, k_cache, v_cache, seq_lens, o_part, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        rows, kv_heads, length, chunk, dim**-0.5,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=tuning.block,
+        SPLITS=splits, PRECISION=precision, num_warps=tuning.warps, num_stages=tuning.stages,
+    )  # fmt: skip
+    out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
+    _combine_kernel[(batch * heads,)](o_part, lse, out, out.stride(0), out.stride(1), heads,
+                                      SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM=dim)  # fmt: skip
+    return out
