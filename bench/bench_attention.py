@@ -7,7 +7,8 @@ against torch SDPA over the same per-row cache, with the HBM floor (GPU).
 the step's keys come from HBM, not L2), one query token per sequence after ``--context`` cached
 tokens. Time: one CUDA graph of the 32 layers' decode attention, median of 20 replays (CUDA
 events); floor: the keys and values read / the copy bandwidth measured in the same run; error:
-max |y - ref| / max |ref| of layer 0 against float64 SDPA.
+max |y - ref| / max |ref| of layer 0 against float64 SDPA; host us: the host time of one eager
+call (layer 0), back to back.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+import time
 import sys
 from pathlib import Path
 
@@ -43,6 +45,18 @@ def graph_ms(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def host_us(fn, reps: int = 200) -> float:  # type: ignore[no-untyped-def]
+    """Host microseconds per eager call, back to back (the launch path, not the kernels)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * host / reps
 
 
 def copy_bandwidth() -> float:
@@ -77,8 +91,9 @@ def main() -> None:
     length = args.context + 1
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.3f} TB/s, "
           f"decode after {args.context} cached tokens, {LAYERS} layers")  # fmt: skip
-    print("| batch | triton ms | torch SDPA ms | SDPA / triton | floor ms | triton / floor | triton err | SDPA err |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| batch | triton ms | torch SDPA ms | SDPA / triton | floor ms | triton / floor | triton err | SDPA err "
+          "| triton host us | SDPA host us |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for batch in (1, 8, 64):
         g = torch.Generator(device="cuda").manual_seed(batch)
         shape = (batch, length + 15, KV_HEADS, DIM)
@@ -93,11 +108,13 @@ def main() -> None:
             ref = decode("torch", q.double(), caches[0][0].double(), caches[0][1].double(), seq_lens, kv_range)
             got = decode(backend, q, *caches[0], seq_lens, kv_range).double()
             row[backend + "_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
+            row[backend + "_host"] = host_us(lambda: decode(backend, q, *caches[0], seq_lens, kv_range))
         floor = 1e3 * LAYERS * batch * length * KV_HEADS * DIM * 2 * 2 / bandwidth
         if args.sweep:
             sweep(batch, q, caches, seq_lens, length, floor)
         print(f"| {batch} | {row['triton']:.3f} | {row['torch']:.3f} | {row['torch'] / row['triton']:.2f}x | {floor:.3f} "
-              f"| {row['triton'] / floor:.2f}x | {row['triton_err']:.1e} | {row['torch_err']:.1e} |", flush=True)  # fmt: skip
+              f"| {row['triton'] / floor:.2f}x | {row['triton_err']:.1e} | {row['torch_err']:.1e} "
+              f"| {row['triton_host']:.1f} | {row['torch_host']:.1f} |", flush=True)  # fmt: skip
         del caches
 
 

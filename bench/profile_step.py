@@ -3,11 +3,14 @@ one process: steps back to back between two CUDA events, steps one at a time fro
 (bench_e2e's method: host time before the replay counts), and with ``--profile`` the kernels of
 5 steps by ``torch.profiler`` (GPU only).
 
-Rows: fxrewrite full through ``Backend.compile`` (Python floats are graph constants), the same
-through plain ``torch.compile`` (Dynamo lifts the 65 eps floats to tensors built every call),
-and Inductor + CUDA graphs (``mode="reduce-overhead"``).
+Rows: fxrewrite (``--mode`` full or piecewise) through ``Backend.compile`` (Python floats are
+graph constants), the same with the attention op's torch path instead of its Triton kernels
+(piecewise only: ``engine_model.KERNELS`` switched between calls; the op runs eagerly), the same through
+plain ``torch.compile`` (Dynamo lifts the 65 eps floats to tensors built every call), and
+Inductor + CUDA graphs (``mode="reduce-overhead"``; ``--no-inductor`` skips it). ``--profile``
+adds the kernels and the host-side CUDA calls of 5 steps of the first row.
 
-    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--profile]
+    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import engine_model  # noqa: E402
 from engine_model import SPLITTING_OPS, build_model, llama_8b, make_batch, mark_static_metadata  # noqa: E402
 
 import fxrewrite  # noqa: E402
@@ -56,11 +60,14 @@ def measure(label: str, step: Any, batch: dict[str, torch.Tensor], profile: bool
         idle = statistics.median(single)
         print(f"{label}: {b2b:.3f} ms per step back to back, {idle:.3f} ms from an idle device", flush=True)
         if profile:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            acts = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+            with torch.profiler.profile(activities=acts) as prof:
                 for _ in range(5):
                     step(**batch)
                 torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+            table = prof.key_averages()
+            print(table.table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+            print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
     return b2b, idle
 
 
@@ -69,6 +76,8 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=8)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--mode", choices=("full", "piecewise"), default="full")
+    p.add_argument("--no-inductor", action="store_true")
     args = p.parse_args()
     providers.preload()
     cfg = llama_8b()
@@ -81,16 +90,23 @@ def main() -> None:
     rows = {}
 
     def fx() -> fxrewrite.Backend:
-        return fxrewrite.Backend(mode="full", splitting_ops=SPLITTING_OPS, capture_sizes=(args.seqs,), progress=False)
+        return fxrewrite.Backend(mode=args.mode, splitting_ops=SPLITTING_OPS, capture_sizes=(args.seqs,), progress=False)
 
+    label = f"fxrewrite {args.mode}"
     torch._dynamo.reset()
-    rows["fxrewrite full (Backend.compile)"] = measure("fxrewrite full", fx().compile(model), batch, args.profile)
+    step = fx().compile(model)
+    rows[f"{label} (Backend.compile)"] = measure(label, step, batch, args.profile)
+    if args.mode == "piecewise":  # attention runs eagerly between the replays: its path is chosen per call
+        engine_model.KERNELS = "torch"
+        rows[f"{label}, attention op's torch path"] = measure(f"{label}, torch attention", step, batch, False)
+        engine_model.KERNELS = "triton"
     torch._dynamo.reset()
     lifted = torch.compile(model, backend=fx(), fullgraph=True, dynamic=True)
-    rows["fxrewrite full (torch.compile, floats lifted)"] = measure("fxrewrite full, floats lifted", lifted, batch, False)
-    torch._dynamo.reset()
-    inductor = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-    rows["inductor + CUDA graphs"] = measure("inductor + CUDA graphs", inductor, batch, args.profile)
+    rows[f"{label} (torch.compile, floats lifted)"] = measure(f"{label}, floats lifted", lifted, batch, False)
+    if not args.no_inductor:
+        torch._dynamo.reset()
+        inductor = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        rows["inductor + CUDA graphs"] = measure("inductor + CUDA graphs", inductor, batch, False)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, decode {args.seqs} after {args.context}")
     print("| system | back to back ms | idle-device ms |\n|---|---|---|")
     for name, (b2b, idle) in rows.items():
