@@ -78,6 +78,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--mode", choices=("full", "piecewise"), default="full")
     p.add_argument("--no-inductor", action="store_true")
+    p.add_argument("--capture-sizes", default=None, help="comma-separated (default: --seqs); bench_e2e uses 1,8,64,512")
     args = p.parse_args()
     providers.preload()
     cfg = llama_8b()
@@ -89,8 +90,10 @@ def main() -> None:
     )
     rows = {}
 
+    sizes = tuple(int(s) for s in args.capture_sizes.split(",")) if args.capture_sizes else (args.seqs,)
+
     def fx() -> fxrewrite.Backend:
-        return fxrewrite.Backend(mode=args.mode, splitting_ops=SPLITTING_OPS, capture_sizes=(args.seqs,), progress=False)
+        return fxrewrite.Backend(mode=args.mode, splitting_ops=SPLITTING_OPS, capture_sizes=sizes, progress=False)
 
     label = f"fxrewrite {args.mode}"
     torch._dynamo.reset()
