@@ -9,7 +9,7 @@ Rows, in the order they run (what the goals compare first):
     eager                   the model as written
     fxrewrite piecewise     ``fxrewrite.Backend()`` (default rules), mode "piecewise"
     hand-fused piecewise    the hand-fused twin under ``Backend(rules=[])``, piecewise: the ceiling
-    fxrewrite full          default rules, mode "full" (one CUDA graph per step): decode only
+    fxrewrite full          default rules, mode "full" (one CUDA graph per step, attention inside)
     inductor + CUDA graphs  ``torch.compile(model, mode="reduce-overhead")``
     piecewise, no rewrites  ``Backend(rules=[])``, piecewise: a serving engine's eager compiler today
     inductor                ``torch.compile(model)``
@@ -247,7 +247,7 @@ SYSTEMS = (
     System("eager", "eager", _eager(False)),
     System("fxrewrite", "fxrewrite piecewise", _fx(False, "piecewise", None, "all")),
     System("fused-piecewise", "hand-fused piecewise", _fx(True, "piecewise", [], "all")),
-    System("fxrewrite-full", "fxrewrite full", _fx(False, "full", None, "decode"), kinds=("decode",)),
+    System("fxrewrite-full", "fxrewrite full", _fx(False, "full", None, "all")),
     System("fxrewrite-norope", "fxrewrite piecewise, RoPE rule off", _fx(False, "piecewise", "no-rope", "all")),
     System("fxrewrite-full-norope", "fxrewrite full, RoPE rule off", _fx(False, "full", "no-rope", "decode"),
            kinds=("decode",)),  # fmt: skip

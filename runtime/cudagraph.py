@@ -36,8 +36,9 @@ Static addresses: a CUDA graph reads its inputs where they were at capture.
   ``out=`` attention op): no copy.
 - Outputs are cloned (after slicing): they stay valid after the next call.
 
-Host scalars: under ``dynamic=True`` Dynamo lifts float attributes (RMSNorm eps, attention
-scaling) to CPU scalar tensors read with ``.item()``. That does not sync the GPU, so capture
+Host scalars: under ``dynamic=True`` and plain ``torch.compile`` Dynamo lifts float attributes
+(RMSNorm eps, attention scaling) to CPU scalar tensors read with ``.item()`` (``Backend.compile``
+makes them constants instead: ``Config.specialize_floats``). That does not sync the GPU, so capture
 allows it, but the value becomes a kernel argument, frozen at capture: each call compares the
 values (about 0.5 us each); a changed one makes the call eager, with a warning. Any other host
 sync, transfer or data-dependent shape in a captured piece is a :class:`CaptureHazardError` at
@@ -45,10 +46,12 @@ build, naming the op and its source line.
 
 Capture: at the first call or ``Runner.capture()``, largest size first, the split module runs
 once per size on the static buffers; each captured piece gets an eager warm-up, a capture on a
-side stream and a replay (later warm-ups must read real values, e.g. indices). Splitting pieces
-do not run then: they return zeros shaped like their outputs, so attention's writes (a KV cache)
-happen in real steps only; parameters or buffers a captured piece writes (full mode) are saved
-to host memory and restored. All graphs share one pool (``torch.cuda.graph_pool_handle``); once
+side stream and a replay (later warm-ups must read real values, e.g. indices; the last piece
+skips it). Splitting pieces do not run then: they return zeros shaped like their outputs, so
+attention's writes (a KV cache) happen in real steps only. Parameters or buffers a captured
+piece writes (full mode: the KV caches) are never written by capture: warm-ups write zeroed
+scratch tensors in their place (one per shape, freed after capture); only where a piece that
+writes them is replayed at capture (not the last) are they saved to host memory and restored. All graphs share one pool (``torch.cuda.graph_pool_handle``); once
 a size is captured the Runner keeps non-owning references to its pool tensors, so later sizes
 reuse the memory: one size's values are dead before another size runs, and inputs and outputs
 live outside the pool. gc is frozen and disabled; ``capture_begin`` / ``capture_end`` are
@@ -150,11 +153,21 @@ class _PieceRunner:
     None (CPU: the piece runs eagerly and its results are copied into the fixed outputs)].
     """
 
-    def __init__(self, piece: Piece, runner: Runner, eager_pieces: Collection[int]) -> None:
+    def __init__(self, piece: Piece, runner: Runner, eager_pieces: Collection[int], static: Collection[int],
+                 last: bool) -> None:  # fmt: skip
         self.fn, self.piece_name, self._runner = piece.submodule.forward, piece.name, runner
         self._graphs: dict[int, list[Any]] = {}
         self._from_eager = [k for k, s in enumerate(piece.sources) if s.kind == "piece" and s.index in eager_pieces]
         self._keep = {k for k, s in enumerate(piece.sources) if s.kind != "piece" or s.index in eager_pieces}
+        # parameters / buffers this piece writes (a KV cache, in full mode): its warm-up writes
+        # scratch tensors instead; only the replay after capture would write them, and the last
+        # piece of a step skips that replay (no later piece reads its values)
+        names = mutated_placeholders(piece.submodule)
+        phs = piece.submodule.graph.find_nodes(op="placeholder")
+        self.writes = [k for k, (s, ph) in enumerate(zip(piece.sources, phs))
+                       if ph.name in names and s.kind == "input" and s.index in static]  # fmt: skip
+        self.written_inputs = {piece.sources[k].index for k in self.writes}
+        self.last = last
 
     def __call__(self, *args: Any) -> Any:
         runner = self._runner
@@ -187,9 +200,12 @@ class _PieceRunner:
             if isinstance(a := args[k], torch.Tensor):
                 static[k] = runner._take(("piece", self.piece_name, k), a.shape, _dense_strides(a.shape, a), a)
                 static[k].copy_(a)
+        warm = list(static)
+        for k in self.writes:
+            warm[k] = runner._scratch(static[k])
         if not runner.on_cuda:
-            return [static, self._from_eager, self.fn(*static), None]
-        self.fn(*static)  # warm-up: lazy inits, library handles, workspaces
+            return [static, self._from_eager, self.fn(*warm), None]
+        self.fn(*warm)  # warm-up: lazy inits, library handles, workspaces
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=runner._pool)
         try:
@@ -199,7 +215,8 @@ class _PieceRunner:
                 graph.capture_end()
             raise RuntimeError(f"capture of {self.piece_name} at size {size} failed: {e}") from e
         graph.capture_end()
-        graph.replay()  # capture computes nothing: later pieces' warm-ups must not read garbage (indices)
+        if not self.last:
+            graph.replay()  # capture computes nothing: later pieces' warm-ups must not read garbage (indices)
         return [static, self._from_eager, outputs, graph]
 
     def release(self, size: int) -> None:
@@ -251,7 +268,7 @@ class Runner:
         self._captured, self._pool, self.capture_s, self.pool_bytes = False, None, 0.0, 0
         self.on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
         self.module: GraphModule | None = None
-        self.split, self.dispatch, self._pieces = None, None, []
+        self.split, self.dispatch, self._pieces, self._restore = None, None, [], []
         if self.mode == "none":
             return
         if self.mode not in ("piecewise", "full"):
@@ -268,7 +285,8 @@ class Runner:
             raise CaptureHazardError(hazards)
         if d.reason:
             logger.warning("CUDA graphs off, the graph runs eagerly: %s", d.reason)
-        self._pieces = [_PieceRunner(p, self, eager) for p in pieces]
+        statics = {i for i, spec in enumerate(d.inputs) if spec.kind == "static"}
+        self._pieces = [_PieceRunner(p, self, eager, statics, last=p is pieces[-1]) for p in pieces]
         # the stand-ins are plain attributes: the generated forward finds them without going
         # through nn.Module.__getattr__ and __call__ (about 5 us a piece)
         self.module = GraphModule(self.split.module, self.split.module.graph)
@@ -277,13 +295,10 @@ class Runner:
         for name, stand_in in stand_ins.items():
             del self.module._modules[name]
             self.module.__dict__[name] = stand_in
-        # parameters/buffers a captured piece writes (a KV cache in full mode): warm-ups and
-        # emulated captures would write them, so capture saves and restores them
-        written = set()
-        for p in pieces:
-            names = mutated_placeholders(p.submodule)
-            phs = p.submodule.graph.find_nodes(op="placeholder")
-            written |= {s.index for s, ph in zip(p.sources, phs) if ph.name in names and s.kind == "input"}
+        # parameters/buffers that a piece replayed during capture writes: saved and restored
+        replayed = {i for p in self._pieces if not p.last for i in p.written_inputs}
+        self._restore = [example_inputs[i] for i in sorted(replayed)]
+        self._scratches: dict[Any, torch.Tensor] = {}
         self._examples = [_concrete(v) for v in example_inputs]
         kinds = [s.kind for s in d.inputs]
         self._pick_statics = _picker([i for i, k in enumerate(kinds) if k == "static"])
@@ -292,7 +307,6 @@ class Runner:
         self._host_values = [example_inputs[i].item() for i in self._host_idx]
         self._managed = d.managed
         self._sym_idx = [i for i, k in enumerate(kinds) if k == "sym"]
-        self._restore = [example_inputs[i] for i in sorted(written) if d.inputs[i].kind == "static"]
         written = mutated_placeholders(gm)
         self._written = [i for i in self._managed if d.inputs[i].name in written]
         self._device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
@@ -306,6 +320,14 @@ class Runner:
         if arena is None or arena.numel() < span or arena.dtype != like.dtype:
             arena = self._arenas[key] = torch.zeros(span, dtype=like.dtype, device=like.device)
         return arena[:span].as_strided(tuple(shape), tuple(strides))
+
+    def _scratch(self, t: torch.Tensor) -> torch.Tensor:
+        """A zeroed stand-in for a buffer a warm-up would write, shared by every buffer of the
+        same shape, strides and dtype (a model's 64 KV caches take one), freed after capture."""
+        key = (tuple(t.shape), t.stride(), t.dtype, t.device)
+        if key not in self._scratches:
+            self._scratches[key] = torch.zeros_like(t)
+        return self._scratches[key]
 
     def _buffer(self, i: int, size: int) -> torch.Tensor:
         per_size = self._buffers.setdefault(size, {})
@@ -354,6 +376,7 @@ class Runner:
             raise
         finally:
             self._capturing = False
+            self._scratches.clear()
             for t, copy in zip(self._restore, saved):
                 t.copy_(copy)
         self.capture_s = time.perf_counter() - t0
@@ -449,7 +472,8 @@ class Runner:
         dims, a failed capture); capture_sizes, static_shape, pad_inputs; inputs (count per
         InputSpec kind); pieces, captured_pieces, splitting_pieces, missing_splitting_ops;
         graphs, captured, capture_s, pool_bytes (the shared pool's segments), buffer_bytes
-        (static input buffers); calls, replays, padded_calls, eager_calls and eager_reasons
+        (static input buffers), capture_saved_bytes (parameters/buffers saved to host and restored
+        around capture: written by a piece replayed then); calls, replays, padded_calls, eager_calls and eager_reasons
         (beyond_max, not_captured, static_input_moved, host_scalar_changed, unsupported);
         static_input_copies and activation_copies, in all and in the last call (``_last``).
         """
@@ -470,6 +494,7 @@ class Runner:
             "graphs": sum(len(p._graphs) for p in self._pieces),
             "captured": self._captured, "capture_s": self.capture_s,
             "pool_bytes": self.pool_bytes, "buffer_bytes": self._buffer_bytes(),
+            "capture_saved_bytes": sum(t.numel() * t.element_size() for t in self._restore),
             **{k: c[k] for k in ("calls", "replays", "padded_calls", "eager_calls")},
             "eager_reasons": dict(self._reasons),
             "static_input_copies": c["static_input_copies"], "static_input_copies_last": self._last[0],

@@ -201,7 +201,9 @@ def test_through_torch_compile() -> None:
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
 def test_state_written_by_splitting_op(mode: str) -> None:
     rec = record(seeded(CachedAttention), [(x, torch.arange(1, 9)) for (x,) in toy_inputs((8,))], dynamic=True)
-    check_state_written_by_splitting_op(rec, mode, "cpu")
+    runner = check_state_written_by_splitting_op(rec, mode, "cpu")
+    # full mode: the one captured piece writes the caches; its warm-up wrote scratch, nothing saved
+    assert runner.stats()["capture_saved_bytes"] == 0
 
 
 def test_copies_per_step(toy: Recorded, toy_out: Recorded) -> None:
@@ -326,6 +328,35 @@ def test_input_written_in_place_is_copied_back() -> None:
     torch.testing.assert_close(args, expected)  # the input was doubled, as in eager
     s = runner.stats()
     assert s["replays"] == 1 and s["padded_calls"] == 1 and s["static_input_copies_last"] == 2  # in, and back
+
+
+class CountingAttention(torch.nn.Module):
+    """A buffer written before the split (a captured piece that is not the last one writes it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(4))
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(x.sum(0))
+        h = F.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None])[0, 0]
+        return (h + self.seen) @ self.w
+
+
+def test_buffer_written_by_a_piece_replayed_at_capture_is_saved_and_restored() -> None:
+    model = seeded(CountingAttention)
+    rec = record(model, [(torch.randn(n, 4),) for n in (5, 8)], dynamic=True)
+    runner = runner_for(rec, mode="piecewise")
+    seen = next(a for a in rec.calls[0] if isinstance(a, torch.Tensor) and a.shape == (4,))
+    seen.zero_()
+    runner.capture()  # piece 0 writes `seen` in its warm-up (scratch) and its replay (restored)
+    assert torch.equal(seen, torch.zeros(4)) and runner.stats()["capture_saved_bytes"] == 4 * 4
+    args = args_for(runner, rec.calls[0], 8)  # a capture size: no padding (this attention is not causal)
+    x = next(a for a, spec in zip(args, runner.dispatch.inputs) if spec.kind == "token")
+    expected = rec.gm(*[a.clone() if a is seen else a for a in args])
+    torch.testing.assert_close(runner(*args), expected)
+    torch.testing.assert_close(seen, x.sum(0))
 
 
 def test_several_dynamic_dims_run_eagerly_with_a_reason() -> None:
