@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine_model  # noqa: E402
-from engine_model import SPLITTING_OPS, build_model, llama_8b, make_batch, mark_static_metadata  # noqa: E402
+from engine_model import SPLITTING_OPS, build_model, fused_twin, llama_8b, make_batch, mark_static_metadata  # noqa: E402
 
 import fxrewrite  # noqa: E402
 from fxrewrite.runtime import providers  # noqa: E402
@@ -78,6 +78,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--mode", choices=("full", "piecewise"), default="full")
     p.add_argument("--no-inductor", action="store_true")
+    p.add_argument("--no-lifted", action="store_true", help="skip the plain torch.compile row")
+    p.add_argument("--twin", action="store_true", help="add the hand-fused twin's row (same mode, no rules)")
     p.add_argument("--capture-sizes", default=None, help="comma-separated (default: --seqs); bench_e2e uses 1,8,64,512")
     args = p.parse_args()
     providers.preload()
@@ -92,8 +94,9 @@ def main() -> None:
 
     sizes = tuple(int(s) for s in args.capture_sizes.split(",")) if args.capture_sizes else (args.seqs,)
 
-    def fx() -> fxrewrite.Backend:
-        return fxrewrite.Backend(mode=args.mode, splitting_ops=SPLITTING_OPS, capture_sizes=sizes, progress=False)
+    def fx(rules: list[Any] | None = None) -> fxrewrite.Backend:
+        return fxrewrite.Backend(mode=args.mode, splitting_ops=SPLITTING_OPS, capture_sizes=sizes, progress=False,
+                                 rules=rules)  # fmt: skip
 
     label = f"fxrewrite {args.mode}"
     torch._dynamo.reset()
@@ -103,9 +106,15 @@ def main() -> None:
         engine_model.KERNELS = "torch"
         rows[f"{label}, attention op's torch path"] = measure(f"{label}, torch attention", step, batch, False)
         engine_model.KERNELS = "triton"
-    torch._dynamo.reset()
-    lifted = torch.compile(model, backend=fx(), fullgraph=True, dynamic=True)
-    rows[f"{label} (torch.compile, floats lifted)"] = measure(f"{label}, floats lifted", lifted, batch, False)
+    if not args.no_lifted:
+        torch._dynamo.reset()
+        lifted = torch.compile(model, backend=fx(), fullgraph=True, dynamic=True)
+        rows[f"{label} (torch.compile, floats lifted)"] = measure(f"{label}, floats lifted", lifted, batch, False)
+    if args.twin:
+        torch._dynamo.reset()
+        twin = fused_twin(model)
+        rows[f"hand-fused {args.mode}"] = measure(f"hand-fused {args.mode}", fx([]).compile(twin), batch, False)
+        del twin
     if not args.no_inductor:
         torch._dynamo.reset()
         inductor = torch.compile(model, mode="reduce-overhead", fullgraph=True)
