@@ -53,7 +53,7 @@ class Config:
                      on while this backend compiles and runs (Inductor does the same under CUDA
                      graphs). A float that changes recompiles. False lets Dynamo lift them to CPU
                      scalar tensors under ``dynamic=True``: one tensor built per float per call
-                     (about 0.5 ms a step for a 32-layer Llama's 65 eps values).
+                     (about 1 ms a step for a 32-layer Llama's 65 eps values, bench/RESULTS.md).
     max_positions:   rows of the RoPE cos/sin cache folded from tables the model computes (from
                      ``inv_freq``); positions must stay below it. Tables the model indexes (an
                      engine's cache) keep their own row count.
