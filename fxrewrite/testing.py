@@ -88,8 +88,9 @@ def compile_once(
     dynamic: bool = True,
     **overrides: Any,
 ) -> Compiled:
-    """Run ``fn(*inputs)`` eagerly and through ``torch.compile(backend=Backend(...),
-    fullgraph=True)``; returns both outputs and the backend."""
+    """Run ``fn(*inputs)`` eagerly and through ``Backend(...).compile(fn)`` (``torch.compile``
+    with ``fullgraph=True``; Python floats constant unless ``specialize_floats=False``); returns
+    both outputs and the backend."""
     torch._dynamo.reset()
     backend = Backend(config, rules=rules, **overrides)
     before: list[collections.Counter[str]] = []
@@ -98,7 +99,9 @@ def compile_once(
         before.append(op_counts(gm))
         return backend(gm, example_inputs)
 
-    compiled = torch.compile(fn, backend=counting_backend, fullgraph=True, dynamic=dynamic)
+    if hasattr(backend, "backend_ctx_ctor"):
+        counting_backend.backend_ctx_ctor = backend.backend_ctx_ctor  # type: ignore[attr-defined]
+    compiled = torch._dynamo.optimize(counting_backend, nopython=True, dynamic=dynamic)(fn)
     with torch.no_grad():
         eager = fn(*inputs)
         out = compiled(*inputs)

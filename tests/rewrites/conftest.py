@@ -23,7 +23,15 @@ FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
 F32 = torch.float32
 
-DYNAMIC = pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+# "lifted": dynamic=True with the model's Python floats lifted to graph inputs (plain
+# torch.compile, or Config(specialize_floats=False)); True alone keeps them constants, as
+# Backend.compile does. Rules must match both spellings of eps.
+DYNAMIC = pytest.mark.parametrize("dynamic", [True, False, "lifted"], ids=["dynamic", "static", "lifted"])
+
+
+def compile_modes(dynamic: bool | str) -> dict[str, Any]:
+    """compile_once keywords for a DYNAMIC value."""
+    return {"dynamic": True, "specialize_floats": False} if dynamic == "lifted" else {"dynamic": bool(dynamic)}
 
 
 def fused(counts: Mapping[str, int]) -> dict[str, int]:
@@ -57,14 +65,14 @@ def check(
     fn: Any,
     *inputs: Any,
     expect: Mapping[str, int],
-    dynamic: bool = True,
+    dynamic: bool | str = True,
     exact: bool = False,
     **overrides: Any,
 ) -> Compiled:
     """Compile ``fn(*inputs)`` with the default library (or ``rules=``/config overrides) and
     assert: no fused op as captured, exactly ``expect`` fused ops after (names without ``fxr.``),
     numerics against eager (``exact``: bit-for-bit, else ``TOLERANCES`` of the output dtype)."""
-    r = compile_once(fn, *inputs, dynamic=dynamic, **overrides)
+    r = compile_once(fn, *inputs, **{**compile_modes(dynamic), **overrides})
     assert fused(r.counts_before()) == {}, r.counts_before()
     assert fused(r.counts()) == dict(expect), f"fused ops {fused(r.counts())}, expected {dict(expect)}"
     if exact:

@@ -4,9 +4,10 @@ Tiny configs with random weights (``fxrewrite.models.build``), CPU, ``fullgraph=
 the exact fused-op counts as a function of the layer count L, compiled output against eager, and
 the report's near misses (none).
 
-Cases (each compiled once, read by several tests): float32 with L = 2 under dynamic=True and
-L = 1 under dynamic=False (so both layer counts check the formula), bf16 with L = 1 under
-dynamic=True.
+Cases (each compiled once, read by several tests): float32 with L = 2 under dynamic=True (floats
+constant, as Backend.compile does) and L = 1 under dynamic=False (so both layer counts check the
+formula), bf16 with L = 1 under dynamic=True with the floats lifted to graph inputs (as plain
+torch.compile leaves them).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import functools
 
 import pytest
 import torch
-from conftest import BF16, F32, fused, fused_nodes, sites
+from conftest import BF16, F32, compile_modes, fused, fused_nodes, sites
 
 from fxrewrite import models
 from fxrewrite.testing import Compiled, compile_once
@@ -38,7 +39,7 @@ CASES = [
     pytest.param(family, layers, dtype, dynamic, id=f"{family}-L{layers}-{name}")
     for family in models.FAMILIES
     for layers, dtype, dynamic, name in ((2, F32, True, "f32-dynamic"), (1, F32, False, "f32-static"),
-                                         (1, BF16, True, "bf16-dynamic"))  # fmt: skip
+                                         (1, BF16, "lifted", "bf16-lifted"))  # fmt: skip
 ]
 TOLERANCE = {F32: 1e-5, BF16: 2e-2}  # max relative error against eager
 
@@ -50,7 +51,7 @@ def expected(family: str, layers: int) -> dict[str, int]:
 @functools.cache
 def compiled(family: str, layers: int, dtype: torch.dtype, dynamic: bool) -> Compiled:
     model = models.build(family, layers=layers, dtype=dtype)
-    return compile_once(model, *models.example_inputs(model), dynamic=dynamic)
+    return compile_once(model, *models.example_inputs(model), **compile_modes(dynamic))
 
 
 @pytest.mark.parametrize(("family", "layers", "dtype", "dynamic"), CASES)
@@ -139,7 +140,7 @@ def test_qwen3_qk_norm_then_rope_leave_only_views_between(dynamic: bool) -> None
     alone (no copy, cast or elementwise kernel left between the two fused ops)."""
     from fxrewrite.testing import op_name
 
-    r = compiled("qwen3", 1, BF16, True) if dynamic else compiled("qwen3", 1, F32, False)
+    r = compiled("qwen3", 1, BF16, "lifted") if dynamic else compiled("qwen3", 1, F32, False)
     (rope,) = fused_nodes(r, "rotary_embedding")
     for arg in rope.args[1:3]:
         node, between = arg, []

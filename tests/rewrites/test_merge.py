@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BF16, DYNAMIC, F32, check, reasons, sites, storage_bytes, storages
+from conftest import BF16, DYNAMIC, F32, check, compile_modes, reasons, sites, storage_bytes, storages
 
 from fxrewrite import Backend
 from fxrewrite.config import Config
@@ -98,8 +98,9 @@ def test_second_compile_reuses_the_merged_buffer_and_both_follow_in_place_weight
 
 @DYNAMIC
 def test_compiled_call_after_merge_does_not_recompile(dynamic: bool) -> None:
-    model, backend = Block(), Backend()
-    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
+    modes = compile_modes(dynamic)
+    model, backend = Block(), Backend(specialize_floats=modes.pop("specialize_floats", True))
+    compiled = backend.compile(model, **modes)
     with torch.no_grad():
         compiled(torch.randn(3, 64))
         out = compiled(torch.randn(3, 64))

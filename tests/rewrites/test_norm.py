@@ -60,7 +60,7 @@ SPELLINGS: dict[str, Callable[[int], torch.nn.Module]] = {
 }
 
 DTYPE_DYNAMIC = pytest.mark.parametrize(
-    ("dtype", "dynamic"), [(F32, True), (F32, False), (BF16, True)], ids=["f32-dynamic", "f32-static", "bf16-dynamic"]
+    ("dtype", "dynamic"), [(F32, True), (F32, False), (BF16, "lifted")], ids=["f32-dynamic", "f32-static", "bf16-lifted"]
 )
 
 
@@ -81,23 +81,29 @@ def test_rms_norm_free_function_weight_as_input(dtype: torch.dtype, dynamic: boo
 
 
 @DYNAMIC
-def test_eps_attribute_binds_a_symbolic_float_under_dynamic(dynamic: bool) -> None:
-    """Under dynamic=True HF's float attribute eps is lifted and read with ``.item()``; the rule
-    binds that SymFloat node. Under dynamic=False it is the literal."""
-    r = check(LlamaRMSNorm(64, eps=1e-5), torch.randn(4, 64), expect={"rms_norm": 1}, dynamic=dynamic)
-    assert ("method.item" in r.counts_before()) is dynamic
+@pytest.mark.parametrize("specialize", [True, False], ids=["floats constant", "floats lifted"])
+def test_eps_attribute_binds_a_literal_or_a_symbolic_float(dynamic: bool, specialize: bool) -> None:
+    """Under dynamic=True with ``specialize_floats=False`` (or plain ``torch.compile``) HF's float
+    attribute eps is lifted and read with ``.item()``; the rule binds that SymFloat node.
+    Otherwise (``Backend.compile``'s default, or dynamic=False) it is the literal."""
+    r = check(LlamaRMSNorm(64, eps=1e-5), torch.randn(4, 64), expect={"rms_norm": 1}, dynamic=dynamic,
+              specialize_floats=specialize)  # fmt: skip
+    lifted = dynamic and not specialize
+    assert ("method.item" in r.counts_before()) is lifted
     ((x, w, eps),) = [n.args for n in fused_nodes(r, "rms_norm")]
-    if dynamic:
+    if lifted:
         assert isinstance(eps, fx.Node) and eps.target == "item"
     else:
         assert eps == pytest.approx(1e-5)
 
 
-def test_large_eps_attribute_under_dynamic_fails_the_predicate_on_its_compile_time_value() -> None:
-    """The eps predicate (0 < eps < 0.1) also judges a lifted SymFloat, by the value it has at
-    compile time: the negative twin of the test above."""
-    r = check(LlamaRMSNorm(64, eps=0.5), torch.randn(4, 64), expect={}, dynamic=True)
-    assert reasons(r, "rms_norm") == ["eps: `item` (= 0.5 at compile time) fails the predicate of this wildcard"]
+@pytest.mark.parametrize("specialize", [True, False], ids=["floats constant", "floats lifted"])
+def test_large_eps_attribute_under_dynamic_fails_the_predicate(specialize: bool) -> None:
+    """The eps predicate (0 < eps < 0.1) judges the literal, and a lifted SymFloat by the value it
+    has at compile time: the negative twin of the test above."""
+    r = check(LlamaRMSNorm(64, eps=0.5), torch.randn(4, 64), expect={}, dynamic=True, specialize_floats=specialize)
+    what = "0.5" if specialize else "`item` (= 0.5 at compile time)"
+    assert reasons(r, "rms_norm") == [f"eps: {what} fails the predicate of this wildcard"]
 
 
 @pytest.mark.parametrize("rank", [3, 4], ids=["tokens-heads-dim", "batch-seq-heads-dim"])

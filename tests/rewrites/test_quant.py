@@ -129,7 +129,8 @@ def test_subgraph_rewriter_alone_misses_the_lifted_bound() -> None:
     literals); exact structural matching cannot see through that, and says nothing."""
     model = Fp8Block("silu", "runtime-helpers").to_dtype(BF16)
     rules = [activation.SILU_AND_MUL, quant.SILU_AND_MUL_QUANT]
-    r = check(model, *inputs(), expect={"silu_and_mul": 1}, exact=True, rules=rules)
+    r = check(model, *inputs(), expect={"silu_and_mul": 1}, exact=True, rules=rules,
+              dynamic="lifted")
     assert "method.item" in r.counts_before()
     assert not r.report.near_misses
 
