@@ -107,7 +107,8 @@ def pipeline(config: Config) -> list[Pass]:
 
 class _SpecializeFloats:
     """Dynamo's ``specialize_float`` on for a compile or call (10 us a call cheaper than
-    ``torch._dynamo.config.patch``)."""
+    ``torch._dynamo.config.patch``). Dynamo's config is process-wide: a compile in another
+    thread while one of our frames runs sees it too."""
 
     __slots__ = ("prior",)
 
