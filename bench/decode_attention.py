@@ -1,10 +1,11 @@
 """Split-KV decode attention ("flash decoding") over the engine model's per-row KV cache, in Triton.
 
 The engine model's decode step has one query token per sequence, sequence b in cache row b,
-``heads // kv_heads`` query heads per KV head. Torch SDPA over the masked cache keeps one
-program per (sequence, KV head): 64 programs at batch 8 on a 132-SM H100, far from the memory
-bandwidth the step needs. Here each (sequence, KV head) is cut into ``splits`` slices of the key
-range, one program each:
+``heads // kv_heads`` query heads per KV head. Torch SDPA over the masked cache (a KV head's
+query heads as its "query positions") parallelizes over (sequence, KV head) and query blocks,
+few programs for a 132-SM H100 at small batch: it reads the step's keys at about a quarter of
+the copy bandwidth at batch 8 (bench/bench_attention.py). Here each (sequence, KV head) is cut
+into ``splits`` slices of the key range, one program each:
 
     partial:  grid (batch * kv_heads, splits); a program loads its KV head's query heads as one
               [group, dim] tile, walks its slice of the row's first ``seq_lens[b]`` keys in
