@@ -216,8 +216,8 @@ class Backend:
             log.warning(
                 "Dynamo lifted %d Python floats to graph inputs (%s): every call builds a tensor for "
                 "each, and a CUDA-graph runner checks each on the host. Compile with "
-                "fxrewrite.compile(model, ...), or set torch._dynamo.config.specialize_float = True "
-                "before torch.compile, to make them constants.", len(lifted), ", ".join(lifted[:3]) + (
+                "backend.compile(model) (or fxrewrite.compile(model, ...)), or set "
+                "torch._dynamo.config.specialize_float = True before torch.compile, to make them constants.", len(lifted), ", ".join(lifted[:3]) + (
                     ", ..." if len(lifted) > 3 else ""))
 
     def refresh_runtime(self) -> None:

@@ -51,10 +51,10 @@ skips it). Splitting pieces do not run then: they return zeros shaped like their
 attention's writes (a KV cache) happen in real steps only. Parameters or buffers a captured
 piece writes (full mode: the KV caches) are never written by capture: warm-ups write zeroed
 scratch tensors in their place (one per shape, freed after capture); only where a piece that
-writes them is replayed at capture (not the last) are they saved to host memory and restored. All graphs share one pool (``torch.cuda.graph_pool_handle``); once
-a size is captured the Runner keeps non-owning references to its pool tensors, so later sizes
-reuse the memory: one size's values are dead before another size runs, and inputs and outputs
-live outside the pool. gc is frozen and disabled; ``capture_begin`` / ``capture_end`` are
+writes them is replayed at capture (not the last) are they saved to host memory and restored.
+All graphs share one pool (``torch.cuda.graph_pool_handle``); once a size is captured the
+Runner keeps non-owning references to its pool tensors, so later sizes reuse the memory: one
+size's values are dead before another size runs, and inputs and outputs live outside the pool. gc is frozen and disabled; ``capture_begin`` / ``capture_end`` are
 called directly, skipping the ``gc.collect`` / ``empty_cache`` that ``torch.cuda.graph`` may do
 per capture.
 
