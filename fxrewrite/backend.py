@@ -105,6 +105,12 @@ def pipeline(config: Config) -> list[Pass]:
     return passes
 
 
+def _lifted(node: fx.Node) -> bool:
+    """A placeholder for a Python scalar (a module's float attribute, a global) that Dynamo
+    passes to the graph as a tensor: its value at compile time is the model's."""
+    return bool(getattr(node.meta.get("grapharg"), "pass_arg_as_tensor", False))
+
+
 class _SpecializeFloats:
     """Dynamo's ``specialize_float`` on for a compile or call (10 us a call cheaper than
     ``torch._dynamo.config.patch``). Dynamo's config is process-wide: a compile in another
@@ -180,8 +186,8 @@ class Backend:
                 node.meta["fxr_param"] = value  # real weights, for passes that re-lay them
             elif isinstance(value, torch.Tensor) and getattr(value, "_dynamo_static_input_type", None):
                 node.meta["fxr_buffer"] = value  # module state (a buffer): tables may fold from it
-            elif isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu":
-                node.meta["fxr_real"] = value.detach().clone()  # a lifted scalar (see meta.constant)
+            elif _lifted(node):  # a Python scalar Dynamo passes as a tensor (see meta.constant);
+                node.meta["fxr_real"] = value.detach().clone()  # not a one-element input (positions of one token)
         pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs), lint=self.config.lint)
         graph_report = pm.run(gm)
         self.graphs.append(gm)
@@ -209,8 +215,7 @@ class Backend:
         asks for constants: ``torch.compile`` does not pass ``backend_ctx_ctor`` on."""
         if not self.config.specialize_floats or self._warned_floats:
             return
-        lifted = [n.name for n in gm.graph.find_nodes(op="placeholder")
-                  if getattr(n.meta.get("grapharg"), "pass_arg_as_tensor", False)]
+        lifted = [n.name for n in gm.graph.find_nodes(op="placeholder") if _lifted(n)]
         if lifted:
             self._warned_floats = True
             log.warning(

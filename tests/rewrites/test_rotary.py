@@ -149,6 +149,14 @@ def test_engine_cache_indexed_by_positions(dtype: torch.dtype, dynamic: bool) ->
     assert torch.equal(r.graph.fxr_rotary_cache_0, model.cos_sin_cache), "the engine's own cache, its own rows"
 
 
+@DYNAMIC
+def test_one_token_positions_fold(dynamic: bool) -> None:
+    """A decode step of one token: ``positions`` is a one-element tensor, an input all the same
+    (not a lifted Python scalar whose compile-time value the tables could be evaluated at)."""
+    r = check(EngineRope(positions=64), *qk(tokens=1, batch=None), expect=PAIR, dynamic=dynamic)
+    assert reasons(r, "rotary_embedding") == []
+
+
 @pytest.mark.parametrize("model", [GPTJRope("bhtd"), EngineRope(interleaved=True)], ids=["gptj", "engine"])
 def test_interleaved_pairs(model: torch.nn.Module) -> None:
     r = check(model, *qk(batch=None if isinstance(model, EngineRope) else 1), expect=PAIR)
