@@ -28,7 +28,7 @@ Static addresses: a CUDA graph reads its inputs where they were at capture.
   ``torch._dynamo.mark_static_address``) are read in place, never copied; each call checks
   they are the same tensors (another address makes the call eager, with a warning).
 - Other inputs of captured pieces have one buffer each, shared by all sizes (a size uses a
-  prefix); an input found elsewhere is copied in, counted per step (``static_input_copies``);
+  prefix); inputs found elsewhere are copied in (one launch per dtype), counted per step (``static_input_copies``);
   writing into ``Runner.static_inputs(n)`` avoids it. An input written in place is copied back.
 - A captured piece reads earlier captured pieces' outputs where their replay wrote them: no
   copy. Splitting pieces return fresh tensors, copied into the next piece's buffer
@@ -117,6 +117,25 @@ def _weak(t: Any) -> Any:
     st = t.untyped_storage()
     storage = make(st.data_ptr(), t.device, st.nbytes())
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
+
+
+def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair, one ``torch._foreach_copy_`` per (dtype, device) group: on
+    CUDA one kernel launch copies a group (an engine step's ids, positions and slots take one
+    launch instead of three); pairs that differ in dtype or device are copied one by one."""
+    groups: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for d, s in zip(dst, src):
+        if d.dtype != s.dtype or d.device != s.device:
+            d.copy_(s)
+            continue
+        ds, ss = groups.setdefault((d.dtype, d.device), ([], []))
+        ds.append(d)
+        ss.append(s)
+    for ds, ss in groups.values():
+        if len(ds) == 1:
+            ds[0].copy_(ss[0])
+        else:
+            torch._foreach_copy_(ds, ss)
 
 
 def _picker(idx: Sequence[int]) -> Any:
@@ -444,15 +463,17 @@ class Runner:
         return buf
 
     def _prepare(self, args: Sequence[Any], n: int | None, size: int) -> list[Any]:
-        call = list(args)
+        call, dst, src = list(args), [], []
         for i in self._managed:
             buf = call[i] = self._buffer(i, size)
             region, a = self._region(buf, i, n, size), args[i]
             if a.data_ptr() != region.data_ptr() or a.stride() != region.stride():
-                region.copy_(a)
-                self._counts["static_input_copies"] += 1
+                dst.append(region)
+                src.append(a)
             if region is not buf:
                 pad_zeros(buf, self.dispatch.inputs[i].token_dims, n)
+        copy_all(dst, src)
+        self._counts["static_input_copies"] += len(dst)
         for i in self._sym_idx:
             call[i] = size
         return call

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fxrewrite.config import Config
-from fxrewrite.runtime.cudagraph import Runner, build_runner
+from fxrewrite.runtime.cudagraph import Runner, build_runner, copy_all
 from fxrewrite.runtime.dispatch import Dispatch, ShapeError, check_capture_sizes, pad_zeros, select_size
 from fxrewrite.split import CaptureHazardError
 
@@ -219,6 +219,26 @@ def test_copies_per_step(toy: Recorded, toy_out: Recorded) -> None:
         torch.testing.assert_close(out(*args), toy_out.gm(*args))
     s = out.stats()  # the op writes into a buffer allocated by the piece before: nothing to copy
     assert s["splitting_pieces"] == 2 and s["activation_copies"] == 0 and s["replays"] == 2
+
+
+def copy_all_case(device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Destinations and sources: three int64 pairs, two int32 pairs, a pair that converts int32
+    -> int64, and one that converts float32 -> bf16 into a strided destination."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, dtypes = (8, 5, 3, 8, 8, 4, 6), (torch.int64,) * 3 + (torch.int32,) * 2 + (torch.int64, torch.bfloat16)
+    src_dtypes = dtypes[:5] + (torch.int32, torch.float32)
+    dst = [torch.full((k,), -1, dtype=dt, device=device) for k, dt in zip(lengths[:6], dtypes)]
+    dst.append(torch.full((6, 2), -1, dtype=torch.bfloat16, device=device)[:, 0])
+    src = [torch.randint(0, 1000, (k,), generator=gen).to(dt).to(device) for k, dt in zip(lengths, src_dtypes)]
+    return dst, src
+
+
+def test_copy_all_copies_every_pair() -> None:
+    dst, src = copy_all_case("cpu")
+    copy_all(dst, src)
+    for d, s in zip(dst, src):
+        assert torch.equal(d, s.to(d.dtype))
+    copy_all([], [])  # nothing to copy: no error
 
 
 def test_engine_writing_into_static_inputs_makes_no_copy(toy: Recorded) -> None:

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from fxrewrite.config import Config
-from fxrewrite.runtime.cudagraph import Runner, build_runner
+from fxrewrite.runtime.cudagraph import Runner, build_runner, copy_all
 from fxrewrite.runtime.dispatch import ShapeError
 from fxrewrite.split import CaptureHazardError
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "fxrewrite"))
-from test_cudagraph import args_for, check_state_written_by_splitting_op  # noqa: E402  (same folder)
+from test_cudagraph import args_for, check_state_written_by_splitting_op, copy_all_case  # noqa: E402  (same folder)
 from test_split import (  # noqa: E402
     CachedAttention,
     Recorded,
@@ -139,6 +139,20 @@ def test_copies_per_step() -> None:
     args[i] = view
     torch.testing.assert_close(runner(*args), expected_out, **TOL[torch.float32])
     assert runner.stats()["static_input_copies_last"] == 0
+
+
+def test_copy_all_takes_one_launch_per_dtype() -> None:
+    dst, src = copy_all_case("cuda")
+    copy_all(dst, src)  # warm-up
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        copy_all(dst, src)
+        torch.cuda.synchronize()
+    for d, s in zip(dst, src):
+        assert torch.equal(d, s.to(d.dtype))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # int64 x3 and int32 x2 in one launch each, then the two converting pairs: 4, not 7
+    assert len(kernels) == 4, [e.name for e in kernels]
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
