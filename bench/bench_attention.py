@@ -8,7 +8,9 @@ the step's keys come from HBM, not L2), one query token per sequence after ``--c
 tokens. Time: one CUDA graph of the 32 layers' decode attention, median of 20 replays (CUDA
 events); floor: the keys and values read / the copy bandwidth measured in the same run; error:
 max |y - ref| / max |ref| of layer 0 against float64 SDPA; host us: the host time of one eager
-call (layer 0), back to back.
+call (layer 0), back to back. The attention op's decode step also writes the step's keys and
+values: "store, then triton" does it as ``store_kv`` before the kernel (two launches), "store in
+triton" inside the kernel's launch (what the op runs).
 """
 
 from __future__ import annotations
@@ -65,9 +67,10 @@ def copy_bandwidth() -> float:
     return 2 * 2**30 / (graph_ms(lambda: dst.copy_(src)) / 1e3)
 
 
-def decode(kernels: str, *args):  # type: ignore[no-untyped-def]
-    engine_model.KERNELS = kernels
-    return engine_model._decode(*args)
+def decode(kernels: str, q, k, v, seq_lens, kv_range):  # type: ignore[no-untyped-def]
+    if kernels == "triton":
+        return decode_attention.decode_attention(q, k, v, seq_lens, kv_range.shape[0])
+    return engine_model._decode(q, k, v, seq_lens, kv_range)
 
 
 def sweep(batch, q, caches, seq_lens, length, floor) -> None:  # type: ignore[no-untyped-def]
@@ -91,9 +94,9 @@ def main() -> None:
     length = args.context + 1
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.3f} TB/s, "
           f"decode after {args.context} cached tokens, {LAYERS} layers")  # fmt: skip
-    print("| batch | triton ms | torch SDPA ms | SDPA / triton | floor ms | triton / floor | triton err | SDPA err "
-          "| triton host us | SDPA host us |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| batch | triton ms | torch SDPA ms | SDPA / triton | floor ms | triton / floor | store, then triton ms "
+          "| store in triton ms | triton err | SDPA err | triton host us | SDPA host us |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in (1, 8, 64):
         g = torch.Generator(device="cuda").manual_seed(batch)
         shape = (batch, length + 15, KV_HEADS, DIM)
@@ -109,12 +112,18 @@ def main() -> None:
             got = decode(backend, q, *caches[0], seq_lens, kv_range).double()
             row[backend + "_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
             row[backend + "_host"] = host_us(lambda: decode(backend, q, *caches[0], seq_lens, kv_range))
+        kv = torch.randn(batch, 2, KV_HEADS, DIM, generator=g, device="cuda", dtype=torch.bfloat16)
+        slots = torch.arange(batch, device="cuda") * shape[1] + length - 1
+        row["then"] = graph_ms(lambda: [(decode_attention.store_kv(kv[:, 0], kv[:, 1], k, v, slots),
+                                         decode_attention.decode_attention(q, k, v, seq_lens, length)) for k, v in caches])  # fmt: skip
+        row["in"] = graph_ms(lambda: [decode_attention.decode_attention(q, k, v, seq_lens, length, store=(kv[:, 0], kv[:, 1], slots))
+                                      for k, v in caches])  # fmt: skip
         floor = 1e3 * LAYERS * batch * length * KV_HEADS * DIM * 2 * 2 / bandwidth
         if args.sweep:
             sweep(batch, q, caches, seq_lens, length, floor)
         print(f"| {batch} | {row['triton']:.3f} | {row['torch']:.3f} | {row['torch'] / row['triton']:.2f}x | {floor:.3f} "
-              f"| {row['triton'] / floor:.2f}x | {row['triton_err']:.1e} | {row['torch_err']:.1e} "
-              f"| {row['triton_host']:.1f} | {row['torch_host']:.1f} |", flush=True)  # fmt: skip
+              f"| {row['triton'] / floor:.2f}x | {row['then']:.3f} | {row['in']:.3f} | {row['triton_err']:.1e} "
+              f"| {row['torch_err']:.1e} | {row['triton_host']:.1f} | {row['torch_host']:.1f} |", flush=True)  # fmt: skip
         del caches
 
 

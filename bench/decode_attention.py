@@ -16,8 +16,11 @@ into ``splits`` slices of the key range, one program each:
 captures a fixed launch; the lengths are read on the device. Sequences past the cache's rows
 read row ``b % rows``, as the torch path does (a runner warming up a size the engine never runs).
 
-:func:`store_kv` writes a step's keys and values into the cache in one launch (two
-``index_copy_`` otherwise). This file imports Triton at the top; :mod:`engine_model` imports it
+With ``store=(k, v, slots)`` the partial kernel also writes the step's keys and values into the
+cache (the programs of split 0, one per sequence and KV head) and, wherever a program's walk
+reaches the slot written, takes the new key and value from ``k``, ``v`` rather than the cache:
+no program reads another's write, and the engine model's decode step is two launches, not
+three. :func:`store_kv` writes keys and values alone (prefill), one launch for both caches. This file imports Triton at the top; :mod:`engine_model` imports it
 only where Triton is installed and uses it for CUDA tensors, torch elsewhere
 (``engine_model.KERNELS = "torch"``, or env ``FXBENCH_ATTENTION=torch``, forces torch).
 """
@@ -34,11 +37,11 @@ import triton.language as tl
 
 @triton.jit
 def _partial_kernel(
-    q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, lse_ptr,
-    q_sb, q_sh, k_sr, k_sn, k_sh, v_sr, v_sn, v_sh,
+    q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, lse_ptr, nk_ptr, nv_ptr, slots_ptr,
+    q_sb, q_sh, k_sr, k_sn, k_sh, v_sr, v_sn, v_sh, nk_sb, nk_sh, nv_sb, nv_sh,
     rows, kv_heads, length, chunk, scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
-    SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    SPLITS: tl.constexpr, PRECISION: tl.constexpr, STORE: tl.constexpr,
 ):  # fmt: skip
     pid, split = tl.program_id(0), tl.program_id(1)
     b, kvh = pid // kv_heads, pid % kv_heads
@@ -47,6 +50,15 @@ def _partial_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     g, d = tl.arange(0, GROUP_PAD), tl.arange(0, DIM)
+    new_pos = -1  # the position in this row written by this step (STORE), else none
+    if STORE:  # contiguous caches: a slot is row * max_len + position
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        k_new = tl.load(nk_ptr + b * nk_sb + kvh * nk_sh + d)
+        v_new = tl.load(nv_ptr + b * nv_sb + kvh * nv_sh + d)
+        if split == 0:
+            tl.store(k_ptr + slot * k_sn + kvh * k_sh + d, k_new)
+            tl.store(v_ptr + slot * v_sn + kvh * v_sh + d, v_new)
+        new_pos = slot - row * (k_sr // k_sn)
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -58,6 +70,8 @@ def _partial_kernel(
         n = n0 + tl.arange(0, BLOCK)
         valid = n < end
         k = tl.load(k_row + n[:, None] * k_sn + d[None, :], mask=valid[:, None], other=0.0)
+        if STORE:
+            k = tl.where((n == new_pos)[:, None], k_new[None, :], k)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -65,6 +79,8 @@ def _partial_kernel(
         p = tl.exp(s - m_new[:, None])
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(v_row + n[:, None] * v_sn + d[None, :], mask=valid[:, None], other=0.0)
+        if STORE:
+            v = tl.where((n == new_pos)[:, None], v_new[None, :], v)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     # an empty slice (its start past the sequence's length) has total 0: weight 0 in the combine
@@ -137,27 +153,38 @@ def split_plan(batch: int, kv_heads: int, length: int, device: torch.device, tun
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor, length: int,
-    tuning: Tuning = Tuning(),
+    tuning: Tuning = Tuning(), store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, heads, dim] (one token per sequence) over cache rows ``b % rows``:
     keys ``[0, min(seq_lens[b], length))`` (at least one) of k_cache / v_cache
-    [rows, max_len, kv_heads, dim]. -> [B, heads, dim], contiguous, q's dtype."""
+    [rows, max_len, kv_heads, dim]. -> [B, heads, dim], contiguous, q's dtype.
+
+    ``store=(k, v, slots)``: first write k, v [B, kv_heads, dim] at the flat cache slots
+    ``slots`` [B] (``row * max_len + position``; the caches must be contiguous), as
+    :func:`store_kv` would, in the same launch."""
     batch, heads, dim = q.shape
     rows, _, kv_heads, _ = k_cache.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if store is not None:
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("decode_attention(store=...) needs contiguous caches")
+        new_k, new_v, slots = (t if t.stride(-1) == 1 else t.contiguous() for t in store)
+    else:  # not read: STORE is off
+        new_k, new_v, slots = k_cache, v_cache, seq_lens
     group = heads // kv_heads
     splits, chunk = split_plan(batch, kv_heads, length, q.device, tuning)
     o_part = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _partial_kernel[(batch * kv_heads, splits)](
-        q, k_cache, v_cache, seq_lens, o_part, lse,
+        q, k_cache, v_cache, seq_lens, o_part, lse, new_k, new_v, slots,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         rows, kv_heads, length, chunk, dim**-0.5,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=tuning.block,
-        SPLITS=splits, PRECISION=precision, num_warps=tuning.warps, num_stages=tuning.stages,
+        SPLITS=splits, PRECISION=precision, STORE=store is not None, num_warps=tuning.warps, num_stages=tuning.stages,
     )  # fmt: skip
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
     _combine_kernel[(batch * heads,)](o_part, lse, out, out.stride(0), out.stride(1), heads,

@@ -157,17 +157,15 @@ def _attend_one(
 def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor, kv_range: torch.Tensor
 ) -> torch.Tensor:
-    """One query token per sequence, sequence b in cache row b; no sync. CUDA tensors: the Triton
-    split-KV kernel of bench/decode_attention.py where Triton is installed. Otherwise one
-    batched SDPA call: the query heads that share a KV head become that head's "query positions", so SDPA needs no
+    """One query token per sequence, sequence b in cache row b; no sync. The torch path (on CUDA
+    the op calls the Triton kernel of bench/decode_attention.py instead): one batched SDPA call;
+    the query heads that share a KV head become that head's "query positions", so SDPA needs no
     GQA support and reads K/V straight from the strided cache view:
     q [B, kv, group, d] x k [B, kv, L, d], masked by ``position < seq_lens[b]``.
     """
     batch, heads, dim = q.shape
     rows, kv_heads = k_cache.shape[0], k_cache.shape[2]
     length = kv_range.shape[0]
-    if _use_triton(q):
-        return _triton.decode_attention(q, k_cache, v_cache, seq_lens, length)
     # More sequences than cache rows is never a real step (make_batch refuses it); it is a
     # CUDA-graph runner warming up at a size the engine does not run. Read rows modulo then, so
     # the op stays total. Likewise zeros in seq_lens (padding) would mask every key: SDPA would
@@ -216,12 +214,15 @@ def attention(
     eagerly (it does, between the pieces of a piecewise graph).
     """
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
-    if _use_triton(k) and k_cache.is_contiguous() and v_cache.is_contiguous():
+    path = _path(q, seq_lens, kv_range)
+    triton = _use_triton(k) and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if path == "decode" and triton:  # one launch writes the step's keys and values, and attends
+        return _triton.decode_attention(q, k_cache, v_cache, seq_lens, kv_range.shape[0], store=(k, v, slots))
+    if triton:
         _triton.store_kv(k, v, k_cache, v_cache, slots)
     else:
         k_cache.view(-1, kv_heads, dim).index_copy_(0, slots, k)
         v_cache.view(-1, kv_heads, dim).index_copy_(0, slots, v)
-    path = _path(q, seq_lens, kv_range)
     if path == "decode":
         out = _decode(q, k_cache, v_cache, seq_lens, kv_range)
     elif path in ("prefill", "chunk"):

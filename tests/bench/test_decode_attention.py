@@ -1,6 +1,7 @@
 """The Triton kernels of the engine model's attention op (bench/decode_attention.py) against its
 torch path: split-KV decode against SDPA in float64, the cache write against ``index_copy_``,
-on fresh random caches (GPU; skipped without Triton)."""
+the write inside the decode launch against both, on fresh random caches (GPU; skipped without
+Triton)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,9 @@ import engine_model  # noqa: E402
 from decode_attention import decode_attention, split_plan, store_kv  # noqa: E402
 
 
-def sdpa_decode(q, k_cache, v_cache, seq_lens, length, monkeypatch):  # type: ignore[no-untyped-def]
+def sdpa_decode(q, k_cache, v_cache, seq_lens, length):  # type: ignore[no-untyped-def]
     kv_range = torch.arange(length, dtype=torch.int32, device=q.device)
-    with monkeypatch.context() as m:
-        m.setattr(engine_model, "KERNELS", "torch")
-        return engine_model._decode(q.double(), k_cache.double(), v_cache.double(), seq_lens, kv_range)
+    return engine_model._decode(q.double(), k_cache.double(), v_cache.double(), seq_lens, kv_range)
 
 
 def caches(rows: int, max_len: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int):  # type: ignore[no-untyped-def]
@@ -44,7 +43,7 @@ def caches(rows: int, max_len: int, kv_heads: int, dim: int, dtype: torch.dtype,
         (6, 12, 4, 128, 64, "random"),       # more sequences than cache rows: rows modulo
     ],
 )
-def test_matches_sdpa(batch, heads, kv_heads, dim, length, lens, dtype, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_matches_sdpa(batch, heads, kv_heads, dim, length, lens, dtype) -> None:  # type: ignore[no-untyped-def]
     rows = 4 if batch == 6 else max(batch, 1)
     k_cache, v_cache = caches(rows, length + 16, kv_heads, dim, dtype, seed=batch + length)
     q = torch.randn(batch, heads, dim, device="cuda").to(dtype)
@@ -55,19 +54,19 @@ def test_matches_sdpa(batch, heads, kv_heads, dim, length, lens, dtype, monkeypa
     else:
         seq_lens = torch.randint(1, length + 1, (batch,), dtype=torch.int32, device="cuda")
     got = decode_attention(q, k_cache, v_cache, seq_lens, length)
-    want = sdpa_decode(q, k_cache, v_cache, seq_lens, length, monkeypatch)
+    want = sdpa_decode(q, k_cache, v_cache, seq_lens, length)
     assert got.shape == q.shape and got.dtype == dtype and got.is_contiguous()
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
-def test_strided_query_from_a_merged_projection(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_strided_query_from_a_merged_projection() -> None:
     k_cache, v_cache = caches(8, 600, 8, 128, torch.bfloat16, seed=1)
     qkv = torch.randn(8, 48, 128, device="cuda", dtype=torch.bfloat16)
     q = qkv[:, :32]  # a view: batch stride 48 heads
     seq_lens = torch.randint(1, 513, (8,), dtype=torch.int32, device="cuda")
     torch.testing.assert_close(decode_attention(q, k_cache, v_cache, seq_lens, 512).double(),
-                               sdpa_decode(q, k_cache, v_cache, seq_lens, 512, monkeypatch), atol=2e-2, rtol=2e-2)
+                               sdpa_decode(q, k_cache, v_cache, seq_lens, 512), atol=2e-2, rtol=2e-2)
 
 
 def test_split_plan_fills_the_device_in_whole_blocks() -> None:
@@ -79,7 +78,7 @@ def test_split_plan_fills_the_device_in_whole_blocks() -> None:
         assert splits == 1 or batch * 8 * (splits - 1) < 2 * sms
 
 
-def test_replays_in_a_cuda_graph_with_new_lengths(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_replays_in_a_cuda_graph_with_new_lengths() -> None:
     k_cache, v_cache = caches(8, 1100, 8, 128, torch.bfloat16, seed=2)
     q = torch.randn(8, 32, 128, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.full((8,), 1024, dtype=torch.int32, device="cuda")
@@ -90,7 +89,7 @@ def test_replays_in_a_cuda_graph_with_new_lengths(monkeypatch) -> None:  # type:
     seq_lens.copy_(torch.randint(1, 1026, (8,), dtype=torch.int32))
     q.copy_(torch.randn_like(q))
     graph.replay()
-    torch.testing.assert_close(out.double(), sdpa_decode(q, k_cache, v_cache, seq_lens, 1025, monkeypatch),
+    torch.testing.assert_close(out.double(), sdpa_decode(q, k_cache, v_cache, seq_lens, 1025),
                                atol=2e-2, rtol=2e-2)
 
 
@@ -105,3 +104,39 @@ def test_store_kv_writes_what_index_copy_writes(tokens: int) -> None:
     want_k.view(-1, 8, 128).index_copy_(0, slots, k)
     want_v.view(-1, 8, 128).index_copy_(0, slots, v)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,kv_heads,length,lens", [(8, 8, 1025, "full"), (3, 2, 4000, "random"), (5, 2, 77, "zeros")])
+def test_store_in_the_decode_launch(batch, kv_heads, length, lens, dtype) -> None:  # type: ignore[no-untyped-def]
+    """``store=(k, v, slots)`` writes what ``index_copy_`` writes and returns bit for bit what
+    decoding after a separate write returns, also where the new key sits in another program's
+    slice of the row (random lengths, many splits) and for padding rows (length 0)."""
+    max_len, heads = length + 16, 4 * kv_heads
+    k_cache, v_cache = caches(batch, max_len, kv_heads, 128, dtype, seed=batch + length)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    q = torch.randn(batch, heads, 128, device="cuda").to(dtype)
+    qkv = torch.randn(batch, heads + 2 * kv_heads, 128, device="cuda").to(dtype)
+    k, v = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]  # views of a merged projection
+    if lens == "full":
+        seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    elif lens == "zeros":
+        seq_lens = torch.tensor([0, 1, length, 0, 5][:batch], dtype=torch.int32, device="cuda")
+    else:
+        seq_lens = torch.randint(1, length + 1, (batch,), dtype=torch.int32, device="cuda")
+    slots = torch.arange(batch, device="cuda") * max_len + (seq_lens.long() - 1).clamp(min=0)
+    got = decode_attention(q, k_cache, v_cache, seq_lens, length, store=(k, v, slots))
+    want_k.view(-1, kv_heads, 128).index_copy_(0, slots, k)
+    want_v.view(-1, kv_heads, 128).index_copy_(0, slots, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.equal(got, decode_attention(q, want_k, want_v, seq_lens, length))
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), sdpa_decode(q, want_k, want_v, seq_lens, length), atol=tol, rtol=tol)
+
+
+def test_store_needs_contiguous_caches() -> None:
+    k_cache, v_cache = caches(2, 64, 2, 128, torch.bfloat16, seed=0)
+    q, kv = torch.randn(2, 8, 128, device="cuda").to(torch.bfloat16), torch.randn(2, 2, 128, device="cuda").to(torch.bfloat16)
+    lens, slots = torch.full((2,), 10, dtype=torch.int32, device="cuda"), torch.tensor([9, 73], device="cuda")
+    with pytest.raises(ValueError, match="contiguous caches"):
+        decode_attention(q, k_cache[:, :32], v_cache[:, :32], lens, 10, store=(kv, kv, slots))
