@@ -25,7 +25,14 @@ system's first call: Dynamo, the backend, what it captures then); "start-up" (se
 warm-up calls took above the steady step time: first call, recompiles, CUDA-graph captures and
 recordings); the largest ``max|y - ref| / max|ref|`` against a float32 eager reference on fresh
 inputs. A step time is the median of many calls, each timed with CUDA events from an idle GPU
-(launch overhead counts), after warm-up calls.
+(launch overhead counts), after warm-up calls. Decode is also timed back to back (a second
+table): calls issued one after another, so a call's host time hides behind the device work of
+the one before, as in a serving engine's steady decode.
+
+``--paired KEY,KEY,...`` adds one more process that builds those systems side by side (same
+weights, same KV cache) and times them in alternating rounds, column by column: the goals that
+compare two systems within a few percent are read from that table, since a system's step time
+moves by a few percent from one process to the next.
 
 Each system runs in a fresh process (a crash or a sticky CUDA error costs its row only),
 compiles cold (``force_disable_caches``), and reports failures as notes. The table is rewritten
@@ -113,11 +120,20 @@ class System:
 
 
 @dataclasses.dataclass
+class Paired:
+    """What the side-by-side process measured: per column, per system, one median per round."""
+
+    ms: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class Result:
     """What one system measured."""
 
     cells: dict[str, str] = dataclasses.field(default_factory=dict)
     ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    b2b: dict[str, float] = dataclasses.field(default_factory=dict)  # decode, back to back
     first_call_s: float | None = None
     startup_s: float = 0.0
     max_err: float | None = None
@@ -159,6 +175,23 @@ class Clock:
             events.append((start, end))
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in events)
+
+    def back_to_back_ms(self, fn: Callable[[], Any], reps: int) -> float:
+        """Milliseconds per call of ``reps`` calls issued one after another (host time hides
+        behind the device work of the call before, as in an engine's steady decode)."""
+        self.sync()
+        if not self.cuda:
+            start = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            return 1e3 * (time.perf_counter() - start) / reps
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
 
     def copy_bandwidth(self, device: torch.device, nbytes: int) -> float:
         """Bytes per second of a large device-to-device copy, counting read + write."""
@@ -258,6 +291,8 @@ SYSTEMS = (
     System("inductor", "inductor", _inductor(None), inductor=True),
     System("fused-eager", "hand-fused eager", _eager(True)),
 )
+SYSTEM_BY_KEY = {s.key: s for s in SYSTEMS}
+PAIRED = "paired"  # the child that runs the --paired systems side by side
 
 
 def _short(e: BaseException) -> str:
@@ -320,6 +355,8 @@ def run_system(system: System, cols: list[Scenario], ctx: RunContext, save: Call
             reps = max(MIN_REPS, min(MAX_REPS, int(ctx.args.target_s / max(warm[-1], 1e-5))))
             ms = ctx.clock.median_ms(lambda: step(**batch), reps)
             res.startup_s += max(0.0, sum(warm) - len(warm) * ms / 1e3)
+            if col.kind == "decode":
+                res.b2b[col.name] = ctx.clock.back_to_back_ms(lambda: step(**batch), reps)
             ctx.model.fill_kv_cache_random(FILL_SEED)  # undo what captures wrote with dummy inputs
             errors.append(rel_err(step(**ctx.checks[col.name]), ctx.refs[col.name]))
             res.ms[col.name] = ms
@@ -343,6 +380,49 @@ def run_system(system: System, cols: list[Scenario], ctx: RunContext, save: Call
     del step, backend
     torch._dynamo.reset()
     _free_memory()
+    return res
+
+
+def run_paired(keys: list[str], cols: list[Scenario], ctx: RunContext, save: Callable[[Paired], None]) -> Paired:
+    """Build every system of ``keys`` in this process, then per column: warm each up, and time
+    them in ``--rounds`` rounds, each round every system once (``median_ms``, the table's
+    measure), the order rotated from round to round. A system that fails on a column is
+    left out of that column with a note."""
+    res, steps = Paired(), {}
+    torch._dynamo.reset()
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, 64)  # several systems compile the same forward
+    for key in keys:
+        system = SYSTEM_BY_KEY[key]
+        try:
+            steps[key] = system.build(ctx.model, ctx.twin, ctx.capture)[0]
+        except Exception as e:  # noqa: BLE001
+            res.notes.append(f"{system.label}: not built: {_short(e)}")
+    for col in cols:
+        if time.time() > ctx.args.deadline:
+            res.notes.append(f"{col.name}: skipped, past --budget-s")
+            continue
+        batch, live, warm = ctx.batches[col.name], {}, 0.0
+        for key, step in steps.items():
+            if col.kind not in SYSTEM_BY_KEY[key].kinds:
+                continue
+            try:
+                for _ in range(ctx.args.warmup):
+                    warm = ctx.clock.wall(lambda: step(**batch))
+                live[key] = step
+            except Exception as e:  # noqa: BLE001
+                res.notes.append(f"{SYSTEM_BY_KEY[key].label}, {col.name}: {_short(e)}")
+                _free_memory()
+        reps = max(MIN_REPS, min(MAX_REPS, int(ctx.args.target_s / max(warm, 1e-5))))
+        times: dict[str, list[float]] = {key: [] for key in live}
+        for r in range(ctx.args.rounds):
+            order = list(live)[r % max(len(live), 1):] + list(live)[: r % max(len(live), 1)]
+            for key in order:
+                times[key].append(ctx.clock.median_ms(lambda: live[key](**batch), reps))
+        log(f"  paired {col.name}: " + ", ".join(f"{k} {statistics.median(v):.3f} ms" for k, v in times.items()))
+        res.ms[col.name] = times
+        ctx.model.fill_kv_cache_random(FILL_SEED)
+        save(res)
     return res
 
 
@@ -467,18 +547,25 @@ def child_main(args: argparse.Namespace, plan: Plan) -> int:
     """Run one system (``--child KEY``) and leave its Result in ``<workdir>/KEY.json``."""
     model, twin, batches, checks = prepare(plan)
     refs = {k: v.to(plan.device) for k, v in torch.load(Path(args.workdir) / "refs.pt").items()}
-    system = next(s for s in SYSTEMS if s.key == args.child)
-    out = Path(args.workdir) / f"{system.key}.json"
-    _warm_process(plan.device, system.inductor)
+    out = Path(args.workdir) / f"{args.child}.json"
+    paired = args.child == PAIRED
+    keys = args.paired.split(",") if paired else [args.child]
+    _warm_process(plan.device, any(SYSTEM_BY_KEY[k].inductor for k in keys))
     _warm_attention(model, batches)
     ctx = RunContext(args, Clock(plan.device), model, twin, plan.capture, batches, checks, refs)
-    run_system(system, plan.cols, ctx, save=lambda r: out.write_text(json.dumps(dataclasses.asdict(r))))
+    save = lambda r: out.write_text(json.dumps(dataclasses.asdict(r)))  # noqa: E731
+    if paired:
+        run_paired(keys, plan.cols, ctx, save)
+    else:
+        run_system(SYSTEM_BY_KEY[args.child], plan.cols, ctx, save)
     return 0
 
 
-def run_child(key: str, argv: list[str], args: argparse.Namespace, cols: list[Scenario]) -> Result:
-    """One system in a fresh process: a crash, a hung capture or a sticky CUDA error costs that
-    row only. Its stderr streams through; past the deadline (plus a grace) it is killed."""
+def run_child(key: str, argv: list[str], args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
+    """One system (or the paired systems) in a fresh process: a crash, a hung capture or a
+    sticky CUDA error costs that row only. Its stderr streams through; past the deadline (plus
+    a grace) it is killed. Returns what it saved (a Result or Paired as a dict), and why it
+    failed (None if it did not)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", key, "--workdir", args.workdir,
            "--deadline", str(args.deadline)]
     # its own process group, so that a kill also ends the compile workers it started
@@ -495,12 +582,20 @@ def run_child(key: str, argv: list[str], args: argparse.Namespace, cols: list[Sc
     killed = not timer.is_alive() and rc != 0
     timer.cancel()
     path = Path(args.workdir) / f"{key}.json"
-    res = Result(**json.loads(path.read_text())) if path.exists() else Result()
-    if rc != 0:
-        why = "killed past --budget-s" if killed else f"exited with {rc}"
-        last = tail[-1].replace("|", "/")[:300] if tail else "none"
-        res.notes.append(f"process {why}; its last line: {last}")
-        res.cells = {c.name: res.cells.get(c.name, "killed" if killed else "failed") for c in cols}
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    if rc == 0:
+        return saved, None
+    why = "killed past --budget-s" if killed else f"exited with {rc}"
+    last = tail[-1].replace("|", "/")[:300] if tail else "none"
+    return saved, f"process {why}; its last line: {last}"
+
+
+def run_system_child(key: str, argv: list[str], args: argparse.Namespace, cols: list[Scenario]) -> Result:
+    saved, failed = run_child(key, argv, args)
+    res = Result(**saved)
+    if failed:
+        res.notes.append(failed)
+        res.cells = {c.name: res.cells.get(c.name, "killed" if "killed" in failed else "failed") for c in cols}
     return res
 
 
@@ -511,35 +606,96 @@ def _ratio_line(what: str, value: float | None, goal: float) -> str:
     return f"- {what}: {value:.3f} (goal <= {goal:g}): {verdict}"
 
 
-def goal_lines(results: dict[str, Result], floor: dict[str, float], cols: list[Scenario]) -> list[str]:
-    """The issue's goals, checked on this run: decode 8 against the floor and the hand-fused
-    ceiling, fxrewrite against Inductor + CUDA graphs per column, compile time against Inductor."""
+def _ratios(paired: Paired, col: str, a: str, b: str) -> list[float]:
+    """Per-round ratios a / b of the side-by-side table (empty where either is missing)."""
+    times = paired.ms.get(col, {})
+    return [x / y for x, y in zip(times.get(a, []), times.get(b, []))]
+
+
+def goal_lines(results: dict[str, Result], floor: dict[str, float], cols: list[Scenario], paired: Paired) -> list[str]:
+    """The issue's goals, checked on this run: decode 8 against the floor (from an idle device and
+    back to back) and the hand-fused ceiling, fxrewrite against Inductor + CUDA graphs per column,
+    compile time against Inductor. Where the side-by-side table has both systems of a
+    comparison, its median ratio is the verdict; the ratio across processes stays beside it."""
     fx, full, fused, fused_full, icg = (results.get(k, Result()) for k in (
         "fxrewrite", "fxrewrite-full", "fused-piecewise", "fused-full", "inductor-cg"))
 
-    def best(name: str) -> float | None:
-        return min((r.ms[name] for r in (fx, full) if name in r.ms), default=None)
+    def best(name: str, field: str = "ms") -> float | None:
+        return min((getattr(r, field)[name] for r in (fx, full) if name in getattr(r, field)), default=None)
 
     def over(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None
 
+    def compared(what: str, across: float | None, pairs: list[tuple[str, str]], col: str, goal: float) -> list[str]:
+        """The side-by-side verdict where measured (the first pair found), else the cross-process one."""
+        for a, b in pairs:
+            if ratios := _ratios(paired, col, a, b):
+                spread = f"rounds {min(ratios):.3f}-{max(ratios):.3f}"
+                label = f"{what}, one process ({SYSTEM_BY_KEY[a].label} / {SYSTEM_BY_KEY[b].label}, {spread})"
+                extra = f" [across processes: {across:.3f}]" if across is not None else ""
+                return [_ratio_line(label, statistics.median(ratios), goal) + extra]
+        return [_ratio_line(f"{what}, across processes", across, goal)]
+
     lines = [
         _ratio_line("decode 8, best fxrewrite / HBM floor", over(best("decode 8"), floor.get("decode 8")), 1.25),
-        _ratio_line("decode 8, fxrewrite piecewise / hand-fused piecewise", over(fx.ms.get("decode 8"), fused.ms.get("decode 8")), 1.02),
-        _ratio_line("decode 8, fxrewrite full / hand-fused full", over(full.ms.get("decode 8"), fused_full.ms.get("decode 8")), 1.02),
+        _ratio_line("decode 8 back to back, best fxrewrite / HBM floor", over(best("decode 8", "b2b"), floor.get("decode 8")), 1.25),
+        _ratio_line("decode 8, fxrewrite piecewise / hand-fused piecewise, across processes",
+                    over(fx.ms.get("decode 8"), fused.ms.get("decode 8")), 1.02),
     ]
-    lines += [_ratio_line(f"{c.name}, best fxrewrite / inductor + CUDA graphs", over(best(c.name), icg.ms.get(c.name)), 1.0) for c in cols]
+    lines += compared("decode 8, fxrewrite full / hand-fused full", over(full.ms.get("decode 8"), fused_full.ms.get("decode 8")),
+                      [("fxrewrite-full", "fused-full")], "decode 8", 1.02)
+    for c in cols:
+        lines += compared(f"{c.name}, best fxrewrite / inductor + CUDA graphs", over(best(c.name), icg.ms.get(c.name)),
+                          [("fxrewrite-full", "inductor-cg"), ("fxrewrite", "inductor-cg")], c.name, 1.0)
     inductor_first = [r.first_call_s for k, r in results.items() if k.startswith("inductor") and r.first_call_s]
     lines.append(_ratio_line("first call, fxrewrite piecewise / fastest inductor", over(fx.first_call_s, min(inductor_first, default=None)), 0.2))
     return lines
 
 
-def render(header: list[str], results: dict[str, Result], labels: dict[str, str], extra: dict[str, dict[str, float]], cols: list[Scenario]) -> str:
-    """Header, goals and notes, then the one table (last); ``extra`` rows (attention alone, the
-    HBM floor) close it."""
+def paired_table(paired: Paired, cols: list[Scenario]) -> list[str]:
+    """The side-by-side table: each system's median over rounds, and the first system's per-round
+    ratio to each other one (median, min-max)."""
+    keys = list(dict.fromkeys(k for c in cols for k in paired.ms.get(c.name, {})))
+    if not keys:
+        return []
+    first, rest = keys[0], keys[1:]
+    labels = [SYSTEM_BY_KEY[k].label for k in keys]
+    rounds = max(len(v) for t in paired.ms.values() for v in t.values())
+    out = ["", f"Side by side in one process ({rounds} rounds; step ms from an idle device, median of each "
+               f"system's round medians; ratios: median of the per-round ratios, min-max):", "",
+           "| column | " + " | ".join(f"{x} ms" for x in labels) + " | "
+           + " | ".join(f"{labels[0]} / {SYSTEM_BY_KEY[k].label}" for k in rest) + " |",
+           "|" + "---|" * (1 + len(keys) + len(rest))]
+    for c in cols:
+        times = paired.ms.get(c.name, {})
+        if not times:
+            continue
+        cells = [f"{statistics.median(times[k]):.3f}" if times.get(k) else "-" for k in keys]
+        for k in rest:
+            r = _ratios(paired, c.name, first, k)
+            cells.append(f"{statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})" if r else "-")
+        out.append(f"| {c.name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def render(header: list[str], results: dict[str, Result], labels: dict[str, str], extra: dict[str, dict[str, float]],
+           cols: list[Scenario], paired: Paired) -> str:  # fmt: skip
+    """Header, goals and notes, then the side-by-side and back-to-back tables, then the one table
+    of every system (last); ``extra`` rows (attention alone, the HBM floor) close it."""
     floor = extra["HBM floor"]
-    out = [*header, "", "Goals (issue 6), from this run:", *goal_lines(results, floor, cols), "", "Notes:"]
-    out += [f"- {labels[k]}: {n}" for k, r in results.items() for n in r.notes] or ["- none"]
+    out = [*header, "", "Goals (issue 6), from this run:", *goal_lines(results, floor, cols, paired), "", "Notes:"]
+    out += [f"- {labels[k]}: {n}" for k, r in results.items() for n in r.notes]
+    out += [f"- side by side: {n}" for n in paired.notes]
+    if out[-1] == "Notes:":
+        out.append("- none")
+    out += paired_table(paired, cols)
+    decode = [c.name for c in cols if c.kind == "decode"]
+    b2b = {k: r.b2b for k, r in results.items() if r.b2b}
+    if b2b:
+        out += ["", "Decode, calls back to back (ms per step):", "", "| system | " + " | ".join(decode) + " |",
+                "|" + "---|" * (len(decode) + 1)]
+        out += [f"| {labels[k]} | " + " | ".join(f"{v[n]:.2f}" if n in v else "-" for n in decode) + " |" for k, v in b2b.items()]
+        out.append("| HBM floor | " + " | ".join(f"{floor[n]:.2f}" for n in decode) + " |")
     names = [c.name for c in cols]
     out += ["", "| system | " + " | ".join(f"{n} ms" for n in names) + " | first call s | start-up s | max rel err |"]
     out.append("|" + "---|" * (len(names) + 4))
@@ -560,6 +716,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 on cuda, fp32 on cpu")
     p.add_argument("--out", type=Path, default=None, help="write the markdown here (rewritten after every system)")
     p.add_argument("--systems", default=None, help="comma-separated keys: " + ", ".join(s.key for s in SYSTEMS))
+    p.add_argument("--paired", default=None, help="comma-separated keys timed side by side in one more process "
+                   "(the first against each other), e.g. fxrewrite-full,fused-full,inductor-cg")
+    p.add_argument("--rounds", type=int, default=7, help="alternating rounds of the --paired process")
     p.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
     p.add_argument("--context", type=int, default=1024, help="cached tokens per sequence in decode (tiny: at most 64)")
     p.add_argument("--prefill-seqs", type=int, default=1, help="sequences per prefill step (>1 runs attention's host loop)")
@@ -585,9 +744,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(args)
     if args.child:
         return child_main(args, plan)
-    keys = args.systems.split(",") if args.systems else [s.key for s in SYSTEMS]
-    if unknown := set(keys) - {s.key for s in SYSTEMS}:
-        raise SystemExit(f"unknown --systems {sorted(unknown)}; known: {[s.key for s in SYSTEMS]}")
+    keys = [k for k in args.systems.split(",") if k] if args.systems is not None else [s.key for s in SYSTEMS]
+    paired_keys = [k for k in (args.paired or "").split(",") if k]
+    if unknown := set(keys + paired_keys) - set(SYSTEM_BY_KEY):
+        raise SystemExit(f"unknown systems {sorted(unknown)}; known: {list(SYSTEM_BY_KEY)}")
     chosen = [s for s in SYSTEMS if s.key in keys]
     args.deadline = time.time() + args.budget_s
     args.workdir = tempfile.mkdtemp(prefix="fxrewrite-e2e-")
@@ -623,24 +783,42 @@ def main(argv: list[str] | None = None) -> int:
     ]
     labels = {s.key: s.label for s in chosen}
     results: dict[str, Result] = {}
-    text = ""
-    for system in chosen:
-        log(f"{system.label} ...")
-        if system.needs_cuda and device.type != "cuda":
-            res = Result(cells={c.name: "n/a" for c in cols}, notes=["needs CUDA"])
-        elif system.inductor and device.type != "cuda" and not args.inductor:
-            res = Result(cells={c.name: "n/a" for c in cols}, notes=["Inductor rows off on CPU (--inductor runs them)"])
-        elif time.time() > args.deadline:
-            res = Result(cells={c.name: "skipped" for c in cols}, notes=["skipped, past --budget-s"])
-        else:
-            res = run_child(system.key, argv, args, cols)
-        results[system.key] = res
-        text = render(header, results, labels, extra, cols)
+    paired = Paired()
+
+    def write() -> str:
+        text = render(header, results, labels, extra, cols, paired)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text)
-    print(text)
+        return text
+
+    for system in chosen:
+        log(f"{system.label} ...")
+        if why := _cannot_run(system, device, args):
+            res = Result(cells={c.name: "n/a" if why != "skipped, past --budget-s" else "skipped" for c in cols}, notes=[why])
+        else:
+            res = run_system_child(system.key, argv, args, cols)
+        results[system.key] = res
+        write()
+    runnable = [k for k in paired_keys if not _cannot_run(SYSTEM_BY_KEY[k], device, args)]
+    paired.notes += [f"{k}: {_cannot_run(SYSTEM_BY_KEY[k], device, args)}" for k in paired_keys if k not in runnable]
+    if len(runnable) > 1:
+        log(f"side by side: {', '.join(runnable)} ...")
+        saved, failed = run_child(PAIRED, [*argv, "--paired", ",".join(runnable)], args)
+        paired.ms, paired.notes = saved.get("ms", {}), paired.notes + saved.get("notes", []) + ([failed] if failed else [])
+    print(write())
     return 0
+
+
+def _cannot_run(system: System, device: torch.device, args: argparse.Namespace) -> str | None:
+    """Why ``system`` does not run here (None if it does)."""
+    if system.needs_cuda and device.type != "cuda":
+        return "needs CUDA"
+    if system.inductor and device.type != "cuda" and not args.inductor:
+        return "Inductor rows off on CPU (--inductor runs them)"
+    if time.time() > args.deadline:
+        return "skipped, past --budget-s"
+    return None
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Decode step of the 8B-shaped engine Llama, fxrewrite full against Inductor + CUDA graphs, in
 one process: steps back to back between two CUDA events, steps one at a time from an idle device
 (bench_e2e's method: host time before the replay counts), and with ``--profile`` the kernels of
-5 steps by ``torch.profiler`` (GPU only).
+5 steps by ``torch.profiler`` (GPU only). ``--host`` splits the first row's idle-device step
+into where its host time goes (:func:`host_breakdown`).
 
 Rows: fxrewrite (``--mode`` full or piecewise) through ``Backend.compile`` (Python floats are
 graph constants), the same with the attention op's torch path instead of its Triton kernels
@@ -10,15 +11,17 @@ plain ``torch.compile`` (Dynamo lifts the 65 eps floats to tensors built every c
 Inductor + CUDA graphs (``mode="reduce-overhead"``; ``--no-inductor`` skips it). ``--profile``
 adds the kernels and the host-side CUDA calls of 5 steps of the first row.
 
-    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile]
+    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +74,73 @@ def measure(label: str, step: Any, batch: dict[str, torch.Tensor], profile: bool
     return b2b, idle
 
 
+@contextlib.contextmanager
+def _marks(runner_cls: type, into: dict[str, list[float]]) -> Iterator[None]:
+    """Record host times (perf_counter) at the runner's entry and around every graph replay, and
+    a CUDA event just before each replay, into ``into`` (the last call's values are at [-1])."""
+    call, replay = runner_cls.__call__, torch.cuda.CUDAGraph.replay
+
+    def on_call(self: Any, *args: Any) -> Any:
+        into["runner"].append(time.perf_counter())
+        return call(self, *args)
+
+    def on_replay(self: torch.cuda.CUDAGraph) -> None:
+        into["replay"].append(time.perf_counter())
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        into["replay_event"].append(event)
+        replay(self)
+        into["replayed"].append(time.perf_counter())
+
+    runner_cls.__call__, torch.cuda.CUDAGraph.replay = on_call, on_replay
+    try:
+        yield
+    finally:
+        runner_cls.__call__, torch.cuda.CUDAGraph.replay = call, replay
+
+
+def host_breakdown(step: Callable[..., Any], batch: dict[str, torch.Tensor], reps: int = 100) -> dict[str, float]:
+    """Where an idle-device step's time goes, medians over ``reps`` single steps (microseconds):
+    ``dynamo`` (the call until the Runner starts: guards, Dynamo's frame, argument gathering),
+    ``runner`` (Runner start to the first replay: dispatch, checks, input copies),
+    ``launch`` (host time of the replay calls), ``after`` (last replay to the step's return:
+    output copies), ``gpu_wait`` (the CUDA event at the step's start to the one before the first
+    replay: how long the device waited for it), ``graph`` (that event to the step's end: the
+    replayed work), ``step`` (the whole step, as bench_e2e times it)."""
+    from fxrewrite.runtime.cudagraph import Runner
+
+    rows: dict[str, list[float]] = {k: [] for k in ("dynamo", "runner", "launch", "after", "gpu_wait", "graph", "step")}
+    marks: dict[str, list[Any]] = {k: [] for k in ("runner", "replay", "replay_event", "replayed")}
+    with torch.no_grad(), _marks(Runner, marks):
+        for _ in range(reps + 3):
+            for v in marks.values():
+                v.clear()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            start.record()
+            step(**batch)
+            end.record()
+            t1 = time.perf_counter()
+            end.synchronize()
+            if not marks["replay"]:
+                raise RuntimeError("no CUDA graph replayed: the step ran eagerly")
+            rows["dynamo"].append(marks["runner"][0] - t0)
+            rows["runner"].append(marks["replay"][0] - marks["runner"][0])
+            rows["launch"].append(sum(b - a for a, b in zip(marks["replay"], marks["replayed"])))
+            rows["after"].append(t1 - marks["replayed"][-1])
+            rows["gpu_wait"].append(start.elapsed_time(marks["replay_event"][0]) / 1e3)
+            rows["graph"].append(marks["replay_event"][0].elapsed_time(end) / 1e3)
+            rows["step"].append(start.elapsed_time(end) / 1e3)
+    return {k: 1e6 * statistics.median(v[3:]) for k, v in rows.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", type=int, default=8)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--host", action="store_true", help="split the first row's idle-device step by stage (host_breakdown)")
     p.add_argument("--mode", choices=("full", "piecewise"), default="full")
     p.add_argument("--no-inductor", action="store_true")
     p.add_argument("--no-lifted", action="store_true", help="skip the plain torch.compile row")
@@ -102,6 +167,14 @@ def main() -> None:
     torch._dynamo.reset()
     step = fx().compile(model)
     rows[f"{label} (Backend.compile)"] = measure(label, step, batch, args.profile)
+    if args.host:
+        host = host_breakdown(step, batch)
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            unguarded = host_breakdown(step, batch)
+        print(f"\n{label}, decode {args.seqs}: one step from an idle device, us (median)")
+        print("| | " + " | ".join(host) + " |\n|---|" + "---|" * len(host))
+        for name, row in (("as compiled", host), ("skip_guard_eval_unsafe", unguarded)):
+            print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in row.values()) + " |")
     if args.mode == "piecewise":  # attention runs eagerly between the replays: its path is chosen per call
         engine_model.KERNELS = "torch"
         rows[f"{label}, attention op's torch path"] = measure(f"{label}, torch attention", step, batch, False)
