@@ -17,10 +17,10 @@ captures a fixed launch; the lengths are read on the device. Sequences past the 
 read row ``b % rows``, as the torch path does (a runner warming up a size the engine never runs).
 
 With ``store=(k, v, slots)`` the partial kernel also writes the step's keys and values into the
-cache (the programs of split 0, one per sequence and KV head) and, wherever a program's walk
-reaches the slot written, takes the new key and value from ``k``, ``v`` rather than the cache:
-no program reads another's write, and the engine model's decode step is two launches, not
-three. :func:`store_kv` writes keys and values alone (prefill), one launch for both caches. This file imports Triton at the top; :mod:`engine_model` imports it
+cache (the programs of split 0, one per sequence and KV head); a program whose slice holds the
+slot written walks the cache before and after it and takes the new key and value from ``k``,
+``v`` (one extra softmax step, no per-block work): no program reads another's write, and the
+engine model's decode step is two launches, not three. :func:`store_kv` writes keys and values alone (prefill), one launch for both caches. This file imports Triton at the top; :mod:`engine_model` imports it
 only where Triton is installed and uses it for CUDA tensors, torch elsewhere
 (``engine_model.KERNELS = "torch"``, or env ``FXBENCH_ATTENTION=torch``, forces torch).
 """
@@ -33,6 +33,26 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _walk(q, m, total, acc, k_row, v_row, k_sn, v_sn, lo, hi, scale, d,
+          BLOCK: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Online softmax over the cached keys [lo, hi) of one row, in blocks."""
+    for n0 in range(lo, hi, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        valid = n < hi
+        k = tl.load(k_row + n[:, None] * k_sn + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        total = total * alpha + tl.sum(p, 1)
+        v = tl.load(v_row + n[:, None] * v_sn + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return m, total, acc
 
 
 @triton.jit
@@ -50,15 +70,6 @@ def _partial_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     g, d = tl.arange(0, GROUP_PAD), tl.arange(0, DIM)
-    new_pos = -1  # the position in this row written by this step (STORE), else none
-    if STORE:  # contiguous caches: a slot is row * max_len + position
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        k_new = tl.load(nk_ptr + b * nk_sb + kvh * nk_sh + d)
-        v_new = tl.load(nv_ptr + b * nv_sb + kvh * nv_sh + d)
-        if split == 0:
-            tl.store(k_ptr + slot * k_sn + kvh * k_sh + d, k_new)
-            tl.store(v_ptr + slot * v_sn + kvh * v_sh + d, v_new)
-        new_pos = slot - row * (k_sr // k_sn)
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -66,23 +77,30 @@ def _partial_kernel(
     acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
     k_row = k_ptr + row * k_sr + kvh * k_sh
     v_row = v_ptr + row * v_sr + kvh * v_sh
-    for n0 in range(start, end, BLOCK):
-        n = n0 + tl.arange(0, BLOCK)
-        valid = n < end
-        k = tl.load(k_row + n[:, None] * k_sn + d[None, :], mask=valid[:, None], other=0.0)
-        if STORE:
-            k = tl.where((n == new_pos)[:, None], k_new[None, :], k)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        total = total * alpha + tl.sum(p, 1)
-        v = tl.load(v_row + n[:, None] * v_sn + d[None, :], mask=valid[:, None], other=0.0)
-        if STORE:
-            v = tl.where((n == new_pos)[:, None], v_new[None, :], v)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+    if STORE:
+        # contiguous caches: a slot is row * max_len + position. Split 0 writes the new key and
+        # value; every program reads the cache around that position and takes the new key and
+        # value from the inputs, so none reads another's write.
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        k_new = tl.load(nk_ptr + b * nk_sb + kvh * nk_sh + d)
+        v_new = tl.load(nv_ptr + b * nv_sb + kvh * nv_sh + d)
+        if split == 0:
+            tl.store(k_ptr + slot * k_sn + kvh * k_sh + d, k_new)
+            tl.store(v_ptr + slot * v_sn + kvh * v_sh + d, v_new)
+        new = (slot - row * (k_sr // k_sn)).to(tl.int32)  # its position in this row
+        cut = tl.minimum(tl.maximum(new, start), end)
+        m, total, acc = _walk(q, m, total, acc, k_row, v_row, k_sn, v_sn, start, cut, scale, d, BLOCK, PRECISION)
+        if (new >= start) & (new < end):
+            s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+            m_new = tl.maximum(m, s)
+            alpha, p = tl.exp(m - m_new), tl.exp(s - m_new)
+            total = total * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+            m = m_new
+        m, total, acc = _walk(q, m, total, acc, k_row, v_row, k_sn, v_sn, tl.maximum(cut, tl.minimum(new + 1, end)), end,
+                              scale, d, BLOCK, PRECISION)  # fmt: skip
+    else:
+        m, total, acc = _walk(q, m, total, acc, k_row, v_row, k_sn, v_sn, start, end, scale, d, BLOCK, PRECISION)
     # an empty slice (its start past the sequence's length) has total 0: weight 0 in the combine
     out = (b * kv_heads * GROUP + heads) * SPLITS + split
     keep = g < GROUP
