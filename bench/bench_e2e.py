@@ -124,6 +124,7 @@ class Paired:
     """What the side-by-side process measured: per column, per system, one median per round."""
 
     ms: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)
+    first_call_s: dict[str, float] = dataclasses.field(default_factory=dict)  # per system: its first call
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -409,6 +410,7 @@ def run_paired(keys: list[str], cols: list[Scenario], ctx: RunContext, save: Cal
             try:
                 for _ in range(ctx.args.warmup):
                     warm = ctx.clock.wall(lambda: step(**batch))
+                    res.first_call_s.setdefault(key, warm)
                 live[key] = step
             except Exception as e:  # noqa: BLE001
                 res.notes.append(f"{SYSTEM_BY_KEY[key].label}, {col.name}: {_short(e)}")
@@ -647,8 +649,9 @@ def goal_lines(results: dict[str, Result], floor: dict[str, float], cols: list[S
     for c in cols:
         lines += compared(f"{c.name}, best fxrewrite / inductor + CUDA graphs", over(best(c.name), icg.ms.get(c.name)),
                           [("fxrewrite-full", "inductor-cg"), ("fxrewrite", "inductor-cg")], c.name, 1.0)
-    inductor_first = [r.first_call_s for k, r in results.items() if k.startswith("inductor") and r.first_call_s]
-    lines.append(_ratio_line("first call, fxrewrite piecewise / fastest inductor", over(fx.first_call_s, min(inductor_first, default=None)), 0.2))
+    firsts = {**paired.first_call_s, **{k: r.first_call_s for k, r in results.items() if r.first_call_s}}
+    inductor_first = min((v for k, v in firsts.items() if SYSTEM_BY_KEY[k].inductor), default=None)
+    lines.append(_ratio_line("first call, fxrewrite piecewise / fastest inductor", over(fx.first_call_s, inductor_first), 0.2))
     return lines
 
 
@@ -675,6 +678,8 @@ def paired_table(paired: Paired, cols: list[Scenario]) -> list[str]:
             r = _ratios(paired, c.name, first, k)
             cells.append(f"{statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})" if r else "-")
         out.append(f"| {c.name} | " + " | ".join(cells) + " |")
+    out.append("| first call s | " + " | ".join(f"{paired.first_call_s[k]:.1f}" if k in paired.first_call_s else "-" for k in keys)
+               + " |" + " |" * len(rest))
     return out
 
 
@@ -805,7 +810,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(runnable) > 1:
         log(f"side by side: {', '.join(runnable)} ...")
         saved, failed = run_child(PAIRED, [*argv, "--paired", ",".join(runnable)], args)
-        paired.ms, paired.notes = saved.get("ms", {}), paired.notes + saved.get("notes", []) + ([failed] if failed else [])
+        paired.ms, paired.first_call_s = saved.get("ms", {}), saved.get("first_call_s", {})
+        paired.notes += saved.get("notes", []) + ([failed] if failed else [])
     print(write())
     return 0
 
