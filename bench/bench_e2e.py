@@ -29,7 +29,7 @@ inputs. A step time is the median of many calls, each timed with CUDA events fro
 table): calls issued one after another, so a call's host time hides behind the device work of
 the one before, as in a serving engine's steady decode.
 
-``--paired KEY,KEY,...`` adds one more process that builds those systems side by side (same
+``--paired KEY,KEY,...`` adds one more process, run first, that builds those systems side by side (same
 weights, same KV cache) and times them in alternating rounds, column by column: the goals that
 compare two systems within a few percent are read from that table, since a system's step time
 moves by a few percent from one process to the next.
@@ -797,6 +797,15 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(text)
         return text
 
+    # the side-by-side process first: the goals that need it are read from it
+    runnable = [k for k in paired_keys if not _cannot_run(SYSTEM_BY_KEY[k], device, args)]
+    paired.notes += [f"{k}: {_cannot_run(SYSTEM_BY_KEY[k], device, args)}" for k in paired_keys if k not in runnable]
+    if len(runnable) > 1:
+        log(f"side by side: {', '.join(runnable)} ...")
+        saved, failed = run_child(PAIRED, [*argv, "--paired", ",".join(runnable)], args)
+        paired.ms, paired.first_call_s = saved.get("ms", {}), saved.get("first_call_s", {})
+        paired.notes += saved.get("notes", []) + ([failed] if failed else [])
+        write()
     for system in chosen:
         log(f"{system.label} ...")
         if why := _cannot_run(system, device, args):
@@ -805,13 +814,6 @@ def main(argv: list[str] | None = None) -> int:
             res = run_system_child(system.key, argv, args, cols)
         results[system.key] = res
         write()
-    runnable = [k for k in paired_keys if not _cannot_run(SYSTEM_BY_KEY[k], device, args)]
-    paired.notes += [f"{k}: {_cannot_run(SYSTEM_BY_KEY[k], device, args)}" for k in paired_keys if k not in runnable]
-    if len(runnable) > 1:
-        log(f"side by side: {', '.join(runnable)} ...")
-        saved, failed = run_child(PAIRED, [*argv, "--paired", ",".join(runnable)], args)
-        paired.ms, paired.first_call_s = saved.get("ms", {}), saved.get("first_call_s", {})
-        paired.notes += saved.get("notes", []) + ([failed] if failed else [])
     print(write())
     return 0
 
