@@ -25,6 +25,16 @@ def sdpa_decode(q, k_cache, v_cache, seq_lens, length):  # type: ignore[no-untyp
     return engine_model._decode(q.double(), k_cache.double(), v_cache.double(), seq_lens, kv_range)
 
 
+def key_counts(kind: str, batch: int, length: int) -> torch.Tensor:
+    """seq_lens [batch] int32: ``length`` each ("full", "middle"), padding rows of length 0 among
+    real ones ("zeros"), or random in [1, length]."""
+    if kind in ("full", "middle"):
+        return torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    if kind == "zeros":
+        return torch.tensor([0, 1, length, 0, 5][:batch], dtype=torch.int32, device="cuda")
+    return torch.randint(1, length + 1, (batch,), dtype=torch.int32, device="cuda")
+
+
 def caches(rows: int, max_len: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int):  # type: ignore[no-untyped-def]
     g = torch.Generator(device="cuda").manual_seed(seed)
     shape = (rows, max_len, kv_heads, dim)
@@ -47,12 +57,7 @@ def test_matches_sdpa(batch, heads, kv_heads, dim, length, lens, dtype) -> None:
     rows = 4 if batch == 6 else max(batch, 1)
     k_cache, v_cache = caches(rows, length + 16, kv_heads, dim, dtype, seed=batch + length)
     q = torch.randn(batch, heads, dim, device="cuda").to(dtype)
-    if lens == "full":
-        seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-    elif lens == "zeros":
-        seq_lens = torch.tensor([0, 1, length, 0, 5][:batch], dtype=torch.int32, device="cuda")
-    else:
-        seq_lens = torch.randint(1, length + 1, (batch,), dtype=torch.int32, device="cuda")
+    seq_lens = key_counts(lens, batch, length)
     got = decode_attention(q, k_cache, v_cache, seq_lens, length)
     want = sdpa_decode(q, k_cache, v_cache, seq_lens, length)
     assert got.shape == q.shape and got.dtype == dtype and got.is_contiguous()
@@ -119,15 +124,9 @@ def test_store_in_the_decode_launch(batch, kv_heads, length, lens, dtype) -> Non
     q = torch.randn(batch, heads, 128, device="cuda").to(dtype)
     qkv = torch.randn(batch, heads + 2 * kv_heads, 128, device="cuda").to(dtype)
     k, v = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]  # views of a merged projection
-    if lens == "full":
-        seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-    elif lens == "zeros":
-        seq_lens = torch.tensor([0, 1, length, 0, 5][:batch], dtype=torch.int32, device="cuda")
-    else:
-        seq_lens = torch.randint(1, length + 1, (batch,), dtype=torch.int32, device="cuda")
+    seq_lens = key_counts(lens, batch, length)
     position = (seq_lens.long() - 1).clamp(min=0)  # decode: the new token is the row's last key
     if lens == "middle":  # a write anywhere in the row (a slot the engine reuses)
-        seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
         position = torch.randint(0, length, (batch,), device="cuda")
     slots = torch.arange(batch, device="cuda") * max_len + position
     got = decode_attention(q, k_cache, v_cache, seq_lens, length, store=(k, v, slots))
