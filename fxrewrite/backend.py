@@ -186,8 +186,8 @@ class Backend:
                 node.meta["fxr_param"] = value  # real weights, for passes that re-lay them
             elif isinstance(value, torch.Tensor) and getattr(value, "_dynamo_static_input_type", None):
                 node.meta["fxr_buffer"] = value  # module state (a buffer): tables may fold from it
-            elif _lifted(node):  # a Python scalar Dynamo passes as a tensor (see meta.constant);
-                node.meta["fxr_real"] = value.detach().clone()  # not a one-element input (positions of one token)
+            elif _lifted(node):  # a Python scalar, not a one-element input such as one token's positions
+                node.meta["fxr_real"] = value.detach().clone()  # its compile-time value (see meta.constant)
         pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs), lint=self.config.lint)
         graph_report = pm.run(gm)
         self.graphs.append(gm)

@@ -28,8 +28,9 @@ Static addresses: a CUDA graph reads its inputs where they were at capture.
   ``torch._dynamo.mark_static_address``) are read in place, never copied; each call checks
   they are the same tensors (another address makes the call eager, with a warning).
 - Other inputs of captured pieces have one buffer each, shared by all sizes (a size uses a
-  prefix); inputs found elsewhere are copied in (one launch per dtype), counted per step (``static_input_copies``);
-  writing into ``Runner.static_inputs(n)`` avoids it. An input written in place is copied back.
+  prefix); inputs found elsewhere are copied in (one launch per dtype), counted per step
+  (``static_input_copies``); writing into ``Runner.static_inputs(n)`` avoids it. An input
+  written in place is copied back.
 - A captured piece reads earlier captured pieces' outputs where their replay wrote them: no
   copy. Splitting pieces return fresh tensors, copied into the next piece's buffer
   (``activation_copies``), unless the op writes into a buffer the piece before allocated (an
