@@ -5,7 +5,7 @@ one process: steps back to back between two CUDA events, steps one at a time fro
 into where its host time goes (:func:`host_breakdown`).
 
 Rows: fxrewrite (``--mode`` full or piecewise) through ``Backend.compile`` (Python floats are
-graph constants), the same with the attention op's torch path instead of its Triton kernels
+graph constants), the same graph through ``Backend.unguarded`` (no Dynamo frame evaluation), the same with the attention op's torch path instead of its Triton kernels
 (piecewise only: ``engine_model.KERNELS`` switched between calls; the op runs eagerly), the same through
 plain ``torch.compile`` (Dynamo lifts the 65 eps floats to tensors built every call), and
 Inductor + CUDA graphs (``mode="reduce-overhead"``; ``--no-inductor`` skips it). ``--profile``
@@ -165,15 +165,20 @@ def main() -> None:
 
     label = f"fxrewrite {args.mode}"
     torch._dynamo.reset()
-    step = fx().compile(model)
+    backend = fx()
+    step = backend.compile(model)
     rows[f"{label} (Backend.compile)"] = measure(label, step, batch, args.profile)
+    with torch.no_grad():
+        fast = backend.unguarded(step, **batch)
+    rows[f"{label}, Backend.unguarded"] = measure(f"{label}, unguarded", fast, batch, False)
     if args.host:
-        host = host_breakdown(step, batch)
+        host = {"as compiled": host_breakdown(step, batch)}
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            unguarded = host_breakdown(step, batch)
+            host["`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`"] = host_breakdown(step, batch)
+        host["`Backend.unguarded`"] = host_breakdown(fast, batch)
         print(f"\n{label}, decode {args.seqs}: one step from an idle device, us (median)")
-        print("| | " + " | ".join(host) + " |\n|---|" + "---|" * len(host))
-        for name, row in (("as compiled", host), ("skip_guard_eval_unsafe", unguarded)):
+        print("| | " + " | ".join(host["as compiled"]) + " |\n|---|" + "---|" * len(host["as compiled"]))
+        for name, row in host.items():
             print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in row.values()) + " |")
     if args.mode == "piecewise":  # attention runs eagerly between the replays: its path is chosen per call
         engine_model.KERNELS = "torch"

@@ -1,0 +1,96 @@
+"""Calling a compiled model without Dynamo's frame evaluation: ``Backend.unguarded``.
+
+Every call of a ``torch.compile``-d model goes through Dynamo before the graph runs: its frame
+callback finds the frame's cache entries, evaluates their guards, then runs the transformed
+bytecode, which gathers the graph's inputs (every parameter, read off the module) and calls the
+compiled graph. On an 8B model with ~260 parameters that costs 0.2-0.4 ms of host time a step,
+time a GPU replaying one CUDA graph per step spends idle. A serving engine that controls its
+inputs (the same module, dtypes and devices on every step, shapes within what was compiled)
+does not need the guards: it can run the transformed bytecode as a plain function, as vLLM's
+compile wrapper does.
+
+:func:`unguarded` picks the cache entry of ``model``'s frame that one of a backend's graphs
+serves and that accepts an example call (its guards are checked once, here), and returns the
+entry's bytecode bound as a function. What the guards would have caught later is then the
+caller's to keep true; the runner still checks what it can cheaply: shapes against the
+compiled ones (``ShapeError``), parameters that moved (the call runs eagerly, with a warning).
+A change of a Python value the graph baked in (a module's float attribute, a global flag) is
+not seen: call the compiled model instead, and ``unguarded`` again, after such a change.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+def _frame_function(model: Any) -> tuple[types.FunctionType, Any]:
+    """The Python function whose frame Dynamo compiled, and what it is bound to (a module or
+    None): ``forward`` of a module (``torch.compile`` output or the module itself), else the
+    function itself."""
+    target = getattr(model, "_torchdynamo_orig_callable", None) or getattr(model, "_orig_mod", model)
+    bound = None
+    if isinstance(target, torch.nn.Module):
+        bound, target = target, target.forward
+    if isinstance(target, types.MethodType):
+        bound, target = target.__self__, target.__func__
+    target = inspect.unwrap(target)
+    if not isinstance(target, types.FunctionType):
+        raise TypeError(f"unguarded: expected a module or a Python function, got {type(model).__name__}")
+    return target, bound
+
+
+def _served_by(fn: types.FunctionType, entry: Any, graphs: Sequence[Any]) -> int | None:
+    """Index in ``graphs`` of the graph the entry's bytecode calls, or None: another backend's."""
+    for name in entry.code.co_names:
+        if name.startswith("__compiled_fn"):
+            obj = inspect.unwrap(fn.__globals__.get(name))  # Dynamo's wrapper that disables it
+            obj = getattr(obj, "_orig_mod", obj)  # ... which wraps a module (a GraphModule) in a module
+            obj = getattr(obj, "__self__", obj)  # a GraphModule's bound forward
+            return next((i for i, g in enumerate(graphs) if g is obj), None)
+    return None
+
+
+def unguarded(model: Any, graphs: Sequence[Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """The bytecode of the cache entry that runs ``graphs[i]`` for a call like ``model(*args,
+    **kwargs)``, as a function taking the same arguments (see the module docstring).
+
+    Raises RuntimeError when the model has not been compiled yet (nothing in the cache), when no
+    entry is one of ``graphs``, or when none of those accepts the example call (the first
+    guard that failed is quoted).
+    """
+    fn, bound = _frame_function(model)
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)
+    ours = [(e, i) for e in entries if (i := _served_by(fn, e, graphs)) is not None]
+    where = f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
+    if not ours:
+        raise RuntimeError(
+            f"unguarded: {where} has no compiled graph of this backend ({len(entries)} cache entries "
+            "of other backends); call the compiled model once first, then unguarded(...) with the same arguments")
+    call = (bound, *args) if bound is not None else tuple(args)
+    try:
+        params = inspect.signature(fn).bind(*call, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"unguarded: the example call does not fit {where}: {e}") from e
+    params.apply_defaults()
+    f_locals = dict(params.arguments)
+    failures = []
+    for entry, _ in ours:
+        verdict = entry.guard_manager.check_verbose(f_locals)
+        if verdict.result:
+            code = entry.code
+            break
+        failures.append(" / ".join(verdict.verbose_code_parts) or "a guard failed")
+    else:
+        raise RuntimeError(
+            f"unguarded: none of this backend's {len(ours)} graph(s) for {where} accepts the example call "
+            f"(first failed guard: {failures[0]}); call the compiled model with these arguments first, under "
+            "the same torch.no_grad() / inference_mode state")
+    direct = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    direct.__kwdefaults__ = fn.__kwdefaults__
+    direct.__qualname__ = f"{fn.__qualname__} (unguarded)"
+    return types.MethodType(direct, bound) if bound is not None else direct

@@ -1,0 +1,134 @@
+"""Backend.unguarded: the compiled graph called without Dynamo's frame evaluation (CPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxrewrite
+from fxrewrite.runtime.dispatch import ShapeError
+
+HIDDEN = 16
+
+
+class Block(nn.Module):
+    """RMSNorm (plain torch, fused by the default rules) and a linear; ``scale`` is a Python float
+    Dynamo bakes into the graph (a value only a guard notices changing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(HIDDEN) + 0.5)
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor, shift: float = 0.0) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        normed = (x.float() * torch.rsqrt(var + 1e-6)).to(x.dtype) * self.weight
+        return self.proj(normed) * self.scale + shift
+
+
+def tokens(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()  # cache entries live on Block.forward's code, shared by every test
+    with torch.no_grad():
+        yield
+    torch._dynamo.reset()
+
+
+def compiled_block(mode: str = "none") -> tuple[Block, object, fxrewrite.Backend]:
+    torch.manual_seed(0)
+    model = Block().eval()
+    backend = fxrewrite.Backend(mode=mode, capture_sizes=(4, 8), progress=False, splitting_ops=())
+    return model, backend.compile(model), backend
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_runs_the_compiled_graph(mode: str) -> None:
+    model, step, backend = compiled_block(mode)
+    step(tokens(8))
+    fast = backend.unguarded(step, tokens(8))
+    assert fast.__qualname__.endswith("(unguarded)")
+    assert backend.report.graphs[0].fused_ops == {"rms_norm": 1}
+    for n in (3, 8):  # padded and exact sizes in mode full; any count in mode none
+        x = tokens(n, seed=n)
+        torch.testing.assert_close(fast(x), step(x))
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)
+    assert len(backend.graphs) == 1
+
+
+def test_skips_the_guards() -> None:
+    """The compiled model sees ``scale`` change and compiles again; the unguarded function keeps
+    running the graph it was given (the documented trade)."""
+    model, step, backend = compiled_block()
+    x = tokens(8)
+    before = step(x)
+    fast = backend.unguarded(step, x)
+    model.scale = 2.0
+    torch.testing.assert_close(step(x), 2 * before)
+    assert len(backend.graphs) == 2
+    torch.testing.assert_close(fast(x), before)
+
+
+def test_picks_the_graph_the_example_selects() -> None:
+    """Under ``dynamic=True`` one token is specialized: graph 0 serves it, graph 1 every other
+    count; each example gets its own graph, and keyword defaults pass through."""
+    model, step, backend = compiled_block()
+    step(tokens(1))
+    step(tokens(8))
+    assert len(backend.graphs) == 2
+    one, many = backend.unguarded(step, tokens(1)), backend.unguarded(step, x=tokens(8), shift=0.0)
+    assert one.__code__ is not many.__code__
+    torch.testing.assert_close(one(tokens(1, 5)), model(tokens(1, 5)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(many(tokens(6, 5)), model(tokens(6, 5)), rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_function() -> None:
+    backend = fxrewrite.Backend()
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    step = backend.compile(norm)
+    step(tokens(4))
+    torch.testing.assert_close(backend.unguarded(step, tokens(4))(tokens(5)), norm(tokens(5)))
+    torch.testing.assert_close(backend.unguarded(norm, tokens(4))(tokens(5)), norm(tokens(5)))
+
+
+def test_before_the_first_call_is_refused() -> None:
+    _, step, backend = compiled_block()
+    with pytest.raises(RuntimeError, match="call the compiled model once first"):
+        backend.unguarded(step, tokens(8))
+
+
+def test_another_backends_graph_is_refused() -> None:
+    model, _, backend = compiled_block()
+    other = torch.compile(model, backend="eager", fullgraph=True)
+    other(tokens(8))
+    with pytest.raises(RuntimeError, match="no compiled graph of this backend"):
+        backend.unguarded(other, tokens(8))
+
+
+def test_an_example_no_graph_accepts_is_refused() -> None:
+    _, step, backend = compiled_block()
+    step(tokens(8))
+    with pytest.raises(RuntimeError, match="accepts the example call.*first failed guard"):
+        backend.unguarded(step, tokens(8).double())
+    with pytest.raises(TypeError, match="does not fit"):
+        backend.unguarded(step, tokens(8), tokens(8), tokens(8))
+
+
+def test_shapes_are_still_checked() -> None:
+    """No guards, but the runner's shape check: a width the graph was not compiled for fails
+    loudly instead of replaying the wrong graph."""
+    _, step, backend = compiled_block("full")
+    step(tokens(8))
+    fast = backend.unguarded(step, tokens(8))
+    with pytest.raises(ShapeError, match="expected shape"):
+        fast(torch.randn(8, 2 * HIDDEN))
