@@ -139,6 +139,19 @@ def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
             torch._foreach_copy_(ds, ss)
 
 
+def _clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached per-stream workspaces, around each capture.
+
+    A GEMM captured with a workspace cached by an earlier eager call bakes in an address the
+    graph does not own: whoever clears the cache later (Inductor's CUDA-graph trees do, around
+    each warm-up and recording) frees it, and the replay writes freed memory (an illegal memory
+    access, or another tensor's values). Cleared before capture_begin, the captured GEMMs
+    allocate their workspace inside the graph's pool, which lives as long as the graphs do.
+    Cleared again after capture_end (as Inductor does), that block goes back to the pool, free
+    for later captures (sequential, like all of the pool), not to eager GEMMs on the stream."""
+    torch._C._cuda_clearCublasWorkspaces()
+
+
 def _picker(idx: Sequence[int]) -> Any:
     """``args -> tuple(args[i] for i in idx)``, in C (the per-call check of ~300 parameters)."""
     if len(idx) > 1:
@@ -227,14 +240,17 @@ class _PieceRunner:
             return [static, self._from_eager, self.fn(*warm), None]
         self.fn(*warm)  # warm-up: lazy inits, library handles, workspaces
         graph = torch.cuda.CUDAGraph()
+        _clear_cublas_workspaces()  # the capture's GEMMs take theirs from the pool (see below)
         graph.capture_begin(pool=runner._pool)
         try:
             outputs = self.fn(*static)
         except Exception as e:
             with contextlib.suppress(Exception):
                 graph.capture_end()
+            _clear_cublas_workspaces()
             raise RuntimeError(f"capture of {self.piece_name} at size {size} failed: {e}") from e
         graph.capture_end()
+        _clear_cublas_workspaces()
         if not self.last:
             graph.replay()  # capture computes nothing: later pieces' warm-ups must not read garbage (indices)
         return [static, self._from_eager, outputs, graph]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import pathlib
 import random
+import subprocess
 import sys
 import time
 from typing import Any
@@ -223,6 +224,51 @@ def test_through_torch_compile() -> None:
             torch.testing.assert_close(compiled(ids), model(ids), **TOL[torch.float32])
     s = runners[0].stats()
     assert len(runners) == 1 and s["replays"] == 4 and s["eager_calls"] == 1
+
+
+# A process of its own: before the fix, the replay faults and poisons the CUDA context.
+CUBLAS_CLEARED = """
+import sys, torch
+from fxrewrite.config import Config
+from fxrewrite.runtime import cudagraph
+
+if sys.argv[1] == "unfixed":
+    cudagraph._clear_cublas_workspaces = lambda: None
+torch.manual_seed(0)
+w1 = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16) / 64
+w2 = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16) / 128
+
+def mlp(x):
+    return torch.nn.functional.silu(x @ w1) @ w2
+
+gm = torch.fx.symbolic_trace(mlp)
+x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+runner = cudagraph.build_runner(gm, [x], Config(mode="full", capture_sizes=(8,), progress=False))
+with torch.no_grad():
+    runner(x)  # warm-up and capture
+    # what Inductor's CUDA-graph trees do around every recording, then memory handed to others
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    filler = [torch.full((8 << 20,), float("nan"), device="cuda") for _ in range(32)]
+    fresh = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        out = runner(fresh)
+    torch.cuda.synchronize()
+    assert runner.stats()["replays"] == 4, runner.stats()
+    err = ((out.float() - mlp(fresh).float()).abs().max() / mlp(fresh).float().abs().max()).item()
+    print(f"rel err {err:.2e}")
+    assert err < 2e-2, err
+"""
+
+
+def test_replay_survives_cublas_workspaces_cleared_by_others() -> None:
+    """Inductor's CUDA-graph trees clear cuBLAS's cached workspaces around each recording: a
+    graph captured with a workspace from the cache would write freed memory at its next replay
+    (illegal memory access, found running fxrewrite and ``mode="reduce-overhead"`` in one
+    process). The runner captures GEMMs with workspaces from its own pool."""
+    done = subprocess.run([sys.executable, "-c", CUBLAS_CLEARED, "fixed"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rel err" in done.stdout
 
 
 def test_replay_is_faster_than_eager() -> None:
