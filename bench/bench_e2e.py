@@ -756,8 +756,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="write the markdown here (rewritten after every system)")
     p.add_argument("--systems", default=None, help="comma-separated keys: " + ", ".join(s.key for s in SYSTEMS))
     p.add_argument("--paired", default=None, help="comma-separated keys timed side by side in one more process "
-                   "(the first against each other), e.g. fxrewrite-full,fused-full (with inductor-cg added, the "
-                   "process died of an illegal memory access on the H100: bench/RESULTS.md, sixth run)")
+                   "(the first against each other), e.g. fxrewrite-full,fused-full or fxrewrite-full,inductor-cg")
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds of the --paired process")
     p.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
     p.add_argument("--context", type=int, default=1024, help="cached tokens per sequence in decode (tiny: at most 64)")

@@ -57,7 +57,9 @@ All graphs share one pool (``torch.cuda.graph_pool_handle``); once a size is cap
 Runner keeps non-owning references to its pool tensors, so later sizes reuse the memory: one
 size's values are dead before another size runs, and inputs and outputs live outside the pool. gc is frozen and disabled; ``capture_begin`` / ``capture_end`` are
 called directly, skipping the ``gc.collect`` / ``empty_cache`` that ``torch.cuda.graph`` may do
-per capture.
+per capture. cuBLAS's cached workspaces are dropped around each capture, so the captured GEMMs
+take theirs from the pool: other code clearing that cache (Inductor's CUDA-graph trees do) cannot
+free memory a replay writes.
 
 On CPU (no CUDA input) piecewise and full run the same dispatch, buffers and copies, captured
 pieces emulated by eager runs copied into fixed outputs (``stats()["cudagraphs"]`` False).

@@ -3,8 +3,9 @@
 Every call of a ``torch.compile``-d model goes through Dynamo before the graph runs: its frame
 callback finds the frame's cache entries, evaluates their guards, then runs the transformed
 bytecode, which gathers the graph's inputs (every parameter, read off the module) and calls the
-compiled graph. On an 8B model with ~260 parameters that costs 0.2-0.4 ms of host time a step,
-time a GPU replaying one CUDA graph per step spends idle. A serving engine that controls its
+compiled graph. On the 8B-shaped bench model (265 graph inputs) that was 0.39 ms of host time a
+step on the H100 machine, time a GPU replaying one CUDA graph per step spends idle; running the
+bytecode directly leaves 0.20 ms (bench/RESULTS.md, seventh run). A serving engine that controls its
 inputs (the same module, dtypes and devices on every step, shapes within what was compiled)
 does not need the guards: it can run the transformed bytecode as a plain function, as vLLM's
 compile wrapper does.
@@ -12,8 +13,9 @@ compile wrapper does.
 :func:`unguarded` picks the cache entry of ``model``'s frame that one of a backend's graphs
 serves and that accepts an example call (its guards are checked once, here), and returns the
 entry's bytecode bound as a function. What the guards would have caught later is then the
-caller's to keep true; the runner still checks what it can cheaply: shapes against the
-compiled ones (``ShapeError``), parameters that moved (the call runs eagerly, with a warning).
+caller's to keep true. In the CUDA-graph modes the runner still checks what it can cheaply:
+shapes against the compiled ones (``ShapeError``), parameters that moved (the call runs
+eagerly, with a warning); in mode "none" the graph runs on whatever it is given.
 A change of a Python value the graph baked in (a module's float attribute, a global flag) is
 not seen: call the compiled model instead, and ``unguarded`` again, after such a change.
 """
