@@ -9,7 +9,8 @@ graph constants), the same graph through ``Backend.unguarded`` (no Dynamo frame 
 (piecewise only: ``engine_model.KERNELS`` switched between calls; the op runs eagerly), the same through
 plain ``torch.compile`` (Dynamo lifts the 65 eps floats to tensors built every call), and
 Inductor + CUDA graphs (``mode="reduce-overhead"``; ``--no-inductor`` skips it). ``--profile``
-adds the kernels and the host-side CUDA calls of 5 steps of the first row.
+adds the kernels and the host-side CUDA calls of 5 steps of the first row; ``--pyprofile`` the
+Python functions of the unguarded row's host time (:func:`python_profile`).
 
     source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host]
 """
@@ -135,12 +136,33 @@ def host_breakdown(step: Callable[..., Any], batch: dict[str, torch.Tensor], rep
     return {k: 1e6 * statistics.median(v[3:]) for k, v in rows.items()}
 
 
+def python_profile(step: Callable[..., Any], batch: dict[str, torch.Tensor], reps: int = 200) -> None:
+    """Where the host's time of a step goes, by Python function: ``cProfile`` over ``reps`` steps,
+    each from an idle device (synchronized before, as bench_e2e times them); the 25 functions
+    with the most time of their own. Profiling slows every Python call, C calls less: read the
+    shares, not the absolute times."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            prof.enable()
+            step(**batch)
+            prof.disable()
+    torch.cuda.synchronize()
+    print(f"\ncProfile of {reps} unguarded steps (host only, device idle before each):")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", type=int, default=8)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--host", action="store_true", help="split the first row's idle-device step by stage (host_breakdown)")
+    p.add_argument("--pyprofile", action="store_true", help="cProfile the unguarded step (python_profile)")
     p.add_argument("--mode", choices=("full", "piecewise"), default="full")
     p.add_argument("--no-inductor", action="store_true")
     p.add_argument("--no-lifted", action="store_true", help="skip the plain torch.compile row")
@@ -180,6 +202,8 @@ def main() -> None:
         print("| | " + " | ".join(host["as compiled"]) + " |\n|---|" + "---|" * len(host["as compiled"]))
         for name, row in host.items():
             print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in row.values()) + " |")
+    if args.pyprofile:
+        python_profile(fast, batch)
     if args.mode == "piecewise":  # attention runs eagerly between the replays: its path is chosen per call
         engine_model.KERNELS = "torch"
         rows[f"{label}, attention op's torch path"] = measure(f"{label}, torch attention", step, batch, False)
