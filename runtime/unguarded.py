@@ -5,10 +5,10 @@ callback finds the frame's cache entries, evaluates their guards, then runs the 
 bytecode, which gathers the graph's inputs (every parameter, read off the module) and calls the
 compiled graph. On the 8B-shaped bench model (265 graph inputs) that was 0.39 ms of host time a
 step on the H100 machine, time a GPU replaying one CUDA graph per step spends idle; running the
-bytecode directly leaves 0.20 ms (bench/RESULTS.md, seventh run). A serving engine that controls its
-inputs (the same module, dtypes and devices on every step, shapes within what was compiled)
-does not need the guards: it can run the transformed bytecode as a plain function, as vLLM's
-compile wrapper does.
+bytecode directly leaves 0.20 ms (bench/RESULTS.md, seventh run). A serving engine that
+controls its inputs (the same module, dtypes and devices on every step, shapes within what was
+compiled) does not need the guards: it can run the transformed bytecode as a plain function, as
+vLLM's compile wrapper does.
 
 :func:`unguarded` picks the cache entry of ``model``'s frame that one of a backend's graphs
 serves and that accepts an example call (its guards are checked once, here), and returns the
@@ -46,19 +46,19 @@ def _frame_function(model: Any) -> tuple[types.FunctionType, Any]:
     return target, bound
 
 
-def _served_by(fn: types.FunctionType, entry: Any, graphs: Sequence[Any]) -> int | None:
-    """Index in ``graphs`` of the graph the entry's bytecode calls, or None: another backend's."""
+def _serves(fn: types.FunctionType, entry: Any, graphs: Sequence[Any]) -> bool:
+    """Whether the entry's bytecode calls one of ``graphs`` (not another backend's graph)."""
     for name in entry.code.co_names:
         if name.startswith("__compiled_fn"):
             obj = inspect.unwrap(fn.__globals__.get(name))  # Dynamo's wrapper that disables it
             obj = getattr(obj, "_orig_mod", obj)  # ... which wraps a module (a GraphModule) in a module
             obj = getattr(obj, "__self__", obj)  # a GraphModule's bound forward
-            return next((i for i, g in enumerate(graphs) if g is obj), None)
-    return None
+            return any(g is obj for g in graphs)
+    return False
 
 
 def unguarded(model: Any, graphs: Sequence[Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
-    """The bytecode of the cache entry that runs ``graphs[i]`` for a call like ``model(*args,
+    """The bytecode of the cache entry that runs one of ``graphs`` for a call like ``model(*args,
     **kwargs)``, as a function taking the same arguments (see the module docstring).
 
     Raises RuntimeError when the model has not been compiled yet (nothing in the cache), when no
@@ -67,7 +67,7 @@ def unguarded(model: Any, graphs: Sequence[Any], args: Sequence[Any], kwargs: di
     """
     fn, bound = _frame_function(model)
     entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)
-    ours = [(e, i) for e in entries if (i := _served_by(fn, e, graphs)) is not None]
+    ours = [e for e in entries if _serves(fn, e, graphs)]
     where = f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
     if not ours:
         raise RuntimeError(
@@ -81,7 +81,7 @@ def unguarded(model: Any, graphs: Sequence[Any], args: Sequence[Any], kwargs: di
     params.apply_defaults()
     f_locals = dict(params.arguments)
     failures = []
-    for entry, _ in ours:
+    for entry in ours:
         verdict = entry.guard_manager.check_verbose(f_locals)
         if verdict.result:
             code = entry.code
