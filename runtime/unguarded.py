@@ -66,7 +66,11 @@ def unguarded(model: Any, graphs: Sequence[Any], args: Sequence[Any], kwargs: di
     guard that failed is quoted).
     """
     fn, bound = _frame_function(model)
-    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)
+    cache_entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if cache_entries is None:  # private API; tested on torch 2.11 and 2.13
+        raise RuntimeError(f"unguarded: torch {torch.__version__} does not expose Dynamo's cache entries "
+                           "(torch._dynamo.eval_frame._debug_get_cache_entry_list); call the compiled model instead")
+    entries = cache_entries(fn.__code__)
     ours = [e for e in entries if _serves(fn, e, graphs)]
     where = f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
     if not ours:

@@ -132,3 +132,11 @@ def test_shapes_are_still_checked() -> None:
     fast = backend.unguarded(step, tokens(8))
     with pytest.raises(ShapeError, match="expected shape"):
         fast(torch.randn(8, 2 * HIDDEN))
+
+
+def test_a_torch_without_cache_entries_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, step, backend = compiled_block()
+    step(tokens(8))
+    monkeypatch.delattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
+    with pytest.raises(RuntimeError, match="does not expose Dynamo's cache entries"):
+        backend.unguarded(step, tokens(8))
