@@ -5,14 +5,15 @@ one process: steps back to back between two CUDA events, steps one at a time fro
 into where its host time goes (:func:`host_breakdown`).
 
 Rows: fxrewrite (``--mode`` full or piecewise) through ``Backend.compile`` (Python floats are
-graph constants), the same graph through ``Backend.unguarded`` (no Dynamo frame evaluation), the same with the attention op's torch path instead of its Triton kernels
-(piecewise only: ``engine_model.KERNELS`` switched between calls; the op runs eagerly), the same through
+graph constants), the same graph through ``Backend.unguarded`` (no Dynamo frame evaluation),
+the same with the attention op's torch path instead of its Triton kernels (piecewise only:
+``engine_model.KERNELS`` switched between calls; the op runs eagerly), the same through
 plain ``torch.compile`` (Dynamo lifts the 65 eps floats to tensors built every call), and
 Inductor + CUDA graphs (``mode="reduce-overhead"``; ``--no-inductor`` skips it). ``--profile``
 adds the kernels and the host-side CUDA calls of 5 steps of the first row; ``--pyprofile`` the
 Python functions of the unguarded row's host time (:func:`python_profile`).
 
-    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host]
+    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host] [--pyprofile]
 """
 
 from __future__ import annotations
