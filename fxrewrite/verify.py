@@ -20,7 +20,8 @@ Inputs: symbolic sizes take their hints (the sizes of the example inputs Dynamo 
 floating tensors are ``randn`` with each row scaled by 10**u, u uniform in [-3, 1], so that
 terms that only matter for small rows (an RMSNorm's eps) are exercised; integer tensors are
 drawn from [0, 8); a symbolic float (eps read with ``.item()``) takes its hint, or 1e-6 without
-one. The random stream is seeded from the site signature, so a verdict is a pure function of it.
+one. Each tensor is drawn on its own device, from a generator per device seeded from the site
+signature, so a verdict is a pure function of it (and of the device type).
 
 In bf16 and fp16 the code a rule replaces rounds after every operation; where its terms cancel
 (a rotation, a difference of products) it is itself off by more than the dtype tolerance of the
@@ -223,30 +224,46 @@ def _device(t: torch.Tensor) -> torch.device:
     return d
 
 
-def _random_tensor(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+class _Generators:
+    """One seeded generator per device: each tensor is drawn on the device it lives on (a
+    weight of 10^8 values drawn on the host would cost seconds), CPU tensors from the CPU
+    generator in the order they come."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.by_device: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, device: torch.device) -> torch.Generator:
+        if device not in self.by_device:
+            self.by_device[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self.by_device[device]
+
+
+def _random_tensor(t: torch.Tensor, gens: _Generators) -> torch.Tensor:
     shape, _ = _concrete_shape(t)
-    dtype = t.dtype
+    dtype, device = t.dtype, _device(t)
+    gen = gens(device)
     if dtype.is_floating_point or dtype.is_complex:
-        base = torch.randn(shape, generator=gen, dtype=torch.float64)
+        base = torch.randn(shape, generator=gen, dtype=torch.float64, device=device)
         if len(shape) >= 2 and shape[-1] > 0:
             lo, hi = ROW_SCALE_LOG10
-            u = torch.rand((*shape[:-1], 1), generator=gen, dtype=torch.float64) * (hi - lo) + lo
+            u = torch.rand((*shape[:-1], 1), generator=gen, dtype=torch.float64, device=device) * (hi - lo) + lo
             base = base * torch.pow(10.0, u)
         try:
             out = base.to(dtype)
         except (RuntimeError, TypeError) as e:
             raise _CannotVerify(f"cannot make a random {dtype} tensor: {e}") from e
     elif dtype is torch.bool:
-        out = torch.rand(shape, generator=gen) < 0.5
+        out = torch.rand(shape, generator=gen, device=device) < 0.5
     else:
-        out = torch.randint(0, 8, shape, generator=gen).to(dtype)
-    return out.to(_device(t))
+        out = torch.randint(0, 8, shape, generator=gen, device=device).to(dtype)
+    return out
 
 
-def _materialize(node: fx.Node, gen: torch.Generator) -> Any:
+def _materialize(node: fx.Node, gens: _Generators) -> Any:
     mv = meta.value(node)
     if isinstance(mv, torch.Tensor):
-        return _random_tensor(mv, gen)
+        return _random_tensor(mv, gens)
     if isinstance(mv, torch.SymFloat):
         h = _hint(mv)
         return float(h) if h is not None else SYMBOLIC_EPS
@@ -317,8 +334,8 @@ def check(m: Match, seed: int = 0) -> str | None:
 
     try:
         sub, ext = extract(m)
-        gen = torch.Generator().manual_seed(seed)
-        values = {n: _materialize(n, gen) for n in ext}
+        gens = _Generators(seed)
+        values = {n: _materialize(n, gens) for n in ext}
     except _CannotVerify as e:
         return f"verify: cannot check this site: {e}"
     where = _where(m, values)
