@@ -21,6 +21,8 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
 * ``1 / sqrt(x)`` and ``reciprocal(sqrt(x))`` -> ``aten.rsqrt``; ``a / sqrt(x)`` -> ``a * rsqrt(x)``
   (equal up to rounding);
 * ``F.silu(x)`` and ``x * sigmoid(x)`` -> ``aten.silu``; ``F.gelu`` -> ``aten.gelu``;
+* ``F.linear`` -> ``aten.linear``; ``x @ w.t()`` (``.T``, ``.mT``, ``transpose``, ``permute``; ``matmul``
+  or ``mm``) of a matrix ``w`` -> ``aten.linear(x, w)``;
 * ``view`` and ``reshape`` -> ``aten.reshape`` when the input is contiguous (then both are views);
   a reshape to the same shape is removed;
 * ``x[..., a:b:s]``, ``chunk`` and ``split`` along one dim -> ``aten.slice.Tensor`` with a negative
@@ -73,6 +75,29 @@ _DTYPE_METHODS = {
     "bfloat16": torch.bfloat16,
     "double": torch.float64,
 }
+
+_MATMUL = {("call_function", operator.matmul), ("call_function", torch.matmul), ("call_method", "matmul"),
+           ("call_function", torch.mm), ("call_method", "mm")}
+
+
+def _transposed_matrix(node: Any) -> fx.Node | None:
+    """``w`` when ``node`` is the transpose of ``w`` spelled any way Dynamo records it on a
+    matrix (rank checked by the caller), else None."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    w, rest = node.args[0], list(node.args[1:])
+    key = _key(node)
+    if key in (("call_method", "t"), ("call_function", torch.t)) and not rest:
+        return w
+    if key == ("call_function", getattr) and rest in (["T"], ["mT"]):
+        return w
+    if key in (("call_method", "transpose"), ("call_function", torch.transpose)) and len(rest) == 2:
+        return w if all(isinstance(d, int) for d in rest) and {d % 2 for d in rest} == {0, 1} else None
+    if key == ("call_method", "permute") or (node.op == "call_function" and node.target is PERMUTE):
+        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+        return w if list(dims) in ([1, 0], [-1, -2], [1, -2], [-1, 0]) else None
+    return None
+
 
 _UNARY: dict[Any, Any] = {}
 for _name in ("rsqrt", "sqrt", "reciprocal", "sigmoid", "neg", "tanh", "exp", "abs", "relu"):
@@ -217,6 +242,8 @@ class _Canon:
             return self.set(node, GELU, (node.args[0],), {"approximate": node.kwargs.get("approximate", "none")})
         if key in (("call_function", F.linear), ("call_function", torch._C._nn.linear)):
             return self.set(node, LINEAR, node.args, node.kwargs)
+        if key in _MATMUL:
+            return self.matmul(node)
         if key in (("call_method", "view"), ("call_method", "reshape"), ("call_function", torch.reshape)):
             return self.reshape(node)
         if key in (("call_method", "flatten"), ("call_function", torch.flatten)):
@@ -320,6 +347,20 @@ class _Canon:
             return self.drop(node, src)
         if src is not x:
             self.set(node, PERMUTE, (src, dims))
+        return None
+
+    def matmul(self, node: fx.Node) -> None:
+        """``x @ w.t()`` (``.T``, ``.mT``, ``transpose(0, 1)``, ``permute(1, 0)``; ``matmul`` or
+        ``mm``) of a matrix ``w`` -> ``linear(x, w)``; the transpose goes if nothing else reads it."""
+        if len(node.args) != 2 or node.kwargs:
+            return None
+        x, wt = node.args
+        w = _transposed_matrix(wt)
+        if w is None or self.rank(w) != 2 or not self.rank(x):
+            return None
+        self.set(node, LINEAR, (x, w))
+        if not wt.users:
+            self.graph.erase_node(wt)
         return None
 
     def pow(self, node: fx.Node) -> None:

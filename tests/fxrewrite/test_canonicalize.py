@@ -178,6 +178,25 @@ def test_silu_forms_become_aten_silu() -> None:
     assert mul.args[1].target is A.sigmoid.default, "negative twin: x * sigmoid(y) is no silu"
 
 
+def _matmuls(x, w, v, w3):
+    return (
+        x @ w.t(), x @ w.T, x @ w.mT, torch.matmul(x, w.transpose(0, 1)), x.matmul(w.transpose(-1, -2)),
+        torch.mm(x, w.t()), x @ w.permute(1, 0),
+        x @ v,  # negative twin: no transpose
+        x @ w3.transpose(-1, -2),  # negative twin: a batch of matrices, not one
+    )  # fmt: skip
+
+
+def test_matmul_of_a_transposed_matrix_becomes_linear() -> None:
+    r = canon(
+        _matmuls, x2d(4, 8), x2d(5, 8), x2d(8, 5), x2d(2, 5, 8),
+        before={"_operator.matmul": 6, "torch.matmul": 1, "method.matmul": 1, "torch.mm": 1},
+        expect={"aten.linear": 7, "_operator.matmul": 2}, absent=["method.t", "method.permute", "torch.mm"],
+    )  # fmt: skip
+    w = placeholder(r, "w")
+    assert all(n.args[:2] == (placeholder(r, "x"), w) for n in calls(r, A.linear.default))
+
+
 def test_scalar_first_arithmetic_puts_the_tensor_first() -> None:
     r = canon(
         lambda x: (2 * x, 1 - x, 2 / x, 1 / x, 3 + x),
