@@ -251,11 +251,12 @@ def _target(m: EngineLlama | str) -> EngineLlama:
 
 
 def _without_rope() -> list[Any]:
-    """The default library less the RoPE rules: the "with and without this rule" rows."""
+    """The default library of a piecewise graph less the RoPE rules: the "with and without this
+    rule" rows."""
     from fxrewrite.backend import default_rule_groups
     from fxrewrite.rewrites import rotary
 
-    return [r for _, rules in default_rule_groups() for r in rules if r not in rotary.RULES]
+    return [r for _, rules in default_rule_groups("piecewise") for r in rules if r not in rotary.RULES]
 
 
 class Unguarded:

@@ -93,7 +93,7 @@ HEADER = ["op", "T", "provider", "check", "fused us", "unfused us", "speedup", "
 
 
 def is_activation(op: OpDef) -> bool:
-    return "weight" not in inspect.signature(op.reference).parameters
+    return not {"weight", "w"} & set(inspect.signature(op.reference).parameters)
 
 
 def make_args(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, dtype: torch.dtype = DTYPE) -> list[Any]:
@@ -103,6 +103,8 @@ def make_args(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, dtype: torch
         "x": lambda: torch.randn(tokens, width, device="cuda", dtype=dtype),
         "residual": lambda: torch.randn(tokens, width, device="cuda", dtype=dtype),
         "weight": lambda: (torch.rand(hidden, device="cuda") + 0.5).to(dtype),
+        "w": lambda: (torch.randn(hidden, hidden, device="cuda") * hidden**-0.5).to(dtype),  # fxr.linear
+        "bias": lambda: torch.randn(hidden, device="cuda").to(dtype),
         "eps": lambda: EPS,
         "scale": lambda: torch.tensor([0.02], device="cuda"),
         "approximate": lambda: "none",

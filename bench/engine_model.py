@@ -10,13 +10,15 @@ that writes the step's keys and values into a KV cache and reads the cache back:
                -> add+norm -> gate_up_proj -> silu*mul -> down_proj -> add ] x L -> norm
 
 The hand-fused twin (``build_model(..., fused=True)`` or :func:`fused_twin`) has the same module
-tree and the same weights; only four spots differ, each a call to a fused op registered by
+tree and the same weights; only five spots differ, each a call to an op registered by
 ``fxrewrite.runtime.ops``:
 
     RMSNorm          ``self.weight * (x.float() * rsqrt(...)).to(dtype)`` -> ``fxr.rms_norm``
     add + RMSNorm    ``x = x + residual; residual = x; norm(x)``        -> ``fxr.fused_add_rms_norm_``
     RoPE             ``cos, sin = cache[positions]; rotate q, k``        -> ``fxr.rotary_embedding``
     SiLU-and-mul     ``gate, up = x.chunk(2, -1); F.silu(gate) * up``    -> ``fxr.silu_and_mul``
+    linears          ``nn.Linear``                                       -> ``fxr.linear`` (the
+                     decode-size GEMM, as the rewriter's graphs replayed as CUDA graphs call it)
 
 It is the ceiling the rewriter should reach on the plain model.
 
@@ -312,6 +314,13 @@ class FusedRMSNorm(RMSNorm):
         return out, total
 
 
+class FusedLinear(nn.Linear):
+    """``nn.Linear`` through ``fxr.linear`` (its GEMM chosen by the rows of each call)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.fxr.linear.default(x, self.weight, self.bias)
+
+
 class SiluAndMul(nn.Module):
     """[..., 2d] -> [..., d]: ``silu(gate) * up``."""
 
@@ -355,8 +364,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False, dtype=dtype)
+        linear = FusedLinear if fused else nn.Linear
+        self.qkv_proj = linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False, dtype=dtype)
+        self.o_proj = linear(self.q_size, cfg.hidden_size, bias=False, dtype=dtype)
         empty = torch.empty(0, 0, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
         self.register_buffer("k_cache", empty, persistent=False)
         self.register_buffer("v_cache", empty.clone(), persistent=False)
@@ -390,9 +400,10 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, fused: bool, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
+        linear = FusedLinear if fused else nn.Linear
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
         self.act_fn = FusedSiluAndMul() if fused else SiluAndMul()
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

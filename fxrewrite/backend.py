@@ -31,13 +31,18 @@ from fxrewrite.rule import Rule
 log = logging.getLogger(__name__)
 
 
-def default_rule_groups() -> list[tuple[str, list[Rule]]]:
+def default_rule_groups(mode: str = "none") -> list[tuple[str, list[Rule]]]:
     """The default library as ordered, named passes: all-reduce + add + norm (tensor parallel;
     first, or the add + norm rules would take its sites), norm + FP8 quant, norms (add + norm
-    before plain norm), rotary embedding, activations, then FP8 quant of fused activations."""
-    from fxrewrite.rewrites import activation, collective, norm, quant, rotary
+    before plain norm), rotary embedding, activations, then FP8 quant of fused activations.
 
-    return [
+    For a graph that replays as CUDA graphs (``mode`` "piecewise" or "full"), last, the linears:
+    ``fxr.linear`` picks a decode-size GEMM by the rows of each call, which pays under replay;
+    run eagerly ("none"), the custom op's dispatch would cost more host time per linear than the
+    kernel saves at those sizes. Last: after every rule whose pattern holds a linear."""
+    from fxrewrite.rewrites import activation, collective, linear, norm, quant, rotary
+
+    groups = [
         ("fuse_collective", collective.RULES),
         ("fuse_norm_quant", quant.NORM_RULES),
         ("fuse_norm", norm.RULES),
@@ -45,6 +50,9 @@ def default_rule_groups() -> list[tuple[str, list[Rule]]]:
         ("fuse_activation", activation.RULES),
         ("fuse_activation_quant", quant.ACTIVATION_RULES),
     ]
+    if mode in ("piecewise", "full"):
+        groups.append(("select_gemm", linear.RULES))
+    return groups
 
 
 def _canonicalize_pass(gm: fx.GraphModule) -> PassResult:
@@ -91,7 +99,7 @@ def pipeline(config: Config) -> list[Pass]:
 
         passes.append(Pass("merge_siblings", merge_sibling_linears))
     if config.rules is None:
-        groups = default_rule_groups()
+        groups = default_rule_groups(config.mode)
     else:
         groups = [("rules", list(config.rules))] if config.rules else []
     if config.extra_rules:

@@ -250,7 +250,7 @@ class _Session:
 
 def pipeline_rules(config: Config) -> list[Rule]:
     """Every rule the pipeline of ``config`` applies, in order."""
-    base = list(config.rules) if config.rules is not None else [r for _, rs in default_rule_groups() for r in rs]
+    base = list(config.rules) if config.rules is not None else [r for _, rs in default_rule_groups(config.mode) for r in rs]
     return base + list(config.extra_rules)
 
 

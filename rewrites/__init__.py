@@ -4,6 +4,6 @@ Families export plain lists; the backend's pipeline applies them in a fixed orde
 (``fxrewrite.backend.pipeline``). Nothing registers itself at import time.
 """
 
-from fxrewrite.rewrites import activation, collective, norm, rotary
+from fxrewrite.rewrites import activation, collective, linear, norm, rotary
 
-__all__ = ["activation", "collective", "norm", "rotary"]
+__all__ = ["activation", "collective", "linear", "norm", "rotary"]

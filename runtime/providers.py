@@ -119,7 +119,7 @@ def preload() -> dict[str, bool]:
     their first call (which may fall inside a CUDA graph capture). Returns module -> imported."""
     from fxrewrite.runtime.ops import DEFS  # late: the op modules import this module
 
-    names = {k.module or k.provider for op in DEFS for k in op.kernels}
+    names = {k.module or k.provider for op in DEFS for k in op.kernels if k.provider != "torch"}
     return {name: library(name) is not None for name in sorted(names | {"sgl_kernel", "flashinfer"})}
 
 
@@ -309,6 +309,19 @@ def _define_inplace(op: OpDef) -> Any:
     _LIB.impl(op.name, returning(op.cuda), "CUDA")
     torch.library.register_fake(qualname, lambda *args: tuple(args[i] for i in index), lib=_LIB)
     return getattr(torch.ops.fxr, op.name)
+
+
+TRITON_MODULE = "fxrewrite.runtime.triton_kernels"
+"""The ``triton`` provider's library: our Triton kernels, one launcher per op, named as the op."""
+
+
+def _triton(op: str, *args: Any) -> Any:
+    return getattr(library(TRITON_MODULE), op)(*args)
+
+
+def triton_kernel(op: str, check: Callable[..., str | None], min_capability: tuple[int, int] = (8, 0)) -> Kernel:
+    """The ``triton`` provider's :class:`Kernel` for ``op``: ``triton_kernels.<op>(*args)``."""
+    return Kernel("triton", functools.partial(_triton, op), check, min_capability, module=TRITON_MODULE)
 
 
 # --------------------------------------------------------------------------- constraints

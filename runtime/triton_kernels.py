@@ -1,9 +1,13 @@
-"""Single-kernel Triton implementations of the FP8 ops that sgl-kernel and flashinfer serve as
-two kernels (or not at all): RMSNorm, add + RMSNorm, SiLU-and-mul, each fused with static or
-dynamic per-token FP8 (float8_e4m3fn) quantization.
+"""Our Triton kernels: the ``triton`` provider's library, as ``sgl_kernel`` and ``flashinfer`` are
+the others.
 
-This module is the ``triton`` provider's library, as ``sgl_kernel`` and ``flashinfer`` are the
-others: it imports ``triton`` at the top, so the op modules never import it; they reach it
+- The FP8 ops that sgl-kernel and flashinfer serve as two kernels (or not at all): RMSNorm,
+  add + RMSNorm, SiLU-and-mul, each fused with static or dynamic per-token FP8 (float8_e4m3fn)
+  quantization, in one kernel.
+- ``linear`` at decode sizes (at most ``SKINNY_ROWS`` rows): the weight streamed once, one
+  launch, no split-K reduction kernel (cuBLAS takes two launches for some of these shapes).
+
+This module imports ``triton`` at the top, so the op modules never import it; they reach it
 through ``providers.library("fxrewrite.runtime.triton_kernels")``, which turns a missing or
 broken Triton into "not importable" (counted fallback), and the package imports without it.
 
@@ -17,7 +21,8 @@ modules before a launcher is called. Rounding follows the reference (the spec) s
 the sum, the normed value, the weighted value, SiLU and its product are rounded to the input
 dtype where the unfused torch code rounds them; the per-token scale ``max(amax, 1e-12) / 448``
 and ``y / s`` are IEEE divisions. What differs is summation order and the approximate ``rsqrt``,
-``exp`` and SiLU division: at most one FP8 step, rarely.
+``exp`` and SiLU division: at most one FP8 step, rarely. ``linear`` accumulates in float32 and
+rounds once, as cuBLAS does; the summation order differs.
 
 Under ``TRITON_INTERPRET=1`` (read when this module is imported) the kernels run on CPU tensors;
 the CPU tests use that.
@@ -26,12 +31,14 @@ the CPU tests use that.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from fxrewrite.runtime.ops import linear as linear_ops
 from fxrewrite.runtime.ops import quant
 
 FP8_MAX: tl.constexpr = tl.constexpr(quant.FP8_MAX)
@@ -40,6 +47,9 @@ AMAX_FLOOR: tl.constexpr = tl.constexpr(quant.AMAX_FLOOR)
 # Everything else holds a row in one program: at most quant.TRITON_MAX_ROW values (the op
 # module's check), 32 warps of 32 values per thread.
 STATIC_BLOCK = 1024
+# ``linear``: rows held by one program (tl.dot's smallest tile), and launch parameters by weight
+# shape (bench/bench_gemm.py --sweep measures the others).
+SKINNY_ROWS: tl.constexpr = tl.constexpr(linear_ops.SKINNY_ROWS)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -113,6 +123,28 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, scale_ptr, d, BLOCK: tl.cons
     _quantize_store(y, q_ptr + row * d + cols, mask, s_ptr + row, scale_ptr, DYNAMIC)
 
 
+@triton.jit(do_not_specialize=["rows"])  # one build per launch configuration serves 1 to 16 rows
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rows, n, k, x_stride, w_stride,
+                          BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """Program p: ``y[:, p*BN : (p+1)*BN] = x @ w[p*BN : (p+1)*BN].T (+ bias)`` for all (at most
+    16) rows at once, walking k in blocks of ``BK``: every weight element is read once."""
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    r = tl.arange(0, SKINNY_ROWS)
+    acc = tl.zeros([SKINNY_ROWS, BN], tl.float32)
+    for k0 in range(0, k, BK):
+        ks = k0 + tl.arange(0, BK)
+        x_mask, w_mask = (r < rows)[:, None], (cols < n)[:, None]
+        if not EVEN_K:
+            x_mask, w_mask = x_mask & (ks < k)[None, :], w_mask & (ks < k)[None, :]
+        x = tl.load(x_ptr + r[:, None] * x_stride + ks[None, :], mask=x_mask, other=0.0)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * w_stride + ks[None, :], mask=w_mask, other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + r[:, None] * n + cols[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(r < rows)[:, None] & (cols < n)[None, :])
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -172,6 +204,38 @@ def _silu_and_mul_quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor
     return q.view(shape), s.view(*shape[:-1], 1) if dynamic else None
 
 
+def skinny_config(n: int, sms: int) -> tuple[int, int, int, int]:
+    """(BN output columns per program, BK, warps, stages) for a weight of ``n`` rows on a device
+    of ``sms`` SMs. Where ``BN`` = 32 or 64 columns give at most one program per SM, the
+    smallest such ``BN`` in one wave, with deep k blocks; else many small programs, several per
+    SM. Set from ``bench/bench_gemm.py --sweep`` on the 8B layer's four weights (bench/RESULTS.md)."""
+    for bn, bk in ((32, 512), (64, 256)):
+        if triton.cdiv(n, bn) <= sms:
+            return bn, bk, 4, 4
+    return 32, 128, 4, 3
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def _skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, config: tuple[int, int, int, int] | None) -> Tensor:
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = config or skinny_config(n, _sms(x.device))
+    with _device_of(x):
+        _skinny_linear_kernel[(triton.cdiv(n, bn),)](
+            rows, weight, bias if bias is not None else weight, out, rows.shape[0], n, k, rows.stride(0),
+            weight.stride(0), BN=bn, BK=bk, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, num_warps=warps,
+            num_stages=stages,
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
+
+
 # --------------------------------------------------------------------------- the ops' signatures
 
 
@@ -203,3 +267,7 @@ def silu_and_mul_quant_fp8(x: Tensor, scale: Tensor) -> Tensor:
 
 def silu_and_mul_dynamic_quant_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
     return _silu_and_mul_quant(x, None)  # type: ignore[return-value]
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return _skinny_linear(x, weight, bias, None)

@@ -5,14 +5,15 @@ spec and CPU impl, fake impl, CUDA kernels chosen by the providers) registered w
 :func:`~fxrewrite.runtime.providers.define_op`: ``norm`` (RMSNorm, Gemma, add + norm, in-place
 twins), ``activation`` (SiLU/GELU and mul), ``quant`` (FP8 static and per-token variants),
 ``rotary`` (RoPE: the rotation with the model's tables, and the cache-indexed kernels' op),
-``collective`` (all-reduce + add + RMSNorm, + FP8, for tensor parallelism).
+``collective`` (all-reduce + add + RMSNorm, + FP8, for tensor parallelism), ``linear``
+(``F.linear`` with a decode-size GEMM).
 ``DEFS`` holds every definition, ``OPS`` every op name.
 """
 
-from fxrewrite.runtime.ops import activation, collective, norm, quant, rotary
+from fxrewrite.runtime.ops import activation, collective, linear, norm, quant, rotary
 from fxrewrite.runtime.providers import OpDef
 
-DEFS: tuple[OpDef, ...] = norm.DEFS + activation.DEFS + quant.DEFS + rotary.DEFS + collective.DEFS
+DEFS: tuple[OpDef, ...] = norm.DEFS + activation.DEFS + quant.DEFS + rotary.DEFS + collective.DEFS + linear.DEFS
 OPS: tuple[str, ...] = tuple(op.name for op in DEFS)
 
-__all__ = ["DEFS", "OPS", "activation", "collective", "norm", "quant", "rotary"]
+__all__ = ["DEFS", "OPS", "activation", "collective", "linear", "norm", "quant", "rotary"]

@@ -346,16 +346,11 @@ def _sgl_silu_dynamic(x: Tensor) -> tuple[Tensor, Tensor]:
     return sgl_per_token_quant(sgl_silu_and_mul(x))
 
 
-TRITON_MODULE = "fxrewrite.runtime.triton_kernels"
-
-
-def _triton(op: str, *args: object) -> object:
-    """The Triton provider's launcher for ``op`` (same name, same signature as the op)."""
-    return getattr(providers.library(TRITON_MODULE), op)(*args)
+TRITON_MODULE = providers.TRITON_MODULE
 
 
 def _triton_kernel(op: str, check: Callable[..., str | None]) -> Kernel:
-    return Kernel("triton", P(_triton, op), check, FP8_CAPABILITY, module=TRITON_MODULE)
+    return providers.triton_kernel(op, check, FP8_CAPABILITY)
 
 
 FP8 = FP8_CAPABILITY

@@ -21,9 +21,11 @@ def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.bfloat16)
 def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> list[Any]:
     """Arguments of ``op`` on CPU: ``x`` (and ``residual``) of ``shape``, a [hidden] weight, eps
     1e-6, a static FP8 scale 0.02, GELU's tanh approximation, rotary arguments from
-    :mod:`rotary_samples`."""
+    :mod:`rotary_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias."""
     values = {
         "weight": lambda: rand(gen, shape[-1], dtype=dtype) * 0.5,
+        "w": lambda: rand(gen, shape[-1], shape[-1], dtype=dtype) * shape[-1] ** -0.5,
+        "bias": lambda: rand(gen, shape[-1], dtype=dtype),
         "eps": lambda: EPS,
         "scale": lambda: torch.tensor([0.02]),
         "approximate": lambda: "tanh",

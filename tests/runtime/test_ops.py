@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import fxrewrite.runtime.ops as ops
 import rotary_samples
-from fxrewrite.runtime.ops import activation, norm, quant
+from fxrewrite.runtime.ops import activation, linear, norm, quant
 from fxrewrite.runtime.providers import OpDef
 
 EPS = 1e-6
@@ -294,6 +294,10 @@ def make_args(op: OpDef, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.
             args.append(rand(gen, *shape, dtype=dtype))
         elif name == "weight":
             args.append(rand(gen, shape[-1], dtype=dtype, scale=0.5))
+        elif name == "w":  # a linear's [hidden, hidden] matrix
+            args.append(rand(gen, shape[-1], shape[-1], dtype=dtype, scale=shape[-1] ** -0.5))
+        elif name == "bias":
+            args.append(rand(gen, shape[-1], dtype=dtype))
         elif name == "eps":
             args.append(EPS)
         elif name == "scale":
@@ -313,9 +317,28 @@ def as_tuple(out: object) -> tuple[torch.Tensor, ...]:
     return () if out is None else out if isinstance(out, tuple) else (out,)  # type: ignore[return-value]
 
 
+def test_linear_reference_is_f_linear(gen: torch.Generator) -> None:
+    x, w, b = rand(gen, 2, 3, 64), rand(gen, 32, 64), rand(gen, 32)
+    exact(torch.ops.fxr.linear(x, w, b), F.linear(x, w, b))
+    exact(torch.ops.fxr.linear(x, w), F.linear(x, w))
+
+
+def test_linear_triton_kernel_constraints(gen: torch.Generator) -> None:
+    """What the Triton kernel takes (the cuBLAS kernel after it takes everything)."""
+    bf16 = torch.bfloat16
+    x, w = rand(gen, 8, 64, dtype=bf16), rand(gen, 32, 64, dtype=bf16)
+    assert linear.skinny_check(x, w) is None
+    assert linear.skinny_check(rand(gen, 2, 8, 64, dtype=bf16), w, rand(gen, 32, dtype=bf16)) is None  # 16 rows
+    assert linear.skinny_check(rand(gen, 17, 64, dtype=bf16), w) == "17 rows: cuBLAS serves outside 1..16"
+    assert linear.skinny_check(x.float(), w.float()) == "dtype float32 not bf16/fp16"
+    assert linear.skinny_check(x, rand(gen, 64, 32, dtype=bf16).t()) == "weight has no unit stride along k"
+    assert linear.skinny_check(x, w, rand(gen, 64, dtype=bf16)[::2]) == "bias not a contiguous vector"
+    assert linear.skinny_check(x, rand(gen, 64, dtype=bf16)) == "shapes (8, 64) x (64,)"
+
+
 def test_ops_lists_every_definition() -> None:
     assert ops.OPS == tuple(op.name for op in ops.DEFS)
-    assert len(set(ops.OPS)) == len(ops.OPS) == 19
+    assert len(set(ops.OPS)) == len(ops.OPS) == 20
     for name in ops.OPS:
         assert hasattr(torch.ops.fxr, name)
 

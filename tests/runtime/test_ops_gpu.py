@@ -63,7 +63,7 @@ def force(provider: str) -> None:
 
 
 def is_activation(op: OpDef) -> bool:
-    return "weight" not in inspect.signature(op.reference).parameters
+    return not {"weight", "w"} & set(inspect.signature(op.reference).parameters)
 
 
 def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torch.Generator) -> list[Any]:
@@ -81,6 +81,8 @@ def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torc
         "x": activation,
         "residual": activation,
         "weight": lambda: (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(dtype),
+        "w": lambda: (torch.randn(hidden, hidden, device="cuda", generator=gen) * hidden**-0.5).to(dtype),
+        "bias": lambda: torch.randn(hidden, device="cuda", generator=gen).to(dtype),
         "eps": lambda: EPS,
         "scale": lambda: torch.tensor([0.02], device="cuda"),
         "approximate": lambda: "none",
@@ -154,6 +156,21 @@ def test_op_against_reference(
 ) -> None:
     force(provider)
     run_and_check(op, provider, make_args(op, tokens, hidden, dtype, gen), dtype)
+
+
+@pytest.mark.parametrize(("rows", "label"), [(1, "triton"), (16, "triton"), (17, "cublas"), (512, "cublas")])
+def test_linear_takes_triton_up_to_16_rows_then_cublas(rows: int, label: str, gen: torch.Generator) -> None:
+    """Default order: the Triton kernel at decode sizes, cuBLAS above (not a fallback); the
+    qkv, o and gate_up weights of the 8B layer reach all three launch configurations."""
+    if providers.library(providers.TRITON_MODULE) is None:
+        pytest.skip("triton is not importable here")
+    for n in (6144, 4096, 28672):
+        providers.reset_counts()
+        x = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+        w = (torch.randn(n, 4096, device="cuda", generator=gen) * 4096**-0.5).to(torch.bfloat16)
+        out = torch.ops.fxr.linear(x, w)
+        assert providers.served()["linear"] == {"fallbacks": {}, label: 1}
+        torch.testing.assert_close(out.float(), x.float() @ w.float().t(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
