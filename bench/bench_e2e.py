@@ -37,7 +37,8 @@ compare two systems within a few percent are read from that table, since a syste
 moves by a few percent from one process to the next.
 
 Each system runs in a fresh process (a crash or a sticky CUDA error costs its row only),
-compiles cold (``force_disable_caches``), and reports failures as notes. The table is rewritten
+compiles cold (``force_disable_caches``, and an empty Triton cache of its own), and reports
+failures as notes. The table is rewritten
 to ``--out`` after every system; nothing starts after ``--budget-s``.
 """
 
@@ -596,8 +597,12 @@ def run_child(key: str, argv: list[str], args: argparse.Namespace) -> tuple[dict
     failed (None if it did not)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", key, "--workdir", args.workdir,
            "--deadline", str(args.deadline)]
+    # its own empty Triton cache: the kernels a system builds (Inductor's, fxr.linear's) are
+    # built in its first call, as on a machine's first start (the attention op's are built
+    # before it, for every row alike)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(Path(args.workdir) / f"triton-{key}")}
     # its own process group, so that a kill also ends the compile workers it started
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     timer = threading.Timer(max(1.0, args.deadline + GRACE_S - time.time()), os.killpg, (proc.pid, signal.SIGKILL))
     timer.start()
     tail: collections.deque[str] = collections.deque(maxlen=5)
