@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +34,6 @@ from engine_model import llama_8b  # noqa: E402
 from fxrewrite.runtime import providers  # noqa: E402
 
 LAYERS = 32
-REPLAYS = 20
 SWEEP = list(itertools.product((16, 32, 64), (128, 256, 512), ((4, 3), (4, 4), (8, 3))))
 
 
@@ -50,28 +47,6 @@ def projections() -> dict[str, tuple[int, int]]:
         "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
         "down": (cfg.hidden_size, cfg.intermediate_size),
     }
-
-
-def graph_ms(calls: Callable[[], Any]) -> float:
-    """Median milliseconds of one replay of ``calls`` captured in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -99,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if kernels is None:
         print(f"bench_gemm needs Triton: {providers._REGISTRY.import_errors}", file=sys.stderr)
         return 2
+    from bench_attention import graph_ms  # median ms of one replay of a captured call (imports Triton)
+
     providers.configure("linear=triton")  # a call the kernel cannot take is a counted fallback
     torch.manual_seed(0)
     dtype, shapes = torch.bfloat16, projections()
