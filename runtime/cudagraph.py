@@ -455,10 +455,11 @@ class Runner:
             out = self.module.forward(*call)
             for i in self._written:
                 self._copy_back(i, args[i], call[i], n, size)
+            out = d.finish(out, n, size)  # no autograd here either: an output may view a parameter
         counts["replays"] += 1
         counts["padded_calls"] += n is not None and n != size
         self._last = (counts["static_input_copies"] - before[0], counts["activation_copies"] - before[1])
-        return d.finish(out, n, size)
+        return out
 
     def _eager(self, args: Sequence[Any], reason: str) -> Any:
         self._counts["eager_calls"] += 1

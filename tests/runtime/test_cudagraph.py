@@ -198,6 +198,26 @@ def test_through_torch_compile() -> None:
     assert len(runners) == 1 and runners[0].stats()["replays"] == 3 and runners[0].stats()["eager_calls"] == 1
 
 
+def test_an_output_viewing_a_parameter_outside_no_grad() -> None:
+    """Outputs are cloned out of the static buffers without autograd, as the replay runs: a
+    view of a parameter among them (made under no_grad) must not trip autograd's view checks."""
+    w = torch.nn.Parameter(torch.randn(5, 8))
+    fn = lambda x: (F.linear(x, w), w.t())  # noqa: E731
+    torch._dynamo.reset()
+    runners: list[Runner] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Runner:
+        runners.append(build_runner(gm, example_inputs, Config(mode="full", capture_sizes=(4,), progress=False)))
+        return runners[-1]
+
+    x = torch.randn(3, 8)
+    out = torch.compile(fn, backend=backend, fullgraph=True)(x)
+    with torch.no_grad():
+        for got, want in zip(out, fn(x)):
+            torch.testing.assert_close(got, want)
+    assert runners[0].stats()["replays"] == 1 and not out[1].requires_grad  # inference only
+
+
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
 def test_state_written_by_splitting_op(mode: str) -> None:
     rec = record(seeded(CachedAttention), [(x, torch.arange(1, 9)) for (x,) in toy_inputs((8,))], dynamic=True)
