@@ -37,9 +37,10 @@ def default_rule_groups(mode: str = "none") -> list[tuple[str, list[Rule]]]:
     before plain norm), rotary embedding, activations, then FP8 quant of fused activations.
 
     For a graph that replays as CUDA graphs (``mode`` "piecewise" or "full"), last, the linears:
-    ``fxr.linear`` picks a decode-size GEMM by the rows of each call, which pays under replay;
-    run eagerly ("none"), the custom op's dispatch would cost more host time per linear than the
-    kernel saves at those sizes. Last: after every rule whose pattern holds a linear."""
+    ``fxr.linear`` picks a decode-size GEMM by the rows of each call. Run eagerly ("none"), each
+    linear would pay the custom op's Python dispatch on the host, which replays do not pay (not
+    measured: ``extra_rules=linear.RULES`` opts in). Last: after every rule whose pattern holds a
+    linear."""
     from fxrewrite.rewrites import activation, collective, linear, norm, quant, rotary
 
     groups = [
