@@ -124,8 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for (rows, name), group in itertools.groupby(sweeps, key=lambda s: (s[0], s[1])):
             group = list(group)
             best = min(group, key=lambda s: s[3])
-            n, k = shapes[name]
-            default = next((s[3] for s in group if s[2] == kernels.skinny_config(n, kernels._sms(torch.device("cuda", 0)))), float("nan"))
+            chosen = kernels.skinny_config(shapes[name][0], kernels._sms(torch.device("cuda", 0)))
+            default = next((s[3] for s in group if s[2] == chosen), float("nan"))
             lines.append(f"| {rows} | {name} | {best[2]} | {best[3]:.3f} | {best[3] / best[4]:.3f} | {default:.3f} |")
         lines += ["", "All configurations (ms):", ""]
         lines += [f"{rows} {name} {cfg} {ms:.3f}" for rows, name, cfg, ms, _ in sweeps]
