@@ -38,8 +38,8 @@ moves by a few percent from one process to the next.
 
 Each system runs in a fresh process (a crash or a sticky CUDA error costs its row only),
 compiles cold (``force_disable_caches``, and an empty Triton cache of its own), and reports
-failures as notes. The table is rewritten
-to ``--out`` after every system; nothing starts after ``--budget-s``.
+failures as notes. The table is rewritten to ``--out`` after every system; nothing starts after
+``--budget-s``.
 """
 
 from __future__ import annotations

@@ -94,8 +94,8 @@ def _transposed_matrix(node: Any) -> fx.Node | None:
     if key in (("call_method", "transpose"), ("call_function", torch.transpose)) and len(rest) == 2:
         return w if all(isinstance(d, int) for d in rest) and {d % 2 for d in rest} == {0, 1} else None
     if key == ("call_method", "permute") or (node.op == "call_function" and node.target is PERMUTE):
-        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
-        return w if list(dims) in ([1, 0], [-1, -2], [1, -2], [-1, 0]) else None
+        dims = list(rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest)
+        return w if len(dims) == 2 and all(isinstance(d, int) for d in dims) and [d % 2 for d in dims] == [1, 0] else None
     return None
 
 

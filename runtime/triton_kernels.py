@@ -217,6 +217,7 @@ def skinny_config(n: int, sms: int) -> tuple[int, int, int, int]:
 
 @functools.cache
 def _sms(device: torch.device) -> int:
+    # CPU tensors run only under the interpreter: any count serves, take an H100's
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 

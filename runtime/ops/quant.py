@@ -346,9 +346,6 @@ def _sgl_silu_dynamic(x: Tensor) -> tuple[Tensor, Tensor]:
     return sgl_per_token_quant(sgl_silu_and_mul(x))
 
 
-TRITON_MODULE = providers.TRITON_MODULE
-
-
 def _triton_kernel(op: str, check: Callable[..., str | None]) -> Kernel:
     return providers.triton_kernel(op, check, FP8_CAPABILITY)
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import quant
 
 
 @pytest.fixture
@@ -54,7 +53,7 @@ def triton_kernels() -> Iterator[types.ModuleType]:
     """``fxrewrite.runtime.triton_kernels`` with its kernels interpreted (tests/conftest.py sets
     ``TRITON_INTERPRET=1`` where there is no CUDA) and GPU rounding in the interpreter's casts.
     Skipped without Triton, and where the kernels are compiled (CUDA: the GPU tests run them)."""
-    module = pytest.importorskip(quant.TRITON_MODULE, reason="triton is not installed")
+    module = pytest.importorskip(providers.TRITON_MODULE, reason="triton is not installed")
     interpreter = importlib.import_module("triton.runtime.interpreter")
     if not isinstance(module._rms_norm_quant_kernel, interpreter.InterpretedFunction):
         pytest.skip("Triton kernels are compiled here, not interpreted: tests/runtime/test_ops_gpu.py runs them")

@@ -379,7 +379,7 @@ def both_libraries(registry: providers._Registry, sgl_ops: None) -> providers._R
     """sgl-kernel and flashinfer emulated; Triton's kernels not importable (a test that wants
     them installs the ``triton_kernels`` fixture's module)."""
     registry.modules.update({"sgl_kernel": lib("sgl_kernel"), **flashinfer_modules()})
-    install(registry, **{quant.TRITON_MODULE: None})
+    install(registry, **{providers.TRITON_MODULE: None})
     return registry
 
 
@@ -408,7 +408,7 @@ def test_every_op_through_each_emulated_provider(
 ) -> None:
     """sgl-kernel and flashinfer emulated; Triton's real kernels, interpreted (skipped without)."""
     if provider == "triton":
-        both_libraries.modules[quant.TRITON_MODULE] = request.getfixturevalue("triton_kernels")
+        both_libraries.modules[providers.TRITON_MODULE] = request.getfixturevalue("triton_kernels")
     providers.configure(provider)
     args = op_args(op, shape, gen)
     ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
@@ -456,7 +456,7 @@ def test_dynamic_quant_zero_rows_get_the_floor_scale(both_libraries: providers._
 def test_preload_imports_every_kernel_module(registry: providers._Registry) -> None:
     install(registry, sgl_kernel=lib("sgl_kernel"), flashinfer=None, flashinfer__norm=None, flashinfer__activation=None,
             flashinfer__rope=None, flashinfer__comm=None)  # fmt: skip
-    install(registry, **{quant.TRITON_MODULE: None})
+    install(registry, **{providers.TRITON_MODULE: None})
     assert providers.preload() == {
         "flashinfer": False,
         "flashinfer.activation": False,
