@@ -533,7 +533,7 @@ def _hand_fused(model: EngineLlama) -> EngineLlama | str:
     try:
         import fxrewrite.runtime.ops  # noqa: F401
 
-        missing = [op for op in ("rms_norm", "fused_add_rms_norm_", "silu_and_mul") if not hasattr(torch.ops.fxr, op)]
+        missing = [op for op in ("rms_norm", "fused_add_rms_norm_", "linear_silu_and_mul") if not hasattr(torch.ops.fxr, op)]
         return f"no hand-fused twin: fused ops missing: {missing}" if missing else fused_twin(model)
     except Exception as e:  # noqa: BLE001
         return f"no hand-fused twin: {_short(e)}"

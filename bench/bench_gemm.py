@@ -10,8 +10,12 @@ row per row count replays the four projections of all 32 layers in model order: 
 GEMMs. ``floor``: the weights' bytes over the device-to-device copy bandwidth (read + write)
 measured in this run, as bench_e2e's HBM floor. ``err``: ``max|y - ref| / max|ref|`` of the
 Triton kernel against float32 on fresh inputs (cuBLAS's beside it). ``--sweep`` times every
-launch configuration of the Triton kernel too and prints the best per shape, the table
-``triton_kernels.skinny_config`` is set from.
+launch configuration of the Triton kernel too and prints the best per shape, the tables
+``triton_kernels.skinny_config`` and ``gated_config`` are set from.
+
+A second table takes the MLP's activation in: gate_up then SiLU-and-mul as cuBLAS +
+``fxr.silu_and_mul``, as ``fxr.linear`` + ``fxr.silu_and_mul``, and as one
+``fxr.linear_silu_and_mul``; and the step's GEMMs in layer order with the activation, each way.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import argparse
 import datetime
 import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -31,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import Clock  # noqa: E402
 from engine_model import llama_8b  # noqa: E402
 
+import fxrewrite.runtime.ops  # noqa: E402, F401  (registers torch.ops.fxr.*)
 from fxrewrite.runtime import providers  # noqa: E402
 
 LAYERS = 32
@@ -61,6 +67,63 @@ def fxr_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.fxr.linear.default(x, w)
 
 
+def activated(linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``linear`` followed by ``fxr.silu_and_mul`` (the library that serves it by default)."""
+    return lambda x, w: torch.ops.fxr.silu_and_mul.default(linear(x, w))
+
+
+def fxr_gated(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.fxr.linear_silu_and_mul.default(x, w)
+
+
+GATED_WAYS = {"cuBLAS + silu_and_mul": activated(cublas), "fxr.linear + silu_and_mul": activated(fxr_linear),
+              "fxr.linear_silu_and_mul": fxr_gated}  # fmt: skip
+
+
+def gated_table(args: argparse.Namespace, kernels: Any, shapes: dict[str, tuple[int, int]],
+                weights: dict[str, list[torch.Tensor]], floor: dict[str, float], sweeps: list[Any]) -> list[str]:  # fmt: skip
+    """gate_up with SiLU-and-mul, three ways; then the step's GEMMs with the activation."""
+    from bench_attention import graph_ms
+
+    ways = list(GATED_WAYS)
+    lines = ["", "gate_up with SiLU-and-mul, and the step's GEMMs in layer order with it:", "",
+             "| rows | what | floor ms | " + " | ".join(f"{w} ms" for w in ways) + " | gated / cuBLAS + act | "
+             "gated / fxr.linear + act | err gated |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    dtype = weights["gate_up"][0].dtype
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = {name: torch.randn(rows, k, device="cuda", dtype=dtype) for name, (n, k) in shapes.items()}
+        x, ws = xs["gate_up"], weights["gate_up"]
+        gate, up = (x.float() @ ws[0].float().t()).chunk(2, dim=-1)
+        err = rel_err(fxr_gated(x, ws[0]), F.silu(gate) * up)
+        t = [graph_ms(lambda fn=fn: [fn(x, w) for w in ws]) for fn in GATED_WAYS.values()]
+        lines.append(f"| {rows} | gate_up + SiLU-and-mul | {floor['gate_up']:.3f} | " + " | ".join(f"{v:.3f}" for v in t)
+                     + f" | {t[2] / t[0]:.3f} | {t[2] / t[1]:.3f} | {err:.1e} |")  # fmt: skip
+        print(lines[-1], flush=True)
+        plain = (cublas, fxr_linear, fxr_linear)
+
+        def step(i: int) -> None:
+            for layer in range(LAYERS):
+                for name in shapes:
+                    fn = GATED_WAYS[ways[i]] if name == "gate_up" else plain[i]
+                    fn(xs[name], weights[name][layer])
+
+        t = [graph_ms(lambda i=i: step(i)) for i in range(3)]
+        total = sum(floor.values())
+        lines.append(f"| {rows} | all, in layer order | {total:.3f} | " + " | ".join(f"{v:.3f}" for v in t)
+                     + f" | {t[2] / t[0]:.3f} | {t[2] / t[1]:.3f} | |")  # fmt: skip
+        print(lines[-1], flush=True)
+        if args.sweep:
+            for bn, bk, (warps, stages) in SWEEP:
+                cfg = (bn, bk, warps, stages)  # a gated program takes bn gate and bn up rows
+                try:
+                    ms = graph_ms(lambda cfg=cfg: [kernels._skinny_linear(x, w, None, cfg, gated=True) for w in ws])
+                except Exception as e:  # noqa: BLE001 - too much shared memory: not a candidate
+                    print(f"{rows} gated {cfg}: {type(e).__name__}", file=sys.stderr)
+                    continue
+                sweeps.append((rows, "gate_up, gated", cfg, ms, floor["gate_up"]))
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,8,16")
@@ -76,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from bench_attention import graph_ms  # median ms of one replay of a captured call (imports Triton)
 
-    providers.configure("linear=triton")  # a call the kernel cannot take is a counted fallback
+    # a call the kernel cannot take is a counted fallback
+    providers.configure("linear=triton,linear_silu_and_mul=triton")
     torch.manual_seed(0)
     dtype, shapes = torch.bfloat16, projections()
     bandwidth = Clock(torch.device("cuda")).copy_bandwidth(torch.device("cuda"), 2 << 30)  # as bench_e2e
@@ -116,15 +180,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines.append(f"| {rows} | all, in layer order | {total:.3f} | {t[0]:.3f} | {t[1]:.3f} | {t[0] / total:.3f} | "
                      f"{t[1] / total:.3f} | {t[1] / t[0]:.3f} | | |")  # fmt: skip
         print(lines[-1], flush=True)
-    served = providers.served().get("linear", {})
-    lines += ["", f"fxr.linear served: {served}"]
+    lines += gated_table(args, kernels, shapes, weights, floor, sweeps)
+    lines += ["", f"fxr.linear served: {providers.served().get('linear', {})}",
+              f"fxr.linear_silu_and_mul served: {providers.served().get('linear_silu_and_mul', {})}"]  # fmt: skip
     if sweeps:
         lines += ["", "Sweep (BN, BK, warps, stages): best and default per shape", "",
                   "| rows | projection | best config | best ms | best / floor | default ms |", "|---|---|---|---|---|---|"]  # fmt: skip
         for (rows, name), group in itertools.groupby(sweeps, key=lambda s: (s[0], s[1])):
             group = list(group)
             best = min(group, key=lambda s: s[3])
-            chosen = kernels.skinny_config(shapes[name][0], kernels._sms(torch.device("cuda", 0)))
+            sms = kernels._sms(torch.device("cuda", 0))
+            n = shapes[name.split(",")[0]][0]
+            chosen = kernels.gated_config(n // 2, sms) if name.endswith("gated") else kernels.skinny_config(n, sms)
             default = next((s[3] for s in group if s[2] == chosen), float("nan"))
             lines.append(f"| {rows} | {name} | {best[2]} | {best[3]:.3f} | {best[3] / best[4]:.3f} | {default:.3f} |")
         lines += ["", "All configurations (ms):", ""]

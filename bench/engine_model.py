@@ -16,7 +16,8 @@ tree and the same weights; only five spots differ, each a call to an op register
     RMSNorm          ``self.weight * (x.float() * rsqrt(...)).to(dtype)`` -> ``fxr.rms_norm``
     add + RMSNorm    ``x = x + residual; residual = x; norm(x)``        -> ``fxr.fused_add_rms_norm_``
     RoPE             ``cos, sin = cache[positions]; rotate q, k``        -> ``fxr.rotary_embedding``
-    SiLU-and-mul     ``gate, up = x.chunk(2, -1); F.silu(gate) * up``    -> ``fxr.silu_and_mul``
+    gate_up + SiLU-and-mul  ``gate, up = gate_up_proj(x).chunk(2, -1); F.silu(gate) * up``
+                     -> ``fxr.linear_silu_and_mul`` (one kernel at decode sizes)
     linears          ``nn.Linear``                                       -> ``fxr.linear`` (the
                      decode-size GEMM, as the rewriter's graphs replayed as CUDA graphs call it)
 
@@ -329,13 +330,6 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-class FusedSiluAndMul(SiluAndMul):
-    """The same activation through ``fxr.silu_and_mul``."""
-
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return torch.ops.fxr.silu_and_mul.default(gate_up)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """NeoX rotate-half RoPE in float32. x [T, heads, d]; cos, sin [T, d/2] float32."""
     dtype = x.dtype
@@ -396,16 +390,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """gate_up_proj -> SiLU-and-mul -> down_proj."""
+    """gate_up_proj -> SiLU-and-mul -> down_proj; hand-fused, the first two are one
+    ``fxr.linear_silu_and_mul``."""
 
     def __init__(self, cfg: ModelConfig, fused: bool, dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        self.fused = fused
         linear = FusedLinear if fused else nn.Linear
         self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
-        self.act_fn = FusedSiluAndMul() if fused else SiluAndMul()
+        self.act_fn = SiluAndMul()  # hand-fused: unused, part of the gated GEMM
         self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            gate_up = self.gate_up_proj
+            return self.down_proj(torch.ops.fxr.linear_silu_and_mul.default(x, gate_up.weight, gate_up.bias))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

@@ -1,6 +1,9 @@
-"""Linears become ``fxr.linear``, which picks the GEMM by the number of rows at run time.
+"""Linears become ``fxr.linear``, which picks the GEMM by the number of rows at run time; a
+linear whose only reader is SiLU-and-mul (an MLP's merged gate and up projection, after
+``fuse_activation``) becomes ``fxr.linear_silu_and_mul``, one kernel at decode sizes.
 
     %y = aten.linear(%x, %w, %b)      ->      %y = fxr.linear(%x, %w, %b)
+    %h = fxr.silu_and_mul(%y)         ->      %h = fxr.linear_silu_and_mul(%x, %w, %b)
 
 ``nn.Linear``, ``F.linear`` and the merged projections of ``merge_siblings`` all canonicalize to
 ``aten.linear``; a missing bias is bound as ``None``, so one rule without and one with a bias
@@ -22,6 +25,16 @@ def matrix_weight(b: Bindings) -> bool | str:
     return True if b["w"].dim() == 2 else f"weight is {b['w'].dim()}-D, not a matrix"
 
 
+def gate_up_weight(b: Bindings) -> bool | str:
+    """A matrix whose rows split into gate and up halves (SiLU-and-mul halves the linear's
+    output; an odd width is refused by ``fuse_activation`` already, this keeps the rule sound
+    on its own)."""
+    ok = matrix_weight(b)
+    if ok is not True:
+        return ok
+    return True if b["w"].shape[0] % 2 == 0 else f"weight has {b['w'].shape[0]} rows, not gate and up halves"
+
+
 # linear(x, w) -> fxr.linear(x, w)
 def linear_pattern(x, w):
     return F.linear(x, w)
@@ -40,7 +53,30 @@ def linear_bias_replacement(x, w, b):
     return torch.ops.fxr.linear(x, w, b)
 
 
+# silu_and_mul(linear(x, w)) -> fxr.linear_silu_and_mul(x, w)
+def linear_silu_and_mul_pattern(x, w):
+    return torch.ops.fxr.silu_and_mul(F.linear(x, w))
+
+
+def linear_silu_and_mul_replacement(x, w):
+    return torch.ops.fxr.linear_silu_and_mul(x, w)
+
+
+# silu_and_mul(linear(x, w, b)) -> fxr.linear_silu_and_mul(x, w, b)
+def linear_bias_silu_and_mul_pattern(x, w, b):
+    return torch.ops.fxr.silu_and_mul(F.linear(x, w, b))
+
+
+def linear_bias_silu_and_mul_replacement(x, w, b):
+    return torch.ops.fxr.linear_silu_and_mul(x, w, b)
+
+
 LINEAR = Rule("linear", linear_pattern, linear_replacement, matrix_weight)
 LINEAR_BIAS = Rule("linear_bias", linear_bias_pattern, linear_bias_replacement, matrix_weight)
+LINEAR_SILU_AND_MUL = Rule("linear_silu_and_mul", linear_silu_and_mul_pattern, linear_silu_and_mul_replacement,
+                           gate_up_weight)  # fmt: skip
+LINEAR_BIAS_SILU_AND_MUL = Rule("linear_bias_silu_and_mul", linear_bias_silu_and_mul_pattern,
+                                linear_bias_silu_and_mul_replacement, gate_up_weight)  # fmt: skip
 
-RULES: list[Rule] = [LINEAR, LINEAR_BIAS]
+# the gated rules first: a plain linear rule would take their linears
+RULES: list[Rule] = [LINEAR_SILU_AND_MUL, LINEAR_BIAS_SILU_AND_MUL, LINEAR, LINEAR_BIAS]

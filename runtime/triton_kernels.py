@@ -5,7 +5,9 @@ the others.
   add + RMSNorm, SiLU-and-mul, each fused with static or dynamic per-token FP8 (float8_e4m3fn)
   quantization, in one kernel.
 - ``linear`` at decode sizes (at most ``SKINNY_ROWS`` rows): the weight streamed once, one
-  launch, no split-K reduction kernel (cuBLAS takes two launches for some of these shapes).
+  launch, no split-K reduction kernel (cuBLAS takes two launches for some of these shapes);
+  ``linear_silu_and_mul``, the same GEMM with SiLU-and-mul applied before the store (an MLP's
+  merged gate and up projection and its activation: one launch, not two).
 
 This module imports ``triton`` at the top, so the op modules never import it; they reach it
 through ``providers.library("fxrewrite.runtime.triton_kernels")``, which turns a missing or
@@ -125,12 +127,19 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, scale_ptr, d, BLOCK: tl.cons
 
 @triton.jit(do_not_specialize=["rows"])  # one build per launch configuration serves 1 to 16 rows
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rows, n, k, x_stride, w_stride,
-                          BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+                          BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                          GATED: tl.constexpr):  # fmt: skip
     """Program p: ``y[:, p*BN : (p+1)*BN] = x @ w[p*BN : (p+1)*BN].T (+ bias)`` for all (at most
-    16) rows at once, walking k in blocks of ``BK``: every weight element is read once."""
+    16) rows at once, walking k in blocks of ``BK``: every weight element is read once.
+
+    ``GATED``: ``w`` holds 2n rows, gate then up; the program also computes the up columns
+    ``x @ w[n + p*BN : n + (p+1)*BN].T`` and stores ``silu(gate) * up``, each step rounded to
+    the dtype as ``silu_and_mul(linear(x, w))`` rounds it."""
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     r = tl.arange(0, SKINNY_ROWS)
     acc = tl.zeros([SKINNY_ROWS, BN], tl.float32)
+    if GATED:
+        acc_up = tl.zeros([SKINNY_ROWS, BN], tl.float32)
     for k0 in range(0, k, BK):
         ks = k0 + tl.arange(0, BK)
         x_mask, w_mask = (r < rows)[:, None], (cols < n)[:, None]
@@ -139,10 +148,20 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rows, n, k, x_stride, w_st
         x = tl.load(x_ptr + r[:, None] * x_stride + ks[None, :], mask=x_mask, other=0.0)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * w_stride + ks[None, :], mask=w_mask, other=0.0)
         acc += tl.dot(x, tl.trans(w))
+        if GATED:
+            u = tl.load(w_ptr + (n + cols[:, None]).to(tl.int64) * w_stride + ks[None, :], mask=w_mask, other=0.0)
+            acc_up += tl.dot(x, tl.trans(u))
+    dtype = y_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_ptr + n + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        gate = acc.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu, approximate division
+        acc = act * acc_up.to(dtype).to(tl.float32)
     y = y_ptr + r[:, None] * n + cols[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(r < rows)[:, None] & (cols < n)[None, :])
+    tl.store(y, acc.to(dtype), mask=(r < rows)[:, None] & (cols < n)[None, :])
 
 
 # --------------------------------------------------------------------------- launchers
@@ -215,24 +234,40 @@ def skinny_config(n: int, sms: int) -> tuple[int, int, int, int]:
     return 32, 128, 4, 3
 
 
+def gated_config(n: int, sms: int) -> tuple[int, int, int, int]:
+    """The same for ``linear_silu_and_mul`` with ``n`` output columns (2n weight rows): a program
+    streams ``BN`` gate and ``BN`` up rows, so in one wave ``BK`` is halved (a stage holds what
+    the plain kernel's holds); with many programs, (32, 256, 4, 3), the best on the 8B gate_up
+    weight in the H100 sweep (bench/RESULTS.md)."""
+    for bn, bk in ((32, 256), (64, 128)):
+        if triton.cdiv(n, bn) <= sms:
+            return bn, bk, 4, 4
+    return 32, 256, 4, 3
+
+
 @functools.cache
 def _sms(device: torch.device) -> int:
     # CPU tensors run only under the interpreter: any count serves, take an H100's
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def _skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, config: tuple[int, int, int, int] | None) -> Tensor:
-    n, k = weight.shape
+def _skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, config: tuple[int, int, int, int] | None,
+                   gated: bool = False) -> Tensor:  # fmt: skip
+    """``linear(x, weight, bias)``, or with ``gated`` ``silu_and_mul`` of it in the same kernel
+    (a program computes ``BN`` gate and the matching ``BN`` up columns). ``config``: (BN, BK,
+    warps, stages), by default :func:`skinny_config` / :func:`gated_config`."""
+    rows_w, k = weight.shape
+    n = rows_w // 2 if gated else rows_w
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = config or skinny_config(n, _sms(x.device))
+    bn, bk, warps, stages = config or (gated_config if gated else skinny_config)(n, _sms(x.device))
     with _device_of(x):
         _skinny_linear_kernel[(triton.cdiv(n, bn),)](
             rows, weight, bias if bias is not None else weight, out, rows.shape[0], n, k, rows.stride(0),
-            weight.stride(0), BN=bn, BK=bk, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, num_warps=warps,
-            num_stages=stages,
+            weight.stride(0), BN=bn, BK=bk, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, GATED=gated,
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
@@ -272,3 +307,7 @@ def silu_and_mul_dynamic_quant_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return _skinny_linear(x, weight, bias, None)
+
+
+def linear_silu_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return _skinny_linear(x, weight, bias, None, gated=True)

@@ -9,6 +9,13 @@ Llama's weights at 1.14x the copy floor at 8 rows on the H100 (bench/RESULTS.md,
 
     # before (nn.Linear, F.linear, merged projections)     # after
     y = aten.linear(x, w, b)                                y = torch.ops.fxr.linear(x, w, b)
+
+``fxr::linear_silu_and_mul(x, w, bias=None)`` is ``silu_and_mul(linear(x, w, bias))``: an MLP's
+merged gate and up projection ([2d, k] weight) with its activation. Up to ``SKINNY_ROWS`` rows
+the Triton kernel applies SiLU-and-mul before it stores, one launch instead of two; above,
+cuBLAS and then ``fxr.silu_and_mul`` (whichever library serves it).
+
+    h = torch.ops.fxr.silu_and_mul(torch.ops.fxr.linear(x, w))   ->   h = torch.ops.fxr.linear_silu_and_mul(x, w)
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fxrewrite.runtime import providers
+from fxrewrite.runtime.ops.activation import silu_and_mul_reference
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 SKINNY_ROWS = 16
@@ -29,8 +37,24 @@ def linear_reference(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor
     return F.linear(x, w, bias)
 
 
+def _gate_up_rows(w: Tensor) -> int:
+    if w.dim() != 2 or w.shape[0] % 2:
+        raise ValueError(f"linear_silu_and_mul: the weight must be [2d, k] (gate rows, then up rows), got {tuple(w.shape)}")
+    return w.shape[0] // 2
+
+
+def linear_silu_and_mul_reference(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``silu_and_mul(F.linear(x, w, bias))``: w [2d, k] (gate rows, then up rows) -> [..., d]."""
+    _gate_up_rows(w)
+    return silu_and_mul_reference(F.linear(x, w, bias))
+
+
 def _linear_fake(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _linear_silu_and_mul_fake(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    return x.new_empty((*x.shape[:-1], _gate_up_rows(w)))
 
 
 def skinny_check(x: Tensor, w: Tensor, bias: Tensor | None = None) -> str | None:
@@ -53,8 +77,18 @@ def skinny_check(x: Tensor, w: Tensor, bias: Tensor | None = None) -> str | None
     return providers.check_same_device(x, w, *([bias] if bias is not None else []))
 
 
+def gated_check(x: Tensor, w: Tensor, bias: Tensor | None = None) -> str | None:
+    """The Triton kernel of ``linear_silu_and_mul``: what :func:`skinny_check` asks, and an even
+    number of weight rows (gate, then up)."""
+    return skinny_check(x, w, bias) or (f"odd weight rows {w.shape[0]}" if w.shape[0] % 2 else None)
+
+
 def _cublas(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, w, bias)
+
+
+def _cublas_silu_and_mul(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    return torch.ops.fxr.silu_and_mul.default(F.linear(x, w, bias))
 
 
 def _always(*args: object) -> None:
@@ -65,8 +99,15 @@ KERNELS = (
     providers.triton_kernel("linear", skinny_check),
     Kernel("torch", _cublas, _always, label="cublas"),
 )
+GATED_KERNELS = (
+    providers.triton_kernel("linear_silu_and_mul", gated_check),
+    Kernel("torch", _cublas_silu_and_mul, _always, label="cublas+silu_and_mul"),
+)
 
-DEFS: tuple[OpDef, ...] = (OpDef("linear", linear_reference, _linear_fake, KERNELS),)
+DEFS: tuple[OpDef, ...] = (
+    OpDef("linear", linear_reference, _linear_fake, KERNELS),
+    OpDef("linear_silu_and_mul", linear_silu_and_mul_reference, _linear_silu_and_mul_fake, GATED_KERNELS),
+)
 for _op in DEFS:
     providers.define_op(_op)
 

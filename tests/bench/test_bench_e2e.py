@@ -31,6 +31,6 @@ def test_full_graph_rows_of_fxrewrite_and_the_twin(tmp_path: Path) -> None:
     side = [c.strip() for c in rows["decode 8"].split("|")[2:-1]]
     assert len(side) == 3 and re.fullmatch(r"[\d.]+ \([\d.]+-[\d.]+\)", side[2]), rows["decode 8"]
     assert "Decode, calls back to back (ms per step):" in text and "- decode 8 back to back, best fxrewrite / HBM floor: " in text
-    assert "fused: fused_add_rms_norm_ x4, linear x8, rms_norm x1, rotary_embedding x2, silu_and_mul x2" in text
+    assert "fused: fused_add_rms_norm_ x4, linear x6, linear_silu_and_mul x2, rms_norm x1, rotary_embedding x2" in text
     # the unguarded row ran every column's steps after the first through Backend.unguarded
     assert "- fxrewrite full, unguarded: unguarded: 5 step shapes called without Dynamo" in text

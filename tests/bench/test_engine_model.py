@@ -23,7 +23,7 @@ from engine_model import (  # noqa: E402
 
 CFG = tiny()
 MAX_SEQS, MAX_LEN = 4, 64
-FUSED_OPS = ("rms_norm", "fused_add_rms_norm_", "silu_and_mul", "rotary_embedding")
+FUSED_OPS = ("rms_norm", "fused_add_rms_norm_", "linear_silu_and_mul", "rotary_embedding")
 
 
 def _model(seed: int = 0) -> EngineLlama:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import BF16, DYNAMIC, check, compile_modes, fused_nodes, reasons
 
 from fxrewrite.backend import default_rule_groups
-from fxrewrite.rewrites import linear
+from fxrewrite.rewrites import activation, linear
 from fxrewrite.testing import compile_once
 
 
@@ -57,6 +57,58 @@ def test_a_matmul_without_transpose_stays() -> None:
     """Negative twin: ``x @ v`` reads ``v`` as [k, n]: no linear to rewrite."""
     v = torch.randn(32, 16)
     check(lambda x: x @ v, torch.randn(4, 32), rules=linear.RULES, expect={}, dynamic=False)
+
+
+class GatedMLP(torch.nn.Module):
+    """An MLP as LLMs write it: a merged gate and up projection (``nn.Linear``, or separate gate
+    and up linears that ``merge_siblings`` merges), SiLU-and-mul, the down projection.
+    ``leak``: the projection's output is returned as well (its value is needed, not only the
+    activation's)."""
+
+    def __init__(self, bias: bool = False, separate: bool = False, leak: bool = False) -> None:
+        super().__init__()
+        self.separate, self.leak = separate, leak
+        if separate:
+            self.gate, self.up = torch.nn.Linear(32, 48, bias=bias), torch.nn.Linear(32, 48, bias=bias)
+        else:
+            self.gate_up = torch.nn.Linear(32, 96, bias=bias)
+        self.down = torch.nn.Linear(48, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.separate:
+            h = F.silu(self.gate(x)) * self.up(x)
+            return self.down(h)
+        gate_up = self.gate_up(x)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = self.down(F.silu(gate) * up)
+        return (out, gate_up) if self.leak else out
+
+
+@DYNAMIC
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("separate", [False, True], ids=["merged", "separate"])
+def test_gate_up_and_silu_and_mul_become_one_op(bias: bool, separate: bool, dynamic: bool | str) -> None:
+    """The gate and up projection followed by SiLU-and-mul (after ``fuse_activation``) is one
+    ``fxr.linear_silu_and_mul``; the down projection stays a plain ``fxr.linear``."""
+    r = check(GatedMLP(bias, separate), torch.randn(5, 32), rules=activation.RULES + linear.RULES,
+              expect={"linear_silu_and_mul": 1, "linear": 1}, dynamic=dynamic)  # fmt: skip
+    (node,) = fused_nodes(r, "linear_silu_and_mul")
+    assert (len(node.args) > 2 and node.args[2] is not None) == bias
+
+
+def test_a_projection_read_elsewhere_keeps_its_own_linear() -> None:
+    """Negative twin: when the projection's output is used beyond the activation, fusing would
+    lose that value: the linear and SiLU-and-mul stay two ops."""
+    check(GatedMLP(leak=True), torch.randn(5, 32), rules=activation.RULES + linear.RULES,
+          expect={"silu_and_mul": 1, "linear": 2})  # fmt: skip
+
+
+def test_the_gated_rule_wants_gate_and_up_halves() -> None:
+    """Negative twin of the guard: SiLU-and-mul on an odd-width projection cannot split a
+    [n, k] weight into gate and up rows."""
+    assert linear.gate_up_weight({"w": torch.randn(7, 4)}) == "weight has 7 rows, not gate and up halves"
+    assert linear.gate_up_weight({"w": torch.randn(4)}) == "weight is 1-D, not a matrix"
+    assert linear.gate_up_weight({"w": torch.randn(8, 4)}) is True
 
 
 @pytest.mark.parametrize(("mode", "expect"), [("none", {}), ("piecewise", {"linear": 4}), ("full", {"linear": 4})])

@@ -336,9 +336,29 @@ def test_linear_triton_kernel_constraints(gen: torch.Generator) -> None:
     assert linear.skinny_check(x, rand(gen, 64, dtype=bf16)) == "shapes (8, 64) x (64,)"
 
 
+def test_linear_silu_and_mul_reference_is_the_unfused_mlp_code(gen: torch.Generator) -> None:
+    """``fxr.linear_silu_and_mul(x, w, b)`` is ``F.silu(gate) * up`` of ``F.linear(x, w, b)``."""
+    x, w, b = rand(gen, 2, 3, 64), rand(gen, 48, 64), rand(gen, 48)
+    for bias in (b, None):
+        gate, up = F.linear(x, w, bias).chunk(2, dim=-1)
+        exact(torch.ops.fxr.linear_silu_and_mul(x, w, bias), F.silu(gate) * up)
+    with pytest.raises(ValueError, match=r"must be \[2d, k\] \(gate rows, then up rows\), got \(47, 64\)"):
+        torch.ops.fxr.linear_silu_and_mul(x, w[:47])
+
+
+def test_linear_silu_and_mul_triton_kernel_constraints(gen: torch.Generator) -> None:
+    """The gated kernel takes what the plain one takes, with gate and up halves of rows."""
+    bf16 = torch.bfloat16
+    x, w = rand(gen, 8, 64, dtype=bf16), rand(gen, 32, 64, dtype=bf16)
+    assert linear.gated_check(x, w) is None
+    assert linear.gated_check(x, w, rand(gen, 32, dtype=bf16)) is None
+    assert linear.gated_check(x, rand(gen, 31, 64, dtype=bf16)) == "odd weight rows 31"
+    assert linear.gated_check(rand(gen, 17, 64, dtype=bf16), w) == "17 rows: cuBLAS serves outside 1..16"
+
+
 def test_ops_lists_every_definition() -> None:
     assert ops.OPS == tuple(op.name for op in ops.DEFS)
-    assert len(set(ops.OPS)) == len(ops.OPS) == 20
+    assert len(set(ops.OPS)) == len(ops.OPS) == 21
     for name in ops.OPS:
         assert hasattr(torch.ops.fxr, name)
 
