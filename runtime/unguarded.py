@@ -18,6 +18,11 @@ shapes against the compiled ones (``ShapeError``), parameters that moved (the ca
 eagerly, with a warning); in mode "none" the graph runs on whatever it is given.
 A change of a Python value the graph baked in (a module's float attribute, a global flag) is
 not seen: call the compiled model instead, and ``unguarded`` again, after such a change.
+
+The function calls the backend's graph directly, without the wrapper Dynamo puts around every
+compiled graph to switch its frame evaluation off for the call. Called from plain Python, as an
+engine's step loop calls it, frame evaluation is off already; do not call it from inside a
+function that ``torch.compile`` compiles (Dynamo would then try to trace the graph's runner).
 """
 
 from __future__ import annotations
@@ -46,15 +51,16 @@ def _frame_function(model: Any) -> tuple[types.FunctionType, Any]:
     return target, bound
 
 
-def _serves(fn: types.FunctionType, entry: Any, graphs: Sequence[Any]) -> bool:
-    """Whether the entry's bytecode calls one of ``graphs`` (not another backend's graph)."""
+def _graph_called(fn: types.FunctionType, entry: Any, graphs: Sequence[Any]) -> tuple[str, Any] | None:
+    """The global name through which the entry's bytecode calls one of ``graphs``, and that
+    graph; None for another backend's graph."""
     for name in entry.code.co_names:
         if name.startswith("__compiled_fn"):
             obj = inspect.unwrap(fn.__globals__.get(name))  # Dynamo's wrapper that disables it
             obj = getattr(obj, "_orig_mod", obj)  # ... which wraps a module (a GraphModule) in a module
             obj = getattr(obj, "__self__", obj)  # a GraphModule's bound forward
-            return any(g is obj for g in graphs)
-    return False
+            return next(((name, g) for g in graphs if g is obj), None)
+    return None
 
 
 def unguarded(model: Any, graphs: Sequence[Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
@@ -71,7 +77,7 @@ def unguarded(model: Any, graphs: Sequence[Any], args: Sequence[Any], kwargs: di
         raise RuntimeError(f"unguarded: torch {torch.__version__} does not expose Dynamo's cache entries "
                            "(torch._dynamo.eval_frame._debug_get_cache_entry_list); call the compiled model instead")
     entries = cache_entries(fn.__code__)
-    ours = [e for e in entries if _serves(fn, e, graphs)]
+    ours = [(e, called) for e in entries if (called := _graph_called(fn, e, graphs)) is not None]
     where = f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
     if not ours:
         raise RuntimeError(
@@ -85,7 +91,7 @@ def unguarded(model: Any, graphs: Sequence[Any], args: Sequence[Any], kwargs: di
     params.apply_defaults()
     f_locals = dict(params.arguments)
     failures = []
-    for entry in ours:
+    for entry, (name, graph) in ours:
         verdict = entry.guard_manager.check_verbose(f_locals)
         if verdict.result:
             code = entry.code
@@ -96,7 +102,11 @@ def unguarded(model: Any, graphs: Sequence[Any], args: Sequence[Any], kwargs: di
             f"unguarded: none of this backend's {len(ours)} graph(s) for {where} accepts the example call "
             f"(first failed guard: {failures[0]}); call the compiled model with these arguments first, under "
             "the same torch.no_grad() / inference_mode state")
-    direct = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    # the bytecode calls the graph itself, not Dynamo's wrapper around it, which switches frame
+    # evaluation off and on again around the call (nothing to switch off here: see the module
+    # docstring); the other globals as the model's module holds them now
+    scope = {**fn.__globals__, name: graph}
+    direct = types.FunctionType(code, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     direct.__kwdefaults__ = fn.__kwdefaults__
     direct.__qualname__ = f"{fn.__qualname__} (unguarded)"
     return types.MethodType(direct, bound) if bound is not None else direct

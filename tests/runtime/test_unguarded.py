@@ -64,6 +64,21 @@ def test_runs_the_compiled_graph(mode: str) -> None:
     assert len(backend.graphs) == 1
 
 
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_calls_the_graph_not_dynamos_wrapper(mode: str) -> None:
+    """The bytecode's global for the compiled graph is the backend's graph (its runner in the
+    CUDA-graph modes) in the unguarded function's scope; the model's module keeps Dynamo's
+    wrapper, which compiled calls still go through."""
+    model, step, backend = compiled_block(mode)
+    step(tokens(8))
+    fast = backend.unguarded(step, tokens(8))
+    ours = {k: v for k, v in fast.__func__.__globals__.items() if k.startswith("__compiled_fn")}
+    theirs = {k: v for k, v in Block.forward.__globals__.items() if k.startswith("__compiled_fn")}
+    assert [k for k, v in ours.items() if v is backend.runners[0]] != []
+    assert not any(v is backend.runners[0] for v in theirs.values())
+    torch.testing.assert_close(fast(tokens(8, seed=1)), step(tokens(8, seed=1)))
+
+
 def test_skips_the_guards() -> None:
     """The compiled model sees ``scale`` change and compiles again; the unguarded function keeps
     running the graph it was given (the documented trade)."""
