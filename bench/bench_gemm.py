@@ -25,8 +25,8 @@ import datetime
 import itertools
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
