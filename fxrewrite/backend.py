@@ -69,6 +69,14 @@ def _rules_pass(rules: Sequence[Rule], config: Config) -> Callable[[fx.GraphModu
     return functools.partial(_apply, rules=list(rules), near_miss_min=config.near_miss_min, filters=_filters(config))
 
 
+@functools.cache
+def _prebuild() -> Any:
+    """The runtime's kernel builds ahead of verification (see ``rewrite.apply_rules``)."""
+    from fxrewrite.runtime.providers import Prebuild
+
+    return Prebuild()
+
+
 def _filters(config: Config) -> list[Callable[[Any], str | None]]:
     """Checks every match passes before it is applied: verification, then the user's filter."""
     filters: list[Callable[[Any], str | None]] = []
@@ -87,7 +95,7 @@ def _apply(
     def verify(m: Any) -> str | None:
         return next((why for f in filters if (why := f(m)) is not None), None)
 
-    return apply_rules(gm, rules, near_miss_min, verify if filters else None)
+    return apply_rules(gm, rules, near_miss_min, verify if filters else None, _prebuild())
 
 
 def pipeline(config: Config) -> list[Pass]:

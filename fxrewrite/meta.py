@@ -36,6 +36,41 @@ def tensor(node: Any) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+def hint(v: Any) -> Any:
+    """A concrete value for an int / float / bool that may be symbolic (its hint: the value
+    Dynamo traced with); None for an unbacked symbol."""
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        node = v.node
+        h = getattr(node, "hint", None)
+        if h is None:
+            try:
+                h = node.require_hint() if hasattr(node, "require_hint") else None
+            except Exception:  # noqa: BLE001 - an unbacked symbol has no hint
+                h = None
+        return h
+    return v
+
+
+_EXAMPLE_MODE: list[Any] = []  # one FakeTensorMode with no shape env, made on first use
+
+
+def example(v: Any) -> Any:
+    """``v`` (a fake value) at its hints: a tensor becomes a fake tensor of concrete shape and
+    strides, same dtype and device, outside the graph's shape environment (reading its sizes
+    adds no guard); a symbolic scalar its hint; None when a size has no hint."""
+    if not isinstance(v, torch.Tensor):
+        return hint(v)
+    shape, stride = [hint(d) for d in v.shape], [hint(d) for d in v.stride()]
+    if any(d is None for d in shape + stride):
+        return None
+    if not _EXAMPLE_MODE:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        _EXAMPLE_MODE.append(FakeTensorMode())
+    with _EXAMPLE_MODE[0]:
+        return torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
+
+
 def is_tensor(arg: Any) -> bool:
     """True if ``arg`` is a node that produces a tensor (from fake values or the pattern kind)."""
     if not isinstance(arg, fx.Node):

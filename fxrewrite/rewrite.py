@@ -14,12 +14,20 @@ match is replaced at once, so later anchors never overlap an earlier match's nod
 Replacement nodes are inserted just before the anchor, get fake values computed from their inputs
 (checked against the values they replace: a replacement whose outputs differ in shape or dtype is
 rejected, never applied), and keep the ``stack_trace`` / ``nn_module_stack`` of the anchor.
+
+Before the first match is checked or applied, a :class:`Prebuild` (the backend passes the
+runtime's) gets the calls the pass's matches will make to the ops it builds kernels for, with
+the bound inputs' fake values, from one scan that applies nothing: it builds those kernels in
+parallel (Triton's JIT otherwise builds them one after another, at the first run of each,
+which is verification's)::
+
+    %h = fxr.silu_and_mul(aten.linear(%x, %w))   ->   prebuild([(fxr.linear_silu_and_mul, (x, w))])
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch.fx as fx
 from torch.fx.subgraph_rewriter import replace_pattern_with_filters
@@ -33,13 +41,33 @@ from fxrewrite.rule import Bindings, Rule
 # Called with each match before it is applied; returns None to go ahead, or a reason to refuse.
 Verifier = Callable[[Match], "str | None"]
 
+# A call a replacement will make: target, args, kwargs (fake values for graph values).
+Call = tuple[Any, tuple[Any, ...], dict[str, Any]]
+
+
+class Prebuild(Protocol):
+    """Builds ahead the kernels of the calls a pass's replacements will make."""
+
+    def wants(self, target: Any) -> bool:
+        """Whether calls of ``target`` have anything to build (only those rules are scanned)."""
+        ...
+
+    def __call__(self, calls: list[Call]) -> str | None:
+        """Build what ``calls`` need (returning when it is built); a line for the report, or None."""
+        ...
+
 
 def apply_rules(
-    gm: fx.GraphModule, rules: Sequence[Rule], near_miss_min: float = 0.5, verify: Verifier | None = None
+    gm: fx.GraphModule, rules: Sequence[Rule], near_miss_min: float = 0.5, verify: Verifier | None = None,
+    prebuild: Prebuild | None = None,
 ) -> PassResult:
     """Apply ``rules`` in order to ``gm`` (in place); what matched, nearly matched, was refused."""
     result = PassResult()
     fake_mode = meta.fake_mode_of(gm.graph)
+    if prebuild is not None and (calls := planned_calls(gm, rules, prebuild.wants)):
+        note = prebuild(calls)
+        if note:
+            result.notes.append(note)
     erased: set[fx.Node] = set()
     misses: list[tuple[fx.Node, NearMiss]] = []
     present: set[Any] | None = None
@@ -75,6 +103,41 @@ def apply_rules(
     # plain norm that the plain rule then takes).
     result.near_misses += [miss for anchor, miss in misses if anchor not in erased]
     return result
+
+
+def planned_calls(gm: fx.GraphModule, rules: Sequence[Rule], wants: Callable[[Any], bool]) -> list[Call]:
+    """The calls to targets ``wants`` accepts that the replacements of ``rules`` would make, from
+    one scan that applies nothing (a node an earlier match consumed is not matched again): the
+    target and its arguments, a bound graph value as its fake value at the hints
+    (:func:`meta.example`: what verification would run it on), a literal as it is. Calls
+    with an argument computed inside the replacement are left out; so are matches that only
+    exist once an earlier replacement is in place."""
+    calls: list[Call] = []
+    consumed: set[fx.Node] = set()
+    for rule in rules:
+        if rule.via == "subgraph_rewriter":
+            continue
+        cr = rule.compiled
+        bodies = [b for b in (cr.replacement, cr.inplace) if b is not None]
+        if not any(n.op == "call_function" and wants(n.target) for b in bodies for n in b.graph.nodes):
+            continue
+        number_nodes(gm.graph)
+        for anchor in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in cr.anchor_targets]:
+            found = None if anchor in consumed else match_at(rule, anchor)
+            if not isinstance(found, Match) or consumed.intersection(found.internal):
+                continue
+            consumed.update(found.internal)
+            body = cr.inplace if inplace_blocker(found) is None else cr.replacement
+            bound = {p: found.bindings[p.target] for p in body.graph.find_nodes(op="placeholder")}
+            for n in body.graph.nodes:
+                if n.op != "call_function" or not wants(n.target) or not all(a in bound for a in n.all_input_nodes):
+                    continue
+                values = {a: meta.example(meta.value(b)) if isinstance(b := bound[a], fx.Node) else b
+                          for a in n.all_input_nodes}
+                if all(v is not None or not isinstance(bound[a], fx.Node) for a, v in values.items()):
+                    calls.append((n.target, fx.node.map_arg(n.args, values.__getitem__),
+                                  fx.node.map_arg(n.kwargs, values.__getitem__)))
+    return calls
 
 
 def _shallow_progress(anchor: fx.Node) -> int:

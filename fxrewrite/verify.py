@@ -159,30 +159,16 @@ def stats() -> VerifyStats:
 # --------------------------------------------------------------------------- signature
 
 
-def _hint(v: Any) -> Any:
-    """A concrete value for an int / float / bool that may be symbolic; None when unknown."""
-    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        node = v.node
-        hint = getattr(node, "hint", None)
-        if hint is None:
-            try:
-                hint = node.require_hint() if hasattr(node, "require_hint") else None
-            except Exception:  # noqa: BLE001 - an unbacked symbol has no hint
-                hint = None
-        return hint
-    return v
-
-
 def _concrete_shape(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     shape, stride = [], []
     for s in t.shape:
-        h = _hint(s)
+        h = meta.hint(s)
         if h is None:
             raise _CannotVerify(f"size {s} has no hint")
         shape.append(int(h))
     try:
         for s in t.stride():
-            h = _hint(s)
+            h = meta.hint(s)
             stride.append(int(h) if h is not None else -1)
     except Exception:  # noqa: BLE001 - sparse / nested tensors have no strides
         stride = []
@@ -197,7 +183,7 @@ def _describe_value(v: Any) -> Any:
             shape, stride = _concrete_shape(mv)
             return ("tensor", shape, stride, mv.dtype, _device(mv).type)
         if isinstance(mv, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            return ("symbolic", type(mv).__name__, _hint(mv))
+            return ("symbolic", type(mv).__name__, meta.hint(mv))
         if isinstance(mv, (int, float, bool)):
             return ("scalar", mv)
         raise _CannotVerify(f"`{v.name}` has no known value (meta {type(mv).__name__})")
@@ -265,10 +251,10 @@ def _materialize(node: fx.Node, gens: _Generators) -> Any:
     if isinstance(mv, torch.Tensor):
         return _random_tensor(mv, gens)
     if isinstance(mv, torch.SymFloat):
-        h = _hint(mv)
+        h = meta.hint(mv)
         return float(h) if h is not None else SYMBOLIC_EPS
     if isinstance(mv, (torch.SymInt, torch.SymBool)):
-        h = _hint(mv)
+        h = meta.hint(mv)
         if h is None:
             raise _CannotVerify(f"`{node.name}` is a symbolic {type(mv).__name__} without a hint")
         return h

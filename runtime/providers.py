@@ -24,13 +24,16 @@ Python-level calls: a CUDA graph replay does not pass through here, its capture 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import importlib
+import inspect
 import logging
 import os
+import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -58,6 +61,11 @@ class Kernel:
     min_capability:  oldest CUDA compute capability the kernel supports, e.g. (8, 9) for FP8.
     label:           name in :func:`served` (default ``provider``); "sgl_kernel+torch" marks a
                      kernel that does part of the op (e.g. the residual add) in plain torch.
+    prepare:         for a JIT-built kernel: takes the op's arguments (fake tensors will do: only
+                     shapes, dtypes and devices are read) and returns ``(key, build)``, ``build()``
+                     building what ``run`` would build at its first such call, without running
+                     it; None when nothing is left to build. Equal keys are one build
+                     (:func:`prebuild` runs them in parallel).
     """
 
     provider: str
@@ -66,6 +74,7 @@ class Kernel:
     min_capability: tuple[int, int] = (0, 0)
     label: str | None = None
     module: str | None = None
+    prepare: Callable[..., tuple[Any, Callable[[], Any]] | None] | None = None
 
     @property
     def name(self) -> str:
@@ -93,6 +102,7 @@ class _Registry:
 
 
 _REGISTRY = _Registry()
+_OPS: dict[str, OpDef] = {}  # every op define_op registered, by name
 
 
 # --------------------------------------------------------------------------- libraries
@@ -229,13 +239,10 @@ def dispatch(op: str, kernels: Sequence[Kernel], reference: Callable[..., Any], 
     if plan.forced_torch:
         _REGISTRY.served[(op, "torch")] += 1
         return reference(*args)
-    reasons = []
-    for kernel, unusable in plan.candidates:
-        reason = unusable if unusable is not None else kernel.check(*args)
-        if reason is None:
-            _REGISTRY.served[(op, kernel.name)] += 1
-            return kernel.run(*args)
-        reasons.append(reason if unusable is not None else f"{kernel.name}: {reason}")
+    kernel, reasons = _pick(plan, args)
+    if kernel is not None:
+        _REGISTRY.served[(op, kernel.name)] += 1
+        return kernel.run(*args)
     if not plan.candidates:
         forced = _override(op)
         reasons.append(f"{forced} has no kernel for {op}" if forced else f"no kernel for {op}")
@@ -245,6 +252,17 @@ def dispatch(op: str, kernels: Sequence[Kernel], reference: Callable[..., Any], 
     _REGISTRY.fallbacks[(op, reason)] += 1
     _REGISTRY.served[(op, "torch")] += 1
     return reference(*args)
+
+
+def _pick(plan: _Plan, args: Sequence[Any]) -> tuple[Kernel | None, list[str]]:
+    """The first usable candidate whose constraints ``args`` meet, or None and every reason."""
+    reasons = []
+    for kernel, unusable in plan.candidates:
+        reason = unusable if unusable is not None else kernel.check(*args)
+        if reason is None:
+            return kernel, reasons
+        reasons.append(reason if unusable is not None else f"{kernel.name}: {reason}")
+    return None, reasons
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +295,7 @@ def define_op(op: OpDef) -> Any:
     ``add_`` returns ``self``: a graph then reads the results from the op's outputs, so the data
     flow stays explicit across split pieces and CUDA-graph static buffers.
     """
+    _OPS[op.name] = op
     if op.mutates_args:
         return _define_inplace(op)
     custom = torch.library.custom_op(f"fxr::{op.name}", op.reference, mutates_args=op.mutates_args)
@@ -319,9 +338,97 @@ def _triton(op: str, *args: Any) -> Any:
     return getattr(library(TRITON_MODULE), op)(*args)
 
 
-def triton_kernel(op: str, check: Callable[..., str | None], min_capability: tuple[int, int] = (8, 0)) -> Kernel:
-    """The ``triton`` provider's :class:`Kernel` for ``op``: ``triton_kernels.<op>(*args)``."""
-    return Kernel("triton", functools.partial(_triton, op), check, min_capability, module=TRITON_MODULE)
+def _triton_prepare(op: str, *args: Any) -> tuple[Any, Callable[[], Any]] | None:
+    return library(TRITON_MODULE).prepare(op, *args)
+
+
+def triton_kernel(op: str, check: Callable[..., str | None], min_capability: tuple[int, int] = (8, 0),
+                  prepare: bool = False) -> Kernel:  # fmt: skip
+    """The ``triton`` provider's :class:`Kernel` for ``op``: ``triton_kernels.<op>(*args)``; with
+    ``prepare``, built ahead by ``triton_kernels.prepare(op, *args)`` (:func:`prebuild`)."""
+    return Kernel("triton", functools.partial(_triton, op), check, min_capability, module=TRITON_MODULE,
+                  prepare=functools.partial(_triton_prepare, op) if prepare else None)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- building ahead
+
+
+MAX_BUILD_THREADS = 8
+"""Most kernels :func:`prebuild` builds at once (a Triton build mostly waits on ``ptxas``, a
+subprocess, so threads overlap well)."""
+
+
+def op_def(target: Any) -> OpDef | None:
+    """The :class:`OpDef` of ``torch.ops.fxr.<name>`` (the packet or an overload), or None."""
+    name = getattr(target, "_qualified_op_name", None)  # an OpOverloadPacket
+    if name is None and isinstance(target, torch._ops.OpOverload):
+        name = target._schema.name
+    if not isinstance(name, str) or not name.startswith("fxr::"):
+        return None
+    return _OPS.get(name.removeprefix("fxr::"))
+
+
+def prebuild(calls: Iterable[tuple[Any, Sequence[Any], dict[str, Any]]]) -> str | None:
+    """Build now, in parallel, the kernels that calls of ``fxr`` ops will take, and wait for them.
+
+    ``calls``: (target, args, kwargs), tensors as fake tensors of concrete shapes (or real
+    ones). Each call takes the kernel :func:`dispatch` would pick for it; kernels with a
+    ``prepare`` give a build, equal keys build once, up to ``MAX_BUILD_THREADS`` at a time.
+    Returns a line for the report, or None when nothing was built. A build that fails is
+    logged and left to the call itself, which raises the same error where it is handled now
+    (verification refuses the site; without verification the call fails).
+    """
+    builds: dict[Any, tuple[str, Callable[[], Any]]] = {}
+    for target, args, kwargs in calls:
+        op = op_def(target)
+        if op is None:
+            continue
+        try:
+            bound = inspect.signature(op.reference).bind(*args, **kwargs)
+        except TypeError:
+            continue
+        bound.apply_defaults()
+        device = getattr(bound.args[0], "device", None) if bound.args else None
+        if device is None or device.type != "cuda":
+            continue  # the reference runs there: nothing to build
+        plan = _plan(op.name, op.kernels, device)
+        try:
+            kernel, _ = _pick(plan, bound.args) if not plan.forced_torch else (None, [])
+            planned = kernel.prepare(*bound.args) if kernel is not None and kernel.prepare is not None else None
+        except Exception as e:  # noqa: BLE001 - a constraint that reads data a fake tensor lacks
+            log.debug("fxr::%s: not built ahead: %s: %s", op.name, type(e).__name__, e)
+            continue
+        if planned is not None:
+            builds.setdefault(planned[0], (f"{op.name} ({kernel.name})", planned[1]))
+    if not builds:
+        return None
+    start = time.perf_counter()
+    workers = min(len(builds), MAX_BUILD_THREADS)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fxr-build") as pool:
+        futures = {pool.submit(build): name for name, build in builds.values()}
+    seconds = time.perf_counter() - start
+    failed = []
+    for f, name in futures.items():
+        if (e := f.exception()) is not None:
+            failed.append(name)
+            log.info("building %s ahead failed (its first call will raise it): %s: %s", name, type(e).__name__, e)
+    names = ", ".join(f"{n} x{c}" for n, c in collections.Counter(futures.values()).items())
+    return (f"built {len(builds)} kernels ahead in {seconds:.2f} s, {workers} at a time: {names}"
+            + (f"; {len(failed)} failed ({', '.join(failed)})" if failed else ""))
+
+
+class Prebuild:
+    """The runtime's :class:`fxrewrite.rewrite.Prebuild`: before a pass checks or applies its
+    matches, builds the kernels their ``fxr`` calls will take (:func:`prebuild`). Triton's JIT
+    would build each at its first call, one after another: in verification when it is on, else
+    in the first CUDA-graph capture."""
+
+    def wants(self, target: Any) -> bool:
+        op = op_def(target)
+        return op is not None and any(k.prepare is not None for k in op.kernels)
+
+    def __call__(self, calls: list[tuple[Any, Sequence[Any], dict[str, Any]]]) -> str | None:
+        return prebuild(calls)
 
 
 # --------------------------------------------------------------------------- constraints

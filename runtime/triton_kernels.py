@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -251,6 +253,14 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def _skinny_meta(n: int, k: int, has_bias: bool, gated: bool, device: torch.device,
+                 config: tuple[int, int, int, int] | None = None) -> dict[str, int | bool]:  # fmt: skip
+    """The constexprs and launch options of ``_skinny_linear_kernel`` for ``n`` output columns."""
+    bn, bk, warps, stages = config or (gated_config if gated else skinny_config)(n, _sms(device))
+    return {"BN": bn, "BK": bk, "HAS_BIAS": has_bias, "EVEN_K": k % bk == 0, "GATED": gated,
+            "num_warps": warps, "num_stages": stages}  # fmt: skip
+
+
 def _skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, config: tuple[int, int, int, int] | None,
                    gated: bool = False) -> Tensor:  # fmt: skip
     """``linear(x, weight, bias)``, or with ``gated`` ``silu_and_mul`` of it in the same kernel
@@ -262,14 +272,57 @@ def _skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, config: tuple
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = config or (gated_config if gated else skinny_config)(n, _sms(x.device))
+    meta = _skinny_meta(n, k, bias is not None, gated, x.device, config)
     with _device_of(x):
-        _skinny_linear_kernel[(triton.cdiv(n, bn),)](
+        _skinny_linear_kernel[(triton.cdiv(n, meta["BN"]),)](
             rows, weight, bias if bias is not None else weight, out, rows.shape[0], n, k, rows.stride(0),
-            weight.stride(0), BN=bn, BK=bk, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, GATED=gated,
-            num_warps=warps, num_stages=stages,
+            weight.stride(0), **meta,
         )  # fmt: skip
     return out.view(*x.shape[:-1], n)
+
+
+def _prepare_skinny(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool) -> tuple[Any, Callable[[], Any]]:
+    """What :func:`_skinny_linear` will build for such a call: the same arguments, pointers as
+    their dtypes (Triton's ``warmup`` takes them so, as 16-byte aligned addresses: a torch
+    allocation is)."""
+    rows_w, k = weight.shape
+    n = rows_w // 2 if gated else rows_w
+    rows = x.reshape(-1, k)
+    x_stride = rows.stride(0) if rows.stride(-1) == 1 else k  # the launcher makes them contiguous
+    meta = _skinny_meta(n, k, bias is not None, gated, x.device)
+    args = (x.dtype, weight.dtype, (bias if bias is not None else weight).dtype, x.dtype, linear_ops.SKINNY_ROWS, n,
+            k, x_stride, weight.stride(0))  # fmt: skip
+    _bind_device(_skinny_linear_kernel, x.device)
+
+    def build() -> Any:
+        with _device_of(x):
+            return _skinny_linear_kernel.warmup(*args, grid=(1,), **meta)
+
+    return ("skinny_linear", x.device, args, tuple(meta.items())), build
+
+
+_PREPARE: dict[str, Callable[..., tuple[Any, Callable[[], Any]]]] = {
+    "linear": lambda x, w, bias=None: _prepare_skinny(x, w, bias, gated=False),
+    "linear_silu_and_mul": lambda x, w, bias=None: _prepare_skinny(x, w, bias, gated=True),
+}
+
+
+def prepare(op: str, *args: Any) -> tuple[Any, Callable[[], Any]] | None:
+    """``(key, build)`` for what ``op``'s launcher would build at its first call with ``args``
+    (shapes, dtypes and devices are read: fake tensors will do), ``build`` compiling it into the
+    kernel's cache without launching it; None for an op that builds nothing ahead. Builds of
+    different keys may run in parallel threads (:func:`fxrewrite.runtime.providers.prebuild`)."""
+    planner = _PREPARE.get(op)
+    return planner(*args) if planner is not None else None
+
+
+def _bind_device(kernel: Any, device: torch.device) -> None:
+    """Create the JIT function's per-device cache here, in the calling thread: Triton creates it
+    on first use, and two threads doing that at once would each make one and lose a build."""
+    caches = getattr(kernel, "device_caches", None)  # Triton's, not an API: skipped where absent
+    if caches is not None and device.type == "cuda":
+        with torch.cuda.device(device):
+            caches[torch.cuda.current_device()]  # noqa: B018 - a defaultdict: the lookup creates it
 
 
 # --------------------------------------------------------------------------- the ops' signatures

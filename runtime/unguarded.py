@@ -20,9 +20,11 @@ A change of a Python value the graph baked in (a module's float attribute, a glo
 not seen: call the compiled model instead, and ``unguarded`` again, after such a change.
 
 The function calls the backend's graph directly, without the wrapper Dynamo puts around every
-compiled graph to switch its frame evaluation off for the call. Called from plain Python, as an
-engine's step loop calls it, frame evaluation is off already; do not call it from inside a
-function that ``torch.compile`` compiles (Dynamo would then try to trace the graph's runner).
+compiled graph to switch its frame evaluation off for the call, and so the helpers the bytecode
+calls from ``torch._dynamo.utils`` (``call_size``, the pre-graph profiler marks), three a step
+on the bench model, each switching it off and on again. Called from plain Python, as an engine's step loop
+calls it, frame evaluation is off already; do not call it from inside a function that
+``torch.compile`` compiles (Dynamo would then try to trace the graph's runner).
 """
 
 from __future__ import annotations
@@ -61,6 +63,22 @@ def _graph_called(fn: types.FunctionType, entry: Any, graphs: Sequence[Any]) -> 
             obj = getattr(obj, "__self__", obj)  # a GraphModule's bound forward
             return next(((name, g) for g in graphs if g is obj), None)
     return None
+
+
+class _Undisabled:
+    """A module the bytecode reads helpers from (``__import_torch_dot__dynamo_dot_utils``), its
+    functions without ``torch._disable_dynamo``'s wrapper (see the module docstring)."""
+
+    def __init__(self, module: types.ModuleType) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._module, name)
+        code = getattr(value, "__code__", None)
+        if code is not None and code.co_filename == torch._compile.__file__ and hasattr(value, "__wrapped__"):
+            value = value.__wrapped__
+        setattr(self, name, value)  # found directly from the next call on
+        return value
 
 
 def unguarded(model: Any, graphs: Sequence[Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
@@ -104,8 +122,11 @@ def unguarded(model: Any, graphs: Sequence[Any], args: Sequence[Any], kwargs: di
             "the same torch.no_grad() / inference_mode state")
     # the bytecode calls the graph itself, not Dynamo's wrapper around it, which switches frame
     # evaluation off and on again around the call (nothing to switch off here: see the module
-    # docstring); the other globals as the model's module holds them now
+    # docstring), and Dynamo's helpers unwrapped; the other globals as the model's module holds them now
     scope = {**fn.__globals__, name: graph}
+    for g in code.co_names:
+        if g.startswith("__import_") and isinstance(scope.get(g), types.ModuleType):
+            scope[g] = _Undisabled(scope[g])
     direct = types.FunctionType(code, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     direct.__kwdefaults__ = fn.__kwdefaults__
     direct.__qualname__ = f"{fn.__qualname__} (unguarded)"

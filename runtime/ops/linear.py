@@ -96,11 +96,11 @@ def _always(*args: object) -> None:
 
 
 KERNELS = (
-    providers.triton_kernel("linear", skinny_check),
+    providers.triton_kernel("linear", skinny_check, prepare=True),
     Kernel("torch", _cublas, _always, label="cublas"),
 )
 GATED_KERNELS = (
-    providers.triton_kernel("linear_silu_and_mul", gated_check),
+    providers.triton_kernel("linear_silu_and_mul", gated_check, prepare=True),
     Kernel("torch", _cublas_silu_and_mul, _always, label="cublas+silu_and_mul"),
 )
 

@@ -11,8 +11,11 @@ import torch
 import torch.nn.functional as F
 from conftest import BF16, DYNAMIC, check, compile_modes, fused_nodes, reasons
 
+from fxrewrite import meta
 from fxrewrite.backend import default_rule_groups
+from fxrewrite.rewrite import apply_rules, planned_calls
 from fxrewrite.rewrites import activation, linear
+from fxrewrite.runtime import providers
 from fxrewrite.testing import compile_once
 
 
@@ -109,6 +112,53 @@ def test_the_gated_rule_wants_gate_and_up_halves() -> None:
     assert linear.gate_up_weight({"w": torch.randn(7, 4)}) == "weight has 7 rows, not gate and up halves"
     assert linear.gate_up_weight({"w": torch.randn(4)}) == "weight is 1-D, not a matrix"
     assert linear.gate_up_weight({"w": torch.randn(8, 4)}) is True
+
+
+def _fxr_call(target: object) -> bool:
+    return providers.op_def(target) is not None
+
+
+def _before_select_gemm(leak: bool) -> torch.fx.GraphModule:
+    """The GatedMLP's graph as the select_gemm pass finds it (SiLU-and-mul fused), dynamic rows."""
+    return compile_once(GatedMLP(leak=leak), torch.randn(5, 32), rules=activation.RULES, dynamic=True).backend.graphs[0]
+
+
+@pytest.mark.parametrize("leak", [False, True], ids=["mlp", "projection_read_elsewhere"])
+def test_planned_calls_are_the_calls_the_pass_will_make(leak: bool) -> None:
+    """What the runtime builds ahead of the select_gemm pass: the gated op for the gate_up
+    projection and the plain one for the down projection, on fake tensors at the traced sizes
+    (no symbols, outside the graph's shape environment), from a scan that changes nothing and
+    adds no guard. Negative twin: a projection read elsewhere is planned as a plain linear,
+    as the pass will rewrite it."""
+    gm = _before_select_gemm(leak)
+    code, env = gm.code, meta.fake_mode_of(gm.graph).shape_env
+    guards = len(env.guards)
+    calls = planned_calls(gm, linear.RULES, _fxr_call)
+    assert gm.code == code and len(env.guards) == guards
+    got = [(providers.op_def(t).name, [tuple(a.shape) for a in args], kwargs) for t, args, kwargs in calls]
+    gate_up = ("linear", [(5, 32), (96, 32)], {}) if leak else ("linear_silu_and_mul", [(5, 32), (96, 32)], {})
+    assert sorted(got) == sorted([gate_up, ("linear", [(5, 48), (32, 48)], {})])
+    graph_mode = meta.fake_mode_of(gm.graph)
+    assert all(a.fake_mode is not graph_mode and all(isinstance(d, int) for d in a.shape) for _, args, _ in calls
+               for a in args)  # fmt: skip
+
+
+def test_a_rules_pass_hands_its_planned_calls_to_prebuild_before_verifying() -> None:
+    """``apply_rules`` gives the prebuild every planned call before the first match is verified
+    and puts its line in the pass's notes."""
+    gm, verified, seen = _before_select_gemm(False), [], {}
+
+    class Recorder:
+        def wants(self, target: object) -> bool:
+            return _fxr_call(target)
+
+        def __call__(self, calls: list) -> str:
+            seen.update(calls=len(calls), verified=len(verified))
+            return "built 0 kernels ahead"
+
+    result = apply_rules(gm, linear.RULES, verify=lambda m: verified.append(m.rule.name), prebuild=Recorder())
+    assert seen == {"calls": 2, "verified": 0} and result.notes == ["built 0 kernels ahead"]
+    assert sorted(verified) == ["linear", "linear_silu_and_mul"] and result.matches == 2
 
 
 @pytest.mark.parametrize(("mode", "expect"), [("none", {}), ("piecewise", {"linear": 4}), ("full", {"linear": 4})])

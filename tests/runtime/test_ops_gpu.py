@@ -198,6 +198,36 @@ def test_linear_silu_and_mul_in_one_triton_kernel_up_to_16_rows(rows: int, label
         torch.testing.assert_close(out.float(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2)
 
 
+def test_linear_kernels_built_ahead_are_the_ones_launched(gen: torch.Generator) -> None:
+    """``providers.prebuild`` on fake tensors builds the Triton kernels the calls then launch:
+    after the real calls the kernel's cache holds no new build, and the outputs are right.
+    Negative twin: a call above 16 rows (cuBLAS) has nothing to build."""
+    if providers.library(providers.TRITON_MODULE) is None:
+        pytest.skip("triton is not importable here")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxrewrite.runtime import triton_kernels
+
+    k = 4112  # not a multiple of any BK: a build no other test makes
+    x = torch.randn(8, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(1536, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
+    with FakeTensorMode():
+        fx, fw, big = (torch.empty(*s, dtype=torch.bfloat16, device="cuda") for s in ((8, k), (1536, k), (17, k)))
+    assert providers.prebuild([(torch.ops.fxr.linear.default, (big, fw), {})]) is None
+    note = providers.prebuild([(torch.ops.fxr.linear.default, (fx, fw), {}),
+                               (torch.ops.fxr.linear_silu_and_mul.default, (fx, fw), {}),
+                               (torch.ops.fxr.linear.default, (fx[:1], fw), {})])  # fmt: skip
+    assert note is not None and note.startswith("built 2 kernels ahead"), note
+    cache = triton_kernels._skinny_linear_kernel.device_caches[torch.cuda.current_device()][0]
+    built = len(cache)
+    plain, gated = torch.ops.fxr.linear(x, w), torch.ops.fxr.linear_silu_and_mul(x, w)
+    assert len(cache) == built
+    want = x.float() @ w.float().t()
+    torch.testing.assert_close(plain.float(), want, rtol=2e-2, atol=2e-2)
+    gate, up = want.chunk(2, dim=-1)
+    torch.testing.assert_close(gated.float(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("provider", LIBRARIES)
 def test_gelu_both_approximations(provider: str, approximate: str, gen: torch.Generator) -> None:

@@ -5,6 +5,7 @@ their real 0.7.2 signatures; every op's CUDA impl (``OpDef.cuda``) then runs on 
 from __future__ import annotations
 
 import inspect
+import threading
 import types
 import zlib
 from collections.abc import Iterator
@@ -472,3 +473,74 @@ def test_misaligned_weight_is_refused(gen: torch.Generator) -> None:
     x, w = rand(gen, 4, 64), rand(gen, 65)[1:]
     assert norm.check_norm(x, w) == "weight address not 16-byte aligned"
     assert norm._fused_add_check(x, x.clone(), w, EPS) == "weight address not 16-byte aligned"
+
+
+# --------------------------------------------------------------------------- building ahead
+
+
+def _fake_cuda(*shape: int) -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(*shape, dtype=BF16, device="cuda")
+
+
+def _probe_op(prepare: Any) -> tuple[OpDef, Any]:
+    """An op ``fxr::probe`` whose one kernel (sgl_kernel's, up to 16 rows) builds ahead with
+    ``prepare``, and a stand-in for its target (what a replacement graph calls)."""
+    kernel = Kernel("sgl_kernel", lambda x, w: x, lambda x, w: None if x.shape[0] <= 16 else "rows", prepare=prepare)
+    op = OpDef("probe", lambda x, w: x, lambda x, w: x, (kernel,))
+    return op, types.SimpleNamespace(_qualified_op_name="fxr::probe")
+
+
+def test_prebuild_builds_each_kernel_once_in_parallel_threads(registry: providers._Registry,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Calls with equal keys build once; the two distinct builds run at the same time (each
+    waits for the other at a barrier, which times out if they ran one after another); calls the
+    dispatch would not send to that kernel (17 rows: its check refuses) and CPU calls build
+    nothing."""
+    install(registry, sgl_kernel=lib("sgl_kernel"))
+    both_running = threading.Barrier(2, timeout=10)
+    built: list[tuple[Any, str]] = []
+
+    def prepare(x: Tensor, w: Tensor) -> tuple[Any, Any]:
+        def build() -> None:
+            both_running.wait()
+            built.append((tuple(w.shape), threading.current_thread().name))
+
+        return tuple(w.shape), build
+
+    op, target = _probe_op(prepare)
+    monkeypatch.setitem(providers._OPS, "probe", op)
+    x, big = _fake_cuda(8, 16), _fake_cuda(17, 16)
+    calls = [(target, (x, _fake_cuda(32, 16)), {}), (target, (x,), {"w": _fake_cuda(32, 16)}),
+             (target, (x, _fake_cuda(64, 16)), {}), (target, (big, _fake_cuda(128, 16)), {}),
+             (target, (torch.zeros(8, 16), torch.zeros(256, 16)), {})]  # fmt: skip
+    note = providers.prebuild(calls)
+    assert sorted(key for key, _ in built) == [(32, 16), (64, 16)]
+    assert all(name.startswith("fxr-build") for _, name in built)
+    assert note is not None and note.startswith("built 2 kernels ahead in ") and note.endswith(
+        "2 at a time: probe (sgl_kernel) x2")
+    assert providers.served() == {}  # building runs nothing
+
+
+def test_prebuild_leaves_a_failed_build_to_the_call(registry: providers._Registry,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Negative twin: a build that raises is reported, not raised (the call itself raises it
+    later, where verification refuses the site); an override to torch builds nothing."""
+    install(registry, sgl_kernel=lib("sgl_kernel"))
+
+    def prepare(x: Tensor, w: Tensor) -> tuple[Any, Any]:
+        def build() -> None:
+            raise RuntimeError("out of resources: shared memory")
+
+        return "k", build
+
+    op, target = _probe_op(prepare)
+    monkeypatch.setitem(providers._OPS, "probe", op)
+    calls = [(target, (_fake_cuda(8, 16), _fake_cuda(32, 16)), {})]
+    note = providers.prebuild(calls)
+    assert note is not None and note.endswith("; 1 failed (probe (sgl_kernel))")
+    providers.configure("torch")
+    assert providers.prebuild(calls) is None
+    assert providers.Prebuild().wants(target) and not providers.Prebuild().wants(torch.ops.aten.mm.default)

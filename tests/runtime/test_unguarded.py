@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -77,6 +79,13 @@ def test_calls_the_graph_not_dynamos_wrapper(mode: str) -> None:
     assert [k for k, v in ours.items() if v is backend.runners[0]] != []
     assert not any(v is backend.runners[0] for v in theirs.values())
     torch.testing.assert_close(fast(tokens(8, seed=1)), step(tokens(8, seed=1)))
+    # so are the helpers it calls from torch._dynamo.utils (call_size for the dynamic rows)
+    key = "__import_torch_dot__dynamo_dot_utils"
+    proxy, module = fast.__func__.__globals__[key], Block.forward.__globals__[key]
+    assert isinstance(module, types.ModuleType) and not isinstance(proxy, types.ModuleType)
+    used = [n for n in vars(proxy) if not n.startswith("_")]
+    assert used and all(getattr(proxy, n) is inspect.unwrap(getattr(module, n)) for n in used)
+    assert all(getattr(proxy, n) is not getattr(module, n) for n in used)
 
 
 def test_skips_the_guards() -> None:
