@@ -287,6 +287,30 @@ class _SplittingPiece:
         return self.fn(*args)
 
 
+def _with_stand_ins(split: GraphModule, stand_ins: dict[str, Any]) -> GraphModule:
+    """The split module's graph over ``stand_ins`` (by submodule name) and its other submodules
+    and constants. The stand-ins are plain attributes: the generated forward finds them without
+    going through ``nn.Module.__getattr__`` and ``__call__`` (about 5 us a piece). Built from a
+    root that holds no captured piece's GraphModule: a GraphModule generates the code of all its
+    GraphModule children again when it is made (65 on the 8B model's piecewise split)."""
+    root = torch.nn.Module()
+    for node in split.graph.nodes:
+        if node.op not in ("call_module", "get_attr") or node.target in root.__dict__:
+            continue
+        *path, name = node.target.split(".")
+        owner = root
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        value = stand_ins[node.target] if node.target in stand_ins else operator.attrgetter(node.target)(split)
+        if isinstance(value, (torch.nn.Module, torch.Tensor)):
+            setattr(owner, name, value)
+        else:
+            owner.__dict__[name] = value
+    return GraphModule(root, split.graph)
+
+
 class Runner:
     """Runs a rewritten graph in the configured mode; callable like the graph itself.
 
@@ -325,14 +349,10 @@ class Runner:
             logger.warning("CUDA graphs off, the graph runs eagerly: %s", d.reason)
         statics = {i for i, spec in enumerate(d.inputs) if spec.kind == "static"}
         self._pieces = [_PieceRunner(p, self, eager, statics, last=p is pieces[-1]) for p in pieces]
-        # the stand-ins are plain attributes: the generated forward finds them without going
-        # through nn.Module.__getattr__ and __call__ (about 5 us a piece)
-        self.module = GraphModule(self.split.module, self.split.module.graph)
         stand_ins = dict(zip((p.name for p in pieces), self._pieces))
         stand_ins.update((p.name, _SplittingPiece(p, self)) for p in self.split.pieces if p.is_splitting)
-        for name, stand_in in stand_ins.items():
-            del self.module._modules[name]
-            self.module.__dict__[name] = stand_in
+        self.module = _with_stand_ins(self.split.module, stand_ins)
+        self._forward = self._lone_piece() or self.module.forward
         # parameters/buffers that a piece replayed during capture writes: saved and restored
         replayed = {i for p in self._pieces if not p.last for i in p.written_inputs}
         self._restore = [example_inputs[i] for i in sorted(replayed)]
@@ -449,17 +469,51 @@ class Runner:
             return self._eager(args, "host_scalar_changed")
         self.capture()
         before = (counts["static_input_copies"], counts["activation_copies"])
-        with torch.no_grad():
-            call = self._prepare(args, n, size)
-            self._size = size
-            out = self.module.forward(*call)
-            for i in self._written:
-                self._copy_back(i, args[i], call[i], n, size)
-            out = d.finish(out, n, size)  # no autograd here either: an output may view a parameter
+        if torch.is_grad_enabled():  # no autograd here: an output may view a parameter
+            with torch.no_grad():
+                out = self._replay(args, n, size)
+        else:
+            out = self._replay(args, n, size)
         counts["replays"] += 1
         counts["padded_calls"] += n is not None and n != size
         self._last = (counts["static_input_copies"] - before[0], counts["activation_copies"] - before[1])
         return out
+
+    def _replay(self, args: Sequence[Any], n: int | None, size: int) -> Any:
+        call = self._prepare(args, n, size)
+        self._size = size
+        out = self._forward(*call)
+        for i in self._written:
+            self._copy_back(i, args[i], call[i], n, size)
+        return self.dispatch.finish(out, n, size)
+
+    def _lone_piece(self) -> Any:
+        """The split module's forward when it only calls one captured piece (on graph inputs,
+        its own constants and literals) and returns its result: a function that calls the
+        piece's stand-in directly, without the generated forward (a call with every parameter
+        as an argument, twice). None otherwise."""
+        graph = self.split.module.graph
+        placeholders = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}
+        calls = [n for n in graph.nodes if n.op == "call_module"]
+        out = graph.output_node().args[0]
+        if len(self._pieces) != 1 or len(calls) != 1 or calls[0].kwargs or (
+                out is not calls[0] and out != (calls[0],)) or any(  # fmt: skip
+                n.op not in ("placeholder", "get_attr", "call_module", "output") for n in graph.nodes):
+            return None
+        index, constants = [], []
+        for a in calls[0].args:
+            if isinstance(a, torch.fx.Node) and a.op == "placeholder":
+                index.append(placeholders[a])
+                continue
+            index.append(len(placeholders) + len(constants))
+            constants.append(operator.attrgetter(a.target)(self.module) if isinstance(a, torch.fx.Node) else a)
+        stand_in, pick, constants, wrap = self._pieces[0], _picker(index), tuple(constants), out is not calls[0]
+
+        def forward(*call: Any) -> Any:
+            result = stand_in(*pick(call + constants))
+            return (result,) if wrap else result
+
+        return forward
 
     def _eager(self, args: Sequence[Any], reason: str) -> Any:
         self._counts["eager_calls"] += 1
@@ -484,9 +538,10 @@ class Runner:
 
     def _prepare(self, args: Sequence[Any], n: int | None, size: int) -> list[Any]:
         call, dst, src = list(args), [], []
+        padded = n is not None and n != size
         for i in self._managed:
             buf = call[i] = self._buffer(i, size)
-            region, a = self._region(buf, i, n, size), args[i]
+            region, a = self._region(buf, i, n, size) if padded else buf, args[i]
             if a.data_ptr() != region.data_ptr() or a.stride() != region.stride():
                 dst.append(region)
                 src.append(a)

@@ -168,6 +168,8 @@ def test_toy_outputs_match_eager_for_every_size(toy: Recorded, mode: str) -> Non
     assert (s["calls"], s["replays"], s["padded_calls"], s["eager_calls"]) == (7, 6, 3, 1)
     assert s["eager_reasons"] == {"beyond_max": 1}
     assert s["pieces"] == (5 if mode == "piecewise" else 1) and s["splitting_pieces"] == (2 if mode == "piecewise" else 0)
+    # one captured piece is called directly, several through the split module's forward
+    assert (runner._forward == runner.module.forward) == (mode == "piecewise")
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
@@ -311,6 +313,7 @@ def test_llama_outputs_match_eager(llama: Recorded, mode: str) -> None:
     s = runner.stats()
     assert s["replays"] == 3 and s["padded_calls"] == 2 and s["missing_splitting_ops"] == []
     assert s["activation_copies_last"] == (2 if mode == "piecewise" else 0)
+    assert (runner._forward == runner.module.forward) == (mode == "piecewise")
 
 
 def test_llama_host_scalar_change_runs_eagerly(llama: Recorded) -> None:
