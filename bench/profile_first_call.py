@@ -19,7 +19,9 @@ machine without CUDA the model is the tiny one and nothing is built.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import os
 import subprocess
 import sys
@@ -37,8 +39,9 @@ from engine_model import SPLITTING_OPS, build_model, llama_8b, make_batch, mark_
 COLUMNS = ("first call", "backend", "select_gemm", "verify", "build_runner", "capture", "rest")
 
 
-def child(mode: str, prebuild: bool, shape: str) -> dict[str, Any]:
-    """One first call in this process; the columns, and the report's prebuild line."""
+def child(mode: str, prebuild: bool, shape: str, profile: int) -> dict[str, Any]:
+    """One first call in this process; the columns, and the report's prebuild line. With
+    ``profile`` > 0, the backend's call under cProfile, its top functions to stderr."""
     import bench_e2e
 
     import fxrewrite
@@ -60,11 +63,14 @@ def child(mode: str, prebuild: bool, shape: str) -> dict[str, Any]:
     backend_call, build_runner = fxrewrite.Backend.__call__, cudagraph.build_runner
 
     def timed_backend(self: Any, gm: Any, example_inputs: Any) -> Any:
+        prof = cProfile.Profile() if profile else None
         t = time.perf_counter()
         try:
-            return backend_call(self, gm, example_inputs)
+            return prof.runcall(backend_call, self, gm, example_inputs) if prof else backend_call(self, gm, example_inputs)
         finally:
             seconds["backend"] += time.perf_counter() - t
+            if prof:
+                pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(profile)
 
     def timed_build_runner(*args: Any) -> Any:
         t = time.perf_counter()
@@ -91,7 +97,7 @@ def child(mode: str, prebuild: bool, shape: str) -> dict[str, Any]:
     row = {"first call": first, "backend": seconds["backend"], "select_gemm": gemm, "verify": verify.stats().seconds,
            "build_runner": seconds["build_runner"], "capture": capture,
            "rest": first - seconds["backend"] - capture}  # fmt: skip
-    notes = [n for n in report.notes if n.startswith("built ")]
+    notes = [n for n in report.notes if "kernels built ahead" in n]
     return {"row": row, "note": notes[0] if notes else "-", "fused": dict(report.fused_ops)}
 
 
@@ -99,22 +105,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", default="piecewise,full", help="comma-separated: piecewise, full")
     p.add_argument("--shape", choices=("8b", "tiny"), default="8b")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of all rows, one after another")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="print the top N functions of each row's backend call (cProfile) to stderr")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         mode, built = args.child.split(":")
-        print(json.dumps(child(mode, built == "ahead", args.shape)))
+        print(json.dumps(child(mode, built == "ahead", args.shape, args.cprofile)))
         return
-    rows = {}
+    rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as work:
-        for mode in args.modes.split(","):
-            for built in ("ahead", "at first call"):
-                key = f"{mode}:{'ahead' if built == 'ahead' else 'first'}"
-                env = {**os.environ, "TRITON_CACHE_DIR": str(Path(work) / key.replace(":", "-"))}
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--shape", args.shape, "--child", key]
-                out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
-                rows[f"fxrewrite {mode}, kernels built {built}"] = json.loads(out.strip().splitlines()[-1])
-                print(f"{key}: {rows[f'fxrewrite {mode}, kernels built {built}']}", file=sys.stderr, flush=True)
+        for r in range(args.repeat):
+            for mode in args.modes.split(","):
+                for built in ("ahead", "at first call"):
+                    key = f"{mode}:{'ahead' if built == 'ahead' else 'first'}"
+                    env = {**os.environ, "TRITON_CACHE_DIR": str(Path(work) / f"{key.replace(':', '-')}-{r}")}
+                    cmd = [sys.executable, str(Path(__file__).resolve()), "--shape", args.shape, "--child", key,
+                           "--cprofile", str(args.cprofile)]  # fmt: skip
+                    out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+                    name = f"fxrewrite {mode}, kernels built {built}" + (f", round {r + 1}" if args.repeat > 1 else "")
+                    rows[name] = json.loads(out.strip().splitlines()[-1])
+                    print(f"{name}: {rows[name]}", file=sys.stderr, flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
           f"first call of decode 1, {args.shape} shape, fresh process and Triton cache per row (seconds)")

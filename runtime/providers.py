@@ -374,7 +374,7 @@ def prebuild(calls: Iterable[tuple[Any, Sequence[Any], dict[str, Any]]]) -> str 
     ``calls``: (target, args, kwargs), tensors as fake tensors of concrete shapes (or real
     ones). Each call takes the kernel :func:`dispatch` would pick for it; kernels with a
     ``prepare`` give a build, equal keys build once, up to ``MAX_BUILD_THREADS`` at a time.
-    Returns a line for the report, or None when nothing was built. A build that fails is
+    Returns a line for the report, or None when no call had a kernel to build. A build that fails is
     logged and left to the call itself, which raises the same error where it is handled now
     (verification refuses the site; without verification the call fails).
     """
@@ -413,7 +413,7 @@ def prebuild(calls: Iterable[tuple[Any, Sequence[Any], dict[str, Any]]]) -> str 
             failed.append(name)
             log.info("building %s ahead failed (its first call will raise it): %s: %s", name, type(e).__name__, e)
     names = ", ".join(f"{n} x{c}" for n, c in collections.Counter(futures.values()).items())
-    return (f"built {len(builds)} kernels ahead in {seconds:.2f} s, {workers} at a time: {names}"
+    return (f"{len(builds)} kernels built ahead (or found built) in {seconds:.2f} s, {workers} at a time: {names}"
             + (f"; {len(failed)} failed ({', '.join(failed)})" if failed else ""))
 
 

@@ -154,10 +154,10 @@ def test_a_rules_pass_hands_its_planned_calls_to_prebuild_before_verifying() -> 
 
         def __call__(self, calls: list) -> str:
             seen.update(calls=len(calls), verified=len(verified))
-            return "built 0 kernels ahead"
+            return "0 kernels built ahead"
 
     result = apply_rules(gm, linear.RULES, verify=lambda m: verified.append(m.rule.name), prebuild=Recorder())
-    assert seen == {"calls": 2, "verified": 0} and result.notes == ["built 0 kernels ahead"]
+    assert seen == {"calls": 2, "verified": 0} and result.notes == ["0 kernels built ahead"]
     assert sorted(verified) == ["linear", "linear_silu_and_mul"] and result.matches == 2
 
 
