@@ -22,9 +22,9 @@ not seen: call the compiled model instead, and ``unguarded`` again, after such a
 The function calls the backend's graph directly, without the wrapper Dynamo puts around every
 compiled graph to switch its frame evaluation off for the call, and so the helpers the bytecode
 calls from ``torch._dynamo.utils`` (``call_size``, the pre-graph profiler marks), three a step
-on the bench model, each switching it off and on again. Called from plain Python, as an engine's step loop
-calls it, frame evaluation is off already; do not call it from inside a function that
-``torch.compile`` compiles (Dynamo would then try to trace the graph's runner).
+on the bench model, each switching it off and on again. Called from plain Python, as an
+engine's step loop calls it, frame evaluation is off already; do not call it from inside a
+function that ``torch.compile`` compiles (Dynamo would then try to trace the graph's runner).
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def unguarded(model: Any, graphs: Sequence[Any], args: Sequence[Any], kwargs: di
             "the same torch.no_grad() / inference_mode state")
     # the bytecode calls the graph itself, not Dynamo's wrapper around it, which switches frame
     # evaluation off and on again around the call (nothing to switch off here: see the module
-    # docstring), and Dynamo's helpers unwrapped; the other globals as the model's module holds them now
+    # docstring), and Dynamo's helpers unwrapped; the other globals as the model's module holds
+    # them now
     scope = {**fn.__globals__, name: graph}
     for g in code.co_names:
         if g.startswith("__import_") and isinstance(scope.get(g), types.ModuleType):
