@@ -304,6 +304,13 @@ def define_op(op: OpDef) -> Any:
     return custom
 
 
+def define_all(defs: Sequence[OpDef]) -> tuple[str, ...]:
+    """:func:`define_op` for each of an op module's definitions; their names (the module's ``OPS``)."""
+    for op in defs:
+        define_op(op)
+    return tuple(op.name for op in defs)
+
+
 _LIB = torch.library.Library("fxr", "FRAGMENT")  # only the in-place ops: custom_op cannot alias
 
 

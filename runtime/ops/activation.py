@@ -132,7 +132,4 @@ DEFS: tuple[OpDef, ...] = (
     OpDef("silu_and_mul", silu_and_mul_reference, _silu_and_mul_fake, SILU_AND_MUL_KERNELS),
     OpDef("gelu_and_mul", gelu_and_mul_reference, _gelu_and_mul_fake, GELU_AND_MUL_KERNELS),
 )
-for _op in DEFS:
-    providers.define_op(_op)
-
-OPS: tuple[str, ...] = tuple(op.name for op in DEFS)
+OPS: tuple[str, ...] = providers.define_all(DEFS)

@@ -313,7 +313,4 @@ DEFS: tuple[OpDef, ...] = (
         _kernels(_quant_kernel, _check_quant, max(FP8_CAPABILITY, (9, 0))),
     ),
 )
-for _op in DEFS:
-    providers.define_op(_op)
-
-OPS: tuple[str, ...] = tuple(op.name for op in DEFS)
+OPS: tuple[str, ...] = providers.define_all(DEFS)

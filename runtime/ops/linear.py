@@ -108,7 +108,4 @@ DEFS: tuple[OpDef, ...] = (
     OpDef("linear", linear_reference, _linear_fake, KERNELS),
     OpDef("linear_silu_and_mul", linear_silu_and_mul_reference, _linear_silu_and_mul_fake, GATED_KERNELS),
 )
-for _op in DEFS:
-    providers.define_op(_op)
-
-OPS: tuple[str, ...] = tuple(op.name for op in DEFS)
+OPS: tuple[str, ...] = providers.define_all(DEFS)

@@ -303,7 +303,4 @@ DEFS: tuple[OpDef, ...] = (
         _INPLACE,
     ),
 )
-for _op in DEFS:
-    providers.define_op(_op)
-
-OPS: tuple[str, ...] = tuple(op.name for op in DEFS)
+OPS: tuple[str, ...] = providers.define_all(DEFS)

@@ -425,7 +425,4 @@ DEFS: tuple[OpDef, ...] = (
         ),
     ),
 )
-for _op in DEFS:
-    providers.define_op(_op)
-
-OPS: tuple[str, ...] = tuple(op.name for op in DEFS)
+OPS: tuple[str, ...] = providers.define_all(DEFS)

@@ -171,5 +171,4 @@ DEFS: tuple[OpDef, ...] = (
     OpDef("rotary_embedding", rotary_embedding_reference, _rotary_fake, ROTARY_KERNELS),
     OpDef("rotary_embedding_q", rotary_embedding_q_reference, _rotary_q_fake, ROTARY_Q_KERNELS),
 )
-for _op in DEFS:
-    providers.define_op(_op)
+OPS: tuple[str, ...] = providers.define_all(DEFS)
