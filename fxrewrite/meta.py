@@ -7,6 +7,7 @@ they get a coarse kind ("tensor" or "scalar") in ``node.meta["fxr_kind"]`` inste
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import weakref
@@ -51,7 +52,12 @@ def hint(v: Any) -> Any:
     return v
 
 
-_EXAMPLE_MODE: list[Any] = []  # one FakeTensorMode with no shape env, made on first use
+@functools.cache
+def _example_mode() -> Any:
+    """One FakeTensorMode without a shape environment, for :func:`example`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
 
 
 def example(v: Any) -> Any:
@@ -63,11 +69,7 @@ def example(v: Any) -> Any:
     shape, stride = [hint(d) for d in v.shape], [hint(d) for d in v.stride()]
     if any(d is None for d in shape + stride):
         return None
-    if not _EXAMPLE_MODE:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        _EXAMPLE_MODE.append(FakeTensorMode())
-    with _EXAMPLE_MODE[0]:
+    with _example_mode():
         return torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
 
 
