@@ -31,6 +31,7 @@ serves it) and the report says why.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 from collections import defaultdict
@@ -345,13 +346,33 @@ def _source(node: fx.Node) -> fx.Node:
 
 
 
-def _positions_like(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``values`` (1-D) shaped as the graph's positions ``t``: along its last non-1 dim."""
+def _position_axes(t: torch.Tensor) -> list[int]:
+    """The dims of the graph's positions ``t`` that other positions may run along: its last dim
+    that is not 1 (the tokens); for one token (every dim 1, a decode step) each dim, last first,
+    since only the tables' own code tells which dim is the tokens' and which broadcast."""
+    varying = [i for i, s in enumerate(t.shape) if dim_key(s) != 1]
+    return varying[-1:] if varying else list(reversed(range(t.dim())))
+
+
+def _positions_like(t: torch.Tensor, values: torch.Tensor, at: int) -> torch.Tensor:
+    """``values`` (1-D) shaped as the graph's positions ``t``, along its dim ``at``."""
     shape = [1] * t.dim()
-    sizes = [dim_key(s) for s in t.shape]
-    at = max((i for i, s in enumerate(sizes) if s != 1), default=t.dim() - 1)
     shape[at] = values.numel()
     return values.to(t.dtype).view(shape)
+
+
+def _evaluate_along(tables: _Tables, t: torch.Tensor, values: torch.Tensor) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The tables for ``values`` along the first of :func:`_position_axes` they evaluate along,
+    and that dim. ``position_ids[..., None] * inv_freq`` of a ``[1, 1]`` decode step evaluates
+    along dim 0 or 1, not along the last (it would broadcast the positions against the
+    frequencies)."""
+    if t.dim() == 0:
+        raise _NotFoldable("the positions are a 0-d tensor")
+    *first, last = _position_axes(t)
+    for at in first:
+        with contextlib.suppress(_NotFoldable):
+            return at, tables.evaluate(_positions_like(t, values, at))
+    return last, tables.evaluate(_positions_like(t, values, last))
 
 
 def _half_of(table: torch.Tensor, interleaved: bool, what: str) -> torch.Tensor:
@@ -372,8 +393,9 @@ def build_cache(tables: _Tables, width: int, full: bool, interleaved: bool, max_
     arange = torch.arange(p, device=device)
     # the check: shuffled positions (a random sample of them) must read the same rows
     sample = torch.randperm(p, generator=torch.Generator().manual_seed(0))[:CHECKED_POSITIONS].to(device)
-    cos, sin = (v.reshape(p, -1) for v in tables.evaluate(_positions_like(pos_t, arange)))
-    cos_p, sin_p = (v.reshape(len(sample), -1) for v in tables.evaluate(_positions_like(pos_t, sample)))
+    at, tables_p = _evaluate_along(tables, pos_t, arange)
+    cos, sin = (v.reshape(p, -1) for v in tables_p)
+    cos_p, sin_p = (v.reshape(len(sample), -1) for v in tables.evaluate(_positions_like(pos_t, sample, at)))
     if cos.shape[-1] != width:
         raise _NotFoldable(f"tables evaluate to {cos.shape[-1]} features per position, expected {width}")
     if not (torch.equal(cos_p, cos[sample]) and torch.equal(sin_p, sin[sample])):

@@ -108,6 +108,20 @@ def test_every_add_norm_is_in_place_and_every_group_merged(
     assert biases == ([f"fxr_merged_{2 * i}_bias" for i in range(layers)] if family == "qwen2" else [])
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("family", models.FAMILIES)
+def test_decode_step_fuses_as_prefill(family: str, batch: int) -> None:
+    """One token per sequence (input ids ``[B, 1]``, the decode step a server replays most): the
+    same fused ops as a prefill, the rotary tables folded too (positions whose every dim but the
+    batch is 1), outputs equal eager, no near misses."""
+    model = models.build(family, layers=1)
+    r = compile_once(model, *models.example_inputs(model, tokens=1, batch=batch), **compile_modes(True))
+    assert fused(r.counts()) == expected(family, 1)
+    assert r.report.near_misses == []
+    out, ref = models.hidden_states(r.output), models.hidden_states(r.eager)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < TOLERANCE[F32]
+
+
 def test_gemma_gated_activation_is_the_tanh_form() -> None:
     r = compiled("gemma", 1, BF16, True)
     assert [n.args[1:] for n in fused_nodes(r, "gelu_and_mul")] == [("tanh",)]

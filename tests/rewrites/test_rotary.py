@@ -157,6 +157,17 @@ def test_one_token_positions_fold(dynamic: bool) -> None:
     assert reasons(r, "rotary_embedding") == []
 
 
+@DYNAMIC
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_hf_decode_step_folds(layout: str, batch: int, dynamic: bool) -> None:
+    """One token per sequence (HF ``position_ids`` ``[B, 1]``): every dim of the positions that
+    reach the tables is 1 but the batch, so which one the tokens run along is read from the
+    tables' code, not from the shapes."""
+    r = check(HFRope(layout), *qk(tokens=1, batch=batch), expect=PAIR, dynamic=dynamic)
+    assert reasons(r, "rotary_embedding") == []
+
+
 @pytest.mark.parametrize("model", [GPTJRope("bhtd"), EngineRope(interleaved=True)], ids=["gptj", "engine"])
 def test_interleaved_pairs(model: torch.nn.Module) -> None:
     r = check(model, *qk(batch=None if isinstance(model, EngineRope) else 1), expect=PAIR)
