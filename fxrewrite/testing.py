@@ -248,3 +248,21 @@ def _to_cpu(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return type(v)(_to_cpu(x) for x in v)
     return v
+
+
+POISON = 0x3F3F3F3F3F3F3F3F  # as an int64 index: far out of bounds of any table
+
+
+def poison_allocator(device: torch.device | str = "cuda", total_mb: int = 1024) -> None:
+    """Fill blocks of the CUDA caching allocator with a large integer pattern and free them:
+    blocks of the small pool (512 B .. 1 MiB) and of the large one, about ``total_mb`` in all.
+    Later allocations that reuse them read the pattern until written, so a kernel that reads an
+    index before anything wrote it goes out of bounds at once (a device assert), instead of
+    depending on what an earlier model left there."""
+    blocks = []
+    for size in (512, 4096, 65536, 1 << 20, 1 << 23, 1 << 25):
+        for _ in range(max(1, min(64, (total_mb << 20) // (6 * size)))):
+            blocks.append(torch.full((size // 8,), POISON, dtype=torch.int64, device=device))
+    torch.cuda.synchronize(device)
+    del blocks
+

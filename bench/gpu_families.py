@@ -1,0 +1,209 @@
+"""Every transformers family of the CLI on the GPU in bf16, in every mode: what fused, which
+provider served each fused op, every fallback to the torch reference, and the error against a
+float32 reference next to eager bf16's (issue 19). GPU only.
+
+    source .devkit/setup.sh && python3 bench/gpu_families.py [--families llama,qwen3] [--modes none,full]
+        [--capture-sizes 1,2,4,8,16,24,32] [--jobs 4] [--json out.json] [--no-all] [--no-poison]
+    python3 bench/gpu_families.py --child llama:none,llama:piecewise   # cases in this process, rows as JSON
+
+Cases: each family of ``fxrewrite.models.FAMILIES`` (tiny config: hidden 512, 8 heads of 64, 2 KV
+heads, 2 layers, vocab 1024, random weights) in each mode (none, piecewise, full), compiled with
+``Backend(mode=...).compile(model)`` (``dynamic=True``, ``fullgraph=True``) and called with input
+ids of shapes (1, 9), (4, 17), (1, 1), (8, 1), each twice (the second call replays); modes
+piecewise and full capture the token counts ``--capture-sizes`` (a graph whose batch and sequence
+are both dynamic runs eagerly: the runner captures one dynamic dimension; the table says how many
+graphs replayed).
+
+Processes: every case first runs in a process of its own (a sticky CUDA error costs one row),
+then one process runs every case one after another, as a serving process compiling several
+models does, with ``torch._dynamo.reset()`` between cases and the caching allocator poisoned
+before each (blocks filled with a large integer pattern and freed: an index read before it was
+written then points far out of bounds and the device asserts). Rows: fused ops, the providers
+that served them during the calls (verification at compile time excluded), fallbacks, the
+runners' CUDA graphs (graphs captured / graphs), and the largest error over the calls relative
+to the float32 reference's largest value, for the compiled model and for eager bf16, and their
+ratio (the goal: at most 1.10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import copy
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+FAMILY_SHAPE = dict(layers=2, hidden=512, heads=8, kv_heads=2, vocab=1024)
+SHAPES = ((1, 9), (4, 17), (1, 1), (8, 1))
+MODES = ("none", "piecewise", "full")
+MARK = "RESULT "
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def run_case(family: str, mode: str, poison: bool, device: str = "cuda",
+             capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)) -> dict[str, Any]:
+    """Compile ``family`` in ``mode`` and call it on every shape; the row of the table (on CPU
+    the same, for a check of this script: piecewise and full emulate their graphs there)."""
+    import fxrewrite
+    from fxrewrite import models
+    from fxrewrite.runtime import providers
+    from fxrewrite.testing import poison_allocator
+
+    device = torch.device(device)
+    torch._dynamo.reset()
+    if poison and device.type == "cuda":
+        poison_allocator(device)
+    ref32 = models.build(family, dtype=torch.float32, **FAMILY_SHAPE).to(device)
+    eager16 = copy.deepcopy(ref32).to(torch.bfloat16)
+    model = copy.deepcopy(eager16)  # merge_siblings re-lays its weights
+    backend = fxrewrite.Backend(mode=mode, capture_sizes=capture_sizes, max_capture_size=max(capture_sizes))
+    compiled = backend.compile(model)
+    g = torch.Generator(device=device).manual_seed(0)
+    err, err_eager, compile_s = 0.0, 0.0, 0.0
+    with torch.no_grad():
+        for i, shape in enumerate(SHAPES):
+            ids = torch.randint(0, FAMILY_SHAPE["vocab"], shape, device=device, generator=g)
+            ref = models.hidden_states(ref32(ids)).float()
+            base = models.hidden_states(eager16(ids))
+            for call in range(2):
+                t0 = time.perf_counter()
+                out = models.hidden_states(compiled(ids))
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                if call == 0:
+                    compile_s += time.perf_counter() - t0
+                if call == 0 and i == 0:
+                    providers.reset_counts()  # verification ran in this first compile: not a model call
+                err = max(err, _rel(out, ref))
+            err_eager = max(err_eager, _rel(base, ref))
+    backend.refresh_runtime()
+    report = backend.report
+    served = providers.served()
+    runtime = [g.runtime for g in report.graphs if g.runtime]
+    return {
+        "family": family, "mode": mode, "ok": True,
+        "fused": report.fused_ops(),
+        "near_misses": [f"{m.rule}: {m.reason}" for m in report.near_misses],
+        "rejected": [f"{r.rule}: {r.reason}" for r in report.rejected],
+        "served": {op: {k: v for k, v in e.items() if k != "fallbacks"} for op, e in served.items()},
+        "fallbacks": {op: e["fallbacks"] for op, e in served.items() if e["fallbacks"]},
+        "graphs": len(report.graphs),
+        "captured": sum(1 for r in runtime if r.get("cudagraphs") and r.get("replays")),
+        "graph_reasons": sorted({r["reason"] for r in runtime if r.get("reason")}),
+        "eager_calls": sum(r.get("eager_calls", 0) for r in runtime),
+        "err": err, "err_eager": err_eager, "ratio": err / err_eager if err_eager else float("inf"),
+        "compile_s": compile_s,
+    }
+
+
+def _emit(row: dict[str, Any]) -> None:
+    print(MARK + json.dumps(row, default=str), flush=True)
+
+
+def _child(cases: list[tuple[str, str]], poison: bool, sizes: tuple[int, ...]) -> int:
+    for family, mode in cases:
+        try:
+            row = run_case(family, mode, poison, capture_sizes=sizes)
+        except Exception as e:  # noqa: BLE001 - a row says what broke; a sticky CUDA error ends the process
+            traceback.print_exc()
+            row = {"family": family, "mode": mode, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        _emit(row)
+    return 0
+
+
+def _spawn(cases: list[tuple[str, str]], extra: list[str], timeout: int) -> list[dict[str, Any]]:
+    args = [sys.executable, __file__, "--child", ",".join(f"{f}:{m}" for f, m in cases), *extra]
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+        out, err, code = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out, err, code = e.stdout or "", (e.stderr or "") + "\ntimed out", -1
+        out, err = (out.decode() if isinstance(out, bytes) else out), (err.decode() if isinstance(err, bytes) else err)
+    rows = [json.loads(line[len(MARK):]) for line in out.splitlines() if line.startswith(MARK)]
+    done = {(r["family"], r["mode"]) for r in rows}
+    tail = " | ".join(err.strip().splitlines()[-3:])
+    for family, mode in cases:
+        if (family, mode) not in done:
+            rows.append({"family": family, "mode": mode, "ok": False,
+                         "error": f"process exited {code} before this case: {tail[-300:]}"})
+    if code != 0 or any(not r["ok"] for r in rows):
+        sys.stderr.write(err[-4000:])
+    return rows
+
+
+def _fmt_counts(d: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(d.items())) or "-"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ["process", "family", "mode", "status", "fused ops", "served by", "fallbacks", "graphs replayed",
+            "err fused", "err eager bf16", "ratio"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if not r["ok"]:
+            lines.append(f"| {r['process']} | {r['family']} | {r['mode']} | ERROR {r['error'][:160]} |" + " |" * 7)
+            continue
+        providers = sorted({p for e in r["served"].values() for p in e})
+        fallbacks = sum(n for e in r["fallbacks"].values() for n in e.values())
+        lines.append("| " + " | ".join([
+            r["process"], r["family"], r["mode"], "ok" if not r["near_misses"] else f"{len(r['near_misses'])} near misses",
+            _fmt_counts(r["fused"]), ", ".join(providers) or "-", str(fallbacks),
+            f"{r['captured']}/{r['graphs']}" if r["mode"] != "none" else "-",
+            f"{r['err']:.2e}", f"{r['err_eager']:.2e}", f"{r['ratio']:.2f}"]) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--families", default=None, help="comma-separated (default: fxrewrite.models.FAMILIES)")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--json", default=None, help="write every row here")
+    p.add_argument("--no-all", action="store_true", help="skip the all-in-one process")
+    p.add_argument("--timeout", type=int, default=240, help="seconds per process")
+    p.add_argument("--capture-sizes", default="1,2,4,8,16,24,32", help="token counts captured (modes piecewise, full)")
+    p.add_argument("--jobs", type=int, default=4, help="own-process cases run at a time")
+    p.add_argument("--no-poison", action="store_true", help="do not poison the allocator before each case")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child is not None:
+        sizes = tuple(int(v) for v in args.capture_sizes.split(","))
+        return _child([tuple(c.split(":")) for c in args.child.split(",")], not args.no_poison, sizes)  # type: ignore[misc]
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    from fxrewrite.models import FAMILIES
+
+    families = args.families.split(",") if args.families else list(FAMILIES)
+    cases = [(f, m) for f in families for m in args.modes.split(",")]
+    extra = ["--capture-sizes", args.capture_sizes] + (["--no-poison"] if args.no_poison else [])
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # processes on one GPU, not timed
+        own = list(pool.map(lambda case: _spawn([case], extra, timeout=args.timeout), cases))
+    rows = [dict(r, process="own") for rows_ in own for r in rows_]
+    if not args.no_all:
+        rows += [dict(r, process="all-in-one") for r in _spawn(cases, extra, timeout=args.timeout * len(cases))]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    for r in rows:
+        if r["ok"] and (r["fallbacks"] or r["near_misses"] or r["rejected"] or r["graph_reasons"]):
+            print(f"{r['process']} {r['family']} {r['mode']}: fallbacks {r['fallbacks']} near misses "
+                  f"{r['near_misses']} rejected {r['rejected']} graphs not captured {r['graph_reasons']}")
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+          f"FXREWRITE_PROVIDER={os.environ.get('FXREWRITE_PROVIDER', '')!r}")
+    print(table(rows))
+    bad = [r for r in rows if not r["ok"] or r["fallbacks"] or r["ratio"] > 1.10]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
