@@ -395,6 +395,9 @@ def assert_served_close(got: Any, want: Any) -> None:
         torch.testing.assert_close(got[i].float(), want[i].float(), rtol=2e-2, atol=2e-2)
 
 
+INTERPRETER_BF16_DOT = ("linear", "linear_silu_and_mul")  # Triton kernels built on tl.dot
+
+
 @pytest.mark.parametrize("shape", [(1, 64), (7, 256), (2, 3, 128)])
 @pytest.mark.parametrize("provider", ["sgl_kernel", "flashinfer", "triton"])
 # The all-reduce ops need a process group and flashinfer.comm: tests/runtime/test_collective_ops.py.
@@ -408,6 +411,9 @@ def test_every_op_through_each_emulated_provider(
     request: pytest.FixtureRequest,
 ) -> None:
     """sgl-kernel and flashinfer emulated; Triton's real kernels, interpreted (skipped without)."""
+    if provider == "triton" and op.name in INTERPRETER_BF16_DOT:
+        pytest.skip("Triton 3.6's interpreter multiplies bf16 tl.dot operands wrongly (8e10 off on a "
+                    "3x64 @ 64x32 product; fp16 and fp32 are right): tests/runtime/test_ops_gpu.py runs it")
     if provider == "triton":
         both_libraries.modules[providers.TRITON_MODULE] = request.getfixturevalue("triton_kernels")
     providers.configure(provider)
