@@ -21,39 +21,25 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxrewrite import rewrites
 from fxrewrite.canonicalize import canonicalize
 from fxrewrite.config import Config
-from fxrewrite.passes import Pass, PassManager, prepare_dump_dir
+from fxrewrite.passes import GraphPass, Pass, PassManager, RuleGroup, Step, prepare_dump_dir
 from fxrewrite.report import PassResult, Report
 from fxrewrite.rewrite import apply_rules, dead_code
 from fxrewrite.rule import Rule
+from fxrewrite.runtime import providers, unguarded
+from fxrewrite.runtime.cudagraph import build_runner
+from fxrewrite.runtime.dispatch import check_capture_sizes
+from fxrewrite.verify import verify_match
 
 log = logging.getLogger(__name__)
 
 
 def default_rule_groups(mode: str = "none") -> list[tuple[str, list[Rule]]]:
-    """The default library as ordered, named passes: all-reduce + add + norm (tensor parallel;
-    first, or the add + norm rules would take its sites), norm + FP8 quant, norms (add + norm
-    before plain norm), rotary embedding, activations, then FP8 quant of fused activations.
-
-    For a graph that replays as CUDA graphs (``mode`` "piecewise" or "full"), last, the linears:
-    ``fxr.linear`` picks a decode-size GEMM by the rows of each call. Run eagerly ("none"), each
-    linear would pay the custom op's Python dispatch on the host, which replays do not pay (not
-    measured: ``extra_rules=linear.RULES`` opts in). Last: after every rule whose pattern holds a
-    linear."""
-    from fxrewrite.rewrites import activation, collective, linear, norm, quant, rotary
-
-    groups = [
-        ("fuse_collective", collective.RULES),
-        ("fuse_norm_quant", quant.NORM_RULES),
-        ("fuse_norm", norm.RULES),
-        ("fuse_rotary", rotary.RULES),
-        ("fuse_activation", activation.RULES),
-        ("fuse_activation_quant", quant.ACTIVATION_RULES),
-    ]
-    if mode in ("piecewise", "full"):
-        groups.append(("select_gemm", linear.RULES))
-    return groups
+    """The library's rule groups that run in ``mode``, in order, as ``(name, rules)``: the
+    ``RuleGroup`` entries of ``fxrewrite.rewrites.PIPELINE`` (its comments say why this order)."""
+    return [(s.name, list(s.rules)) for s in rewrites.PIPELINE if isinstance(s, RuleGroup) and s.runs_in(mode)]
 
 
 def _canonicalize_pass(gm: fx.GraphModule) -> PassResult:
@@ -70,19 +56,15 @@ def _rules_pass(rules: Sequence[Rule], config: Config) -> Callable[[fx.GraphModu
 
 
 @functools.cache
-def _prebuild() -> Any:
+def _prebuild() -> providers.Prebuild:
     """The runtime's kernel builds ahead of verification (see ``rewrite.apply_rules``)."""
-    from fxrewrite.runtime.providers import Prebuild
-
-    return Prebuild()
+    return providers.Prebuild()
 
 
 def _filters(config: Config) -> list[Callable[[Any], str | None]]:
     """Checks every match passes before it is applied: verification, then the user's filter."""
     filters: list[Callable[[Any], str | None]] = []
     if config.verify:
-        from fxrewrite.verify import verify_match
-
         filters.append(verify_match)
     if config.match_filter is not None:
         filters.append(config.match_filter)
@@ -98,26 +80,34 @@ def _apply(
     return apply_rules(gm, rules, near_miss_min, verify if filters else None, _prebuild())
 
 
-def pipeline(config: Config) -> list[Pass]:
-    """The ordered passes for ``config``: canonicalize, merge sibling linears (unless turned off,
-    or ``rules=[]`` asks for no rewriting), fuse (rule groups), user rules, fold the tables of
-    rotary embeddings the rules found (a no-op without them), cleanup."""
-    passes = [Pass("canonicalize", _canonicalize_pass)]
-    if config.merge_siblings and (config.rules is None or config.rules):
-        from fxrewrite.rewrites.merge import merge_sibling_linears
-
-        passes.append(Pass("merge_siblings", merge_sibling_linears))
-    if config.rules is None:
-        groups = default_rule_groups(config.mode)
-    else:
-        groups = [("rules", list(config.rules))] if config.rules else []
+def pipeline(config: Config, library: Sequence[Step] | None = None) -> list[Pass]:
+    """The ordered passes for ``config``: canonicalize, the library's steps in its order
+    (default ``fxrewrite.rewrites.PIPELINE``: merge_siblings, the rule groups of ``config.mode``,
+    fold_rotary), cleanup. ``config.rules`` takes the place of the library's rule groups (``[]``:
+    none of the library's steps run); ``config.extra_rules`` run after the last rule group."""
+    steps: list[Step] = []
+    user_at = 0  # where the user's rules go: after the last rule group
+    if config.rules is None or config.rules:
+        replaced = False
+        for step in rewrites.PIPELINE if library is None else library:
+            if isinstance(step, GraphPass):
+                if step.switch is None or getattr(config, step.switch):
+                    steps.append(step)
+                continue
+            if config.rules is None and step.runs_in(config.mode):
+                steps.append(step)
+            elif config.rules is not None and not replaced:
+                steps.append(RuleGroup("rules", tuple(config.rules)))
+                replaced = True
+            user_at = len(steps)
     if config.extra_rules:
-        groups.append(("user_rules", list(config.extra_rules)))
-    passes += [Pass(name, _rules_pass(rules, config)) for name, rules in groups if rules]
-    if groups:
-        from fxrewrite.rewrites.rotary import fold_rotary_tables
-
-        passes.append(Pass("fold_rotary", functools.partial(fold_rotary_tables, max_positions=config.max_positions)))
+        steps.insert(user_at, RuleGroup("user_rules", tuple(config.extra_rules)))
+    passes = [Pass("canonicalize", _canonicalize_pass)]
+    for step in steps:
+        if isinstance(step, GraphPass):
+            passes.append(step.bind(config))
+        elif step.rules:
+            passes.append(Pass(step.name, _rules_pass(step.rules, config)))
     passes.append(Pass("cleanup", _cleanup_pass))
     return passes
 
@@ -167,15 +157,11 @@ class Backend:
         if extra_rules:
             overrides["extra_rules"] = tuple(config.extra_rules) + tuple(extra_rules)
         self.config = dataclasses.replace(config, **overrides).resolved()
-        from fxrewrite.runtime import providers
-
         if self.config.provider is not None:
             providers.configure(self.config.provider)  # raises if it names a missing library
         if self.config.dump_dir:
             prepare_dump_dir(self.config.dump_dir)
         if self.config.mode != "none":
-            from fxrewrite.runtime.dispatch import check_capture_sizes
-
             check_capture_sizes(self.config)  # empty, unsorted, above the max: refused now
         self._check_rules()
         if self.config.specialize_floats:
@@ -211,8 +197,6 @@ class Backend:
         self.report.graphs.append(graph_report)
         runner: Any = gm
         if self.config.mode != "none":
-            from fxrewrite.runtime.cudagraph import build_runner
-
             runner = build_runner(gm, example_inputs, self.config)
             graph_report.runtime = runner.stats()
         self.runners.append(runner)
@@ -241,9 +225,7 @@ class Backend:
             fast = backend.unguarded(step, **decode_batch)       # the decode graph, direct
             fast(**next_batch)
         """
-        from fxrewrite.runtime.unguarded import unguarded
-
-        return unguarded(model, self.runners, args, kwargs)
+        return unguarded.unguarded(model, self.runners, args, kwargs)
 
     def _check_floats(self, gm: fx.GraphModule) -> None:
         """Warn (once) when Dynamo lifted Python floats to tensors although ``specialize_floats``
@@ -266,8 +248,6 @@ class Backend:
             stats = getattr(r, "stats", None)
             if callable(stats):
                 g.runtime = stats()
-        from fxrewrite.runtime import providers
-
         self.report.providers = providers.served()
 
 

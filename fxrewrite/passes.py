@@ -8,20 +8,35 @@ ms and the matches, and lints the graph after each pass that changed it; with a 
     pm = PassManager([Pass("canonicalize", canonicalize_pass), Pass("fuse_norm", norm_pass)],
                      dump_dir="/tmp/dumps")
     report = pm.run(gm)          # GraphReport: per pass ms / matches, sites, near misses
+
+A rule library states its passes as data, in order: :class:`RuleGroup` (named rules, the modes
+they run in) and :class:`GraphPass` (a function of the graph, with the ``Config`` fields it
+reads); ``fxrewrite.backend.pipeline`` turns them into ``Pass`` objects for a ``Config``::
+
+    PIPELINE = (
+        GraphPass("merge_siblings", merge_sibling_linears, switch="merge_siblings"),
+        RuleGroup("fuse_norm", norm.RULES),
+        RuleGroup("select_gemm", linear.RULES, modes=("piecewise", "full")),
+        GraphPass("fold_rotary", fold_rotary_tables, options=("max_positions",)),
+    )
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Union
 
 import torch.fx as fx
 
+from fxrewrite.config import Config
 from fxrewrite.report import GraphReport, PassResult, fused_op_counts
+from fxrewrite.rule import Rule
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +47,39 @@ class Pass:
 
     name: str
     fn: Callable[[fx.GraphModule], PassResult]
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleGroup:
+    """A library's named pass that applies ``rules``; ``modes``: the ``Config.mode`` values it
+    runs in (None: every mode)."""
+
+    name: str
+    rules: Sequence[Rule]
+    modes: tuple[str, ...] | None = None
+
+    def runs_in(self, mode: str) -> bool:
+        return self.modes is None or mode in self.modes
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPass:
+    """A library's named pass that is a function of the graph, not rules:
+    ``fn(gm, **{f: getattr(config, f) for f in options})``; ``switch``: a boolean ``Config``
+    field that turns it off."""
+
+    name: str
+    fn: Callable[..., PassResult]
+    options: tuple[str, ...] = ()
+    switch: str | None = None
+
+    def bind(self, config: Config) -> Pass:
+        """The ``Pass`` that runs ``fn`` with ``config``'s values of ``options``."""
+        kwargs = {f: getattr(config, f) for f in self.options}
+        return Pass(self.name, functools.partial(self.fn, **kwargs) if kwargs else self.fn)
+
+
+Step = Union[RuleGroup, GraphPass]  # one entry of a library's ordered passes
 
 
 class DumpError(OSError):

@@ -23,14 +23,7 @@ from fxrewrite.backend import Backend
 from fxrewrite.config import Config
 from fxrewrite.report import Report
 from fxrewrite.rule import Rule
-
-# Per-dtype tolerances (rtol, atol) for comparing a rewritten graph with eager.
-TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-10, 1e-10),
-    torch.float32: (1e-5, 1e-5),
-    torch.float16: (1e-2, 1e-2),
-    torch.bfloat16: (2e-2, 2e-2),
-}
+from fxrewrite.tolerances import TOLERANCES
 
 
 def op_name(node: fx.Node) -> str:
@@ -120,7 +113,7 @@ def assert_counts(counts: Mapping[str, int], expect: Mapping[str, int] = {}, abs
 
 
 def assert_close(actual: Any, expected: Any, dtype: torch.dtype | None = None) -> None:
-    """Compare (nested) outputs with the tolerance of their dtype (TOLERANCES)."""
+    """Compare (nested) outputs with the tolerance of their dtype (``fxrewrite.tolerances.TOLERANCES``)."""
     if isinstance(expected, torch.Tensor):
         rtol, atol = TOLERANCES.get(dtype or expected.dtype, (0.0, 0.0))
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)

@@ -5,7 +5,7 @@ with each checked match before applying it. The match's internal nodes are copie
 standalone graph whose placeholders are the bound inputs; that graph and the rule's replacement
 (the in-place one, on clones, where the matcher would apply it) run on the same fresh random
 inputs, and their outputs are compared with the tolerance of their dtype
-(:data:`fxrewrite.testing.TOLERANCES`). A mismatch refuses the rewrite: the original nodes stay,
+(:data:`fxrewrite.tolerances.TOLERANCES`). A mismatch refuses the rewrite: the original nodes stay,
 and the report lists the site under ``rejected`` with the reason::
 
     # matched in the model graph                     # standalone graph that verify runs
@@ -53,7 +53,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 import os
 import time
 import zlib
@@ -65,17 +64,13 @@ import torch.fx as fx
 
 from fxrewrite import meta
 from fxrewrite.match import Match, inplace_blocker
+from fxrewrite.tolerances import compare, dtype_name
 
 log = logging.getLogger(__name__)
 
 MAX_ENTRIES = 4096
 SYMBOLIC_EPS = 1e-6  # value given to a symbolic float scalar that has no hint
 ROW_SCALE_LOG10 = (-3.0, 1.0)  # rows of float inputs are scaled by 10**u, u in this range
-_SHORT = {
-    torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-    torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "bool",
-    torch.float8_e4m3fn: "fp8e4m3", torch.float8_e5m2: "fp8e5m2",
-}  # fmt: skip
 
 
 class _CannotVerify(Exception):
@@ -316,8 +311,6 @@ def _run(gm: fx.GraphModule, args: Sequence[Any]) -> list[Any]:
 def check(m: Match, seed: int = 0) -> str | None:
     """Run the matched subgraph and the replacement on the same random inputs; None if every
     output agrees within its dtype's tolerance, else the reason."""
-    from fxrewrite.testing import TOLERANCES  # late: testing imports the backend
-
     try:
         sub, ext = extract(m)
         gens = _Generators(seed)
@@ -343,7 +336,7 @@ def check(m: Match, seed: int = 0) -> str | None:
         return f"verify: the replacement returns {len(got)} value(s), the subgraph {len(expected)} on {where}"
     exact: list[Any] | None = None
     for i, (a, b) in enumerate(zip(got, expected)):
-        why = compare(a, b, TOLERANCES)
+        why = compare(a, b)
         if why is not None and _low_precision(a, b):
             exact = _run_float64(sub, [values[n] for n in ext]) if exact is None else exact
             if exact and _no_less_accurate(a, b, exact[i]):
@@ -422,55 +415,6 @@ def _meta_check_refuses(m: Match, rep: fx.GraphModule, i: int) -> bool:
     return not isinstance(got, torch.Tensor) or got.dtype != want.dtype or not meta.same_sizes(got, want)
 
 
-def compare(actual: Any, expected: Any, tolerances: dict[torch.dtype, tuple[float, float]]) -> str | None:
-    """None if ``actual`` matches ``expected`` (allclose with the dtype's rtol/atol, NaN where
-    NaN), else what differs."""
-    if not isinstance(expected, torch.Tensor):
-        if isinstance(actual, torch.Tensor) or actual != expected:
-            return f"value {actual!r} != {expected!r}"
-        return None
-    if not isinstance(actual, torch.Tensor):
-        return f"a {type(actual).__name__} where the subgraph gives a tensor"
-    if actual.dtype != expected.dtype:
-        return f"dtype {_short(actual.dtype)} != {_short(expected.dtype)}"
-    if tuple(actual.shape) != tuple(expected.shape):
-        return f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    rtol, atol = tolerance(expected.dtype, tolerances)
-    a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
-    nan_a, nan_e = torch.isnan(a), torch.isnan(e)
-    if not torch.equal(nan_a, nan_e):
-        return f"NaN at {int((nan_a ^ nan_e).sum())} position(s) where the other has a number"
-    a, e = a.masked_fill(nan_a, 0.0), e.masked_fill(nan_e, 0.0)
-    same_inf = torch.isinf(e) & (a == e)
-    err = (a - e).abs().masked_fill(same_inf, 0.0)
-    allowed = atol + rtol * e.abs().masked_fill(torch.isinf(e), 0.0)
-    excess = err - allowed
-    if excess.numel() == 0 or not bool((excess > 0).any()):
-        return None
-    worst = int(excess.argmax())
-    max_err = float(err.max())
-    return f"max abs error {_num(max_err)} > tol {_num(float(allowed.reshape(-1)[worst]))} ({_short(expected.dtype)})"
-
-
-def tolerance(dtype: torch.dtype, tolerances: dict[torch.dtype, tuple[float, float]]) -> tuple[float, float]:
-    """(rtol, atol) for ``dtype``: from ``tolerances``; another floating dtype (FP8) gets two
-    units of its precision, ``2 * finfo(dtype).eps``, for both; integers and bool compare exactly."""
-    if dtype in tolerances:
-        return tolerances[dtype]
-    if dtype.is_floating_point:
-        eps = 2 * torch.finfo(dtype).eps
-        return eps, eps
-    return 0.0, 0.0
-
-
-def _num(x: float) -> str:
-    return "inf" if math.isinf(x) else f"{x:.2g}"
-
-
-def _short(dtype: torch.dtype) -> str:
-    return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
-
-
 def _where(m: Match, values: dict[fx.Node, Any]) -> str:
     """``x=bf16[1, 8, 64], weight=bf16[64], eps=1e-06 (symbolic)``: the site's bound inputs."""
     parts = []
@@ -480,7 +424,7 @@ def _where(m: Match, values: dict[fx.Node, Any]) -> str:
         b = m.bindings[name]
         v = values.get(b) if isinstance(b, fx.Node) else b
         if isinstance(v, torch.Tensor):
-            parts.append(f"{name}={_short(v.dtype)}{list(v.shape)}")
+            parts.append(f"{name}={dtype_name(v.dtype)}{list(v.shape)}")
         elif isinstance(b, fx.Node):
             parts.append(f"{name}={v!r} (symbolic)")
         else:

@@ -1,9 +1,30 @@
 """The rule library (installed as ``fxrewrite.rewrites``): which subgraphs become which fused op.
 
-Families export plain lists; the backend's pipeline applies them in a fixed order of passes
-(``fxrewrite.backend.pipeline``). Nothing registers itself at import time.
+Families export plain lists; :data:`PIPELINE` states, as data, the order in which the backend
+runs them (``fxrewrite.backend.pipeline`` adds canonicalize first, the user's rules after the
+last rule group, cleanup last). Nothing registers itself at import time.
 """
 
-from fxrewrite.rewrites import activation, collective, linear, norm, rotary
+from fxrewrite.passes import GraphPass, RuleGroup, Step
+from fxrewrite.rewrites import activation, collective, linear, merge, norm, quant, rotary
 
-__all__ = ["activation", "collective", "linear", "norm", "rotary"]
+PIPELINE: tuple[Step, ...] = (
+    # one GEMM for linears that read the same input (Config.merge_siblings)
+    GraphPass("merge_siblings", merge.merge_sibling_linears, switch="merge_siblings"),
+    # all-reduce + add + norm (tensor parallel): first, or the add + norm rules would take its sites
+    RuleGroup("fuse_collective", collective.RULES),
+    RuleGroup("fuse_norm_quant", quant.NORM_RULES),
+    RuleGroup("fuse_norm", norm.RULES),  # add + norm before plain norm (the list's order)
+    RuleGroup("fuse_rotary", rotary.RULES),
+    RuleGroup("fuse_activation", activation.RULES),
+    RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES),  # FP8 quant of fused activations
+    # fxr.linear picks a decode-size GEMM by the rows of each call. Run eagerly (mode "none"),
+    # each linear would pay the custom op's Python dispatch on the host, which replays do not
+    # pay (not measured: extra_rules=linear.RULES opts in). Last: after every rule whose
+    # pattern holds a linear.
+    RuleGroup("select_gemm", linear.RULES, modes=("piecewise", "full")),
+    # the cos/sin tables of the rotations fuse_rotary found, evaluated once (a no-op without them)
+    GraphPass("fold_rotary", rotary.fold_rotary_tables, options=("max_positions",)),
+)
+
+__all__ = ["PIPELINE", "activation", "collective", "linear", "merge", "norm", "quant", "rotary"]

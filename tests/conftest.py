@@ -1,5 +1,11 @@
 """Shared test setup: seeded randomness for every test; GPU tests skipped without CUDA; Triton's
-interpreter on machines without CUDA."""
+interpreter on machines without CUDA.
+
+Helpers that tests in several folders share live in ``tests/helpers/`` and are imported as
+``from helpers.graphs import ...``: pytest (its default "prepend" import mode) puts the folder of
+this conftest, ``tests/``, on ``sys.path`` before it imports any test, as it puts each test's own
+folder there (``from samples import ...`` in tests/runtime).
+"""
 
 from __future__ import annotations
 

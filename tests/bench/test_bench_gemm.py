@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import bench_gemm  # noqa: E402
+import bench_gemm
 
 
 def test_the_projections_are_the_8b_layers() -> None:

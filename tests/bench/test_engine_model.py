@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from engine_model import (  # noqa: E402
+from engine_model import (
     SPLITTING_OPS,
     EngineLlama,
     build_model,

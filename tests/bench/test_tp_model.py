@@ -10,19 +10,15 @@ runs twice (capture, then replay) and the output of both is checked.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from engine_model import SPLITTING_OPS, build_model, float32_reference, make_batch, mark_static_metadata, tiny
+from tp_model import local_config, shard, shard_kv_cache
 
-from engine_model import SPLITTING_OPS, build_model, float32_reference, make_batch, mark_static_metadata, tiny  # noqa: E402
-from tp_model import local_config, shard, shard_kv_cache  # noqa: E402
-
-from fxrewrite.testing import op_counts, run_ranks  # noqa: E402
+from fxrewrite.testing import op_counts, run_ranks
 
 CPU_CFG = tiny()
 # wide enough for the flashinfer kernel (hidden >= 1024 in bf16); still a toy

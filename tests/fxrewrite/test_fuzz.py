@@ -45,7 +45,8 @@ from fxrewrite.match import Match
 from fxrewrite.passes import PassManager
 from fxrewrite.rewrites import norm
 from fxrewrite.rewrite import apply_rules
-from fxrewrite.testing import TOLERANCES, compile_once, op_counts
+from fxrewrite.testing import compile_once, op_counts
+from fxrewrite.tolerances import TOLERANCES
 
 _ENV_EXAMPLES = os.environ.get("FXREWRITE_FUZZ_EXAMPLES")
 

@@ -18,6 +18,7 @@ import fxrewrite.rewrite
 import fxrewrite.runtime.ops  # noqa: F401  (torch.ops.fxr.rms_norm)
 from fxrewrite import Backend, InPlace, Rule, RuleError, Scalar
 from fxrewrite.testing import Compiled, check_rewrite, compile_once, op_name
+from helpers.rewrites import LlamaRMSNorm
 
 # -- test ops ---------------------------------------------------------------------------------
 
@@ -154,26 +155,6 @@ def reasons(r: Compiled) -> list[str]:
     return [m.reason for m in r.report.near_misses]
 
 
-class Norm(torch.nn.Module):
-    """LlamaRMSNorm as transformers writes it: eps a float attribute (lifted to a placeholder and
-    read with ``.item()`` under ``dynamic=True``), weight on the left."""
-
-    def __init__(self, eps: float = 1e-6, hidden: int = 8) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(hidden))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * h.to(dtype)
-
-
-# -- commutativity ----------------------------------------------------------------------------
-
-
 def test_commutative_add_and_mul_match_either_order() -> None:
     r = check_rewrite(
         lambda x, w: (torch.relu(x) * w, w * torch.relu(x), torch.relu(x) + w, w + torch.relu(x)),
@@ -215,7 +196,8 @@ def _norm_fn(x, w):
 
 @pytest.mark.parametrize(
     ("make", "dynamic", "eps"),
-    [(lambda: Norm(1e-6), False, 1e-6), (lambda: _norm_fn, True, 1e-5), (lambda: Norm(1e-6), True, None)],
+    [(lambda: LlamaRMSNorm(8, 1e-6), False, 1e-6), (lambda: _norm_fn, True, 1e-5),
+     (lambda: LlamaRMSNorm(8, 1e-6), True, None)],
     ids=["module-static-literal", "python-constant-literal", "module-dynamic-symfloat"],
 )
 def test_scalar_wildcard_binds_a_literal_or_a_symfloat(make: Any, dynamic: bool, eps: float | None) -> None:
@@ -234,7 +216,8 @@ def test_scalar_wildcard_binds_a_literal_or_a_symfloat(make: Any, dynamic: bool,
 
 
 def test_scalar_wildcard_predicate_rejects() -> None:
-    r = check_rewrite(Norm(0.5), t(2, 3, 8), rules=[RMS], dynamic=False, expect={"fxr.rms_norm": 0, "aten.rsqrt": 1})
+    r = check_rewrite(LlamaRMSNorm(8, 0.5), t(2, 3, 8), rules=[RMS], dynamic=False,
+                      expect={"fxr.rms_norm": 0, "aten.rsqrt": 1})
     assert reasons(r) == ["eps: 0.5 fails the predicate of this wildcard"]
 
 
@@ -411,7 +394,8 @@ def _norm_in_half(x):
 
 @pytest.mark.parametrize(
     ("make", "dtype", "sites"),
-    [(Norm, torch.float32, 1), (Norm, torch.bfloat16, 1), (lambda: _norm_in_half, torch.float16, 0)],
+    [(lambda: LlamaRMSNorm(8), torch.float32, 1), (lambda: LlamaRMSNorm(8), torch.bfloat16, 1),
+     (lambda: _norm_in_half, torch.float16, 0)],
     ids=["fp32-casts-elided", "bf16-casts-matched", "fp16-no-upcast"],
 )
 def test_pattern_casts_pair_with_nothing_when_the_dtype_matches(make: Any, dtype: torch.dtype, sites: int) -> None:

@@ -1,20 +1,17 @@
 """Splitting at attention ops (fxrewrite.split) on Dynamo graphs, and the capture analyses.
 
-The graph fixtures here (recording backend, toy attention models, custom attention ops, tiny
-Llama) are shared with tests/runtime/test_cudagraph*.py, which import them from this module.
+The graph fixtures (recording backend, toy attention models, custom attention ops, tiny Llama)
+live in tests/helpers/graphs.py, shared with tests/runtime/test_cudagraph*.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -26,171 +23,11 @@ from fxrewrite.split import (
     mutated_placeholders,
     split_graph,
 )
-
-SDPA = F.scaled_dot_product_attention
-
-# ---------------------------------------------------------------------------------------
-# Shared fixtures: custom attention ops, toy models, a backend that records Dynamo graphs.
-
-
-def _register_attention_ops() -> None:
-    """fxrtest::attn (functional), fxrtest::attn_out (writes ``out``) and fxrtest::cache_attn
-    (writes the keys into a cache at ``slots``, an engine's KV cache), once per process."""
-    if hasattr(torch.ops.fxrtest, "cache_attn"):
-        return
-
-    @torch.library.custom_op("fxrtest::attn", mutates_args=())
-    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return SDPA(q, k, v, is_causal=True)
-
-    @attn.register_fake
-    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(q)
-
-    @torch.library.custom_op("fxrtest::attn_out", mutates_args=("out",))
-    def attn_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(SDPA(q, k, v, is_causal=True))
-
-    @attn_out.register_fake
-    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-        return None
-
-    @torch.library.custom_op("fxrtest::cache_attn", mutates_args=("cache",))
-    def cache_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                   slots: torch.Tensor) -> torch.Tensor:
-        cache.index_copy_(0, slots, k.transpose(0, 1).flatten(1))  # [heads, T, d] -> [T, heads * d]
-        return SDPA(q, k, v, is_causal=True)
-
-    @cache_attn.register_fake
-    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(q)
-
-
-_register_attention_ops()
-
-
-class ToyAttention(nn.Module):
-    """x [tokens, hidden] -> ``layers`` x (qkv linear, causal attention, o linear, residual).
-
-    attention: "sdpa" (F.scaled_dot_product_attention), "custom" (fxrtest::attn), "custom_out"
-    (fxrtest::attn_out writing into a buffer allocated just before it).
-    """
-
-    def __init__(self, attention: str = "sdpa", hidden: int = 32, heads: int = 4, layers: int = 2) -> None:
-        super().__init__()
-        self.attention, self.heads = attention, heads
-        self.qkv = nn.ModuleList(nn.Linear(hidden, 3 * hidden) for _ in range(layers))
-        self.o = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.attention == "sdpa":
-            return SDPA(q, k, v, is_causal=True)
-        if self.attention == "custom":
-            return torch.ops.fxrtest.attn(q, k, v)
-        out = torch.empty_like(q)
-        torch.ops.fxrtest.attn_out(q, k, v, out)
-        return out
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t, h = x.shape
-        for qkv, o in zip(self.qkv, self.o):
-            q, k, v = qkv(x).view(t, 3, self.heads, h // self.heads).permute(1, 2, 0, 3).unbind(0)
-            a = self.attend(q.contiguous(), k.contiguous(), v.contiguous())
-            x = x + o(a.transpose(0, 1).reshape(t, h)).relu()
-        return x
-
-
-class CachedAttention(ToyAttention):
-    """ToyAttention whose attention op writes each layer's keys into a KV-cache buffer at
-    ``slots`` [tokens] (fxrtest::cache_attn): state that outlives a call."""
-
-    def __init__(self, slots: int = 64, hidden: int = 32) -> None:
-        super().__init__("cache", hidden)
-        for i in range(len(self.qkv)):
-            self.register_buffer(f"cache{i}", torch.randn(slots, hidden))
-        self.slots: torch.Tensor | None = None
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cache = getattr(self, f"cache{self.layer}")
-        self.layer += 1
-        return torch.ops.fxrtest.cache_attn(q, k, v, cache, self.slots)
-
-    def forward(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        self.layer, self.slots = 0, slots
-        return super().forward(x)
-
-
-class TinyLlama(nn.Module):
-    """transformers LlamaModel at the test shape, returning the last hidden state."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from transformers import LlamaConfig, LlamaModel
-
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=128)
-        self.model = LlamaModel(cfg).eval()
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).last_hidden_state
-
-
-@dataclasses.dataclass
-class Recorded:
-    """One Dynamo graph, its example inputs, and the real arguments of every call it served."""
-
-    gm: torch.fx.GraphModule
-    example_inputs: list[Any]
-    calls: list[tuple[Any, ...]]
-
-
-def record(model: nn.Module, inputs: Sequence[tuple[Any, ...]], dynamic: bool | None) -> Recorded:
-    """Compile ``model`` with a throwaway backend, call it on each inputs tuple, return the graph.
-
-    All calls must land in one graph (``dynamic=True`` over several token counts).
-    """
-    graphs: list[Recorded] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        rec = Recorded(gm, list(example_inputs), [])
-        graphs.append(rec)
-
-        def run(*args: Any) -> Any:
-            rec.calls.append(args)
-            return gm(*args)
-
-        return run
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
-    with torch.no_grad():
-        for args in inputs:
-            compiled(*args)
-    assert len(graphs) == 1, f"expected one graph, Dynamo made {len(graphs)}"
-    return graphs[0]
-
-
-def toy_inputs(sizes: Sequence[int], device: str = "cpu", hidden: int = 32) -> list[tuple[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    return [(torch.randn(n, hidden, generator=gen).to(device),) for n in sizes]
-
-
-def llama_inputs(sizes: Sequence[int], device: str = "cpu") -> list[tuple[torch.Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    return [(torch.randint(0, 128, (1, n), generator=gen).to(device),) for n in sizes]
-
-
-def seeded(factory: Callable[[], nn.Module], device: str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(0)
-    return factory().to(device=device, dtype=dtype).eval()
+from helpers.graphs import SDPA, Recorded, TinyLlama, ToyAttention, llama_inputs, record, seeded, toy_inputs
 
 
 def call_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-
-
-# ---------------------------------------------------------------------------------------
-# Tests
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BF16, DYNAMIC, F32, check, fused_nodes, reasons, sites
+from helpers.rewrites import BF16, DYNAMIC, F32, check, fused_nodes, reasons, sites
 
 from fxrewrite.rewrites import activation
 

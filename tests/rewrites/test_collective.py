@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from conftest import BF16, DYNAMIC, F32, LlamaRMSNorm, check, fused_nodes, quant_static, reasons, sites
+from helpers.rewrites import BF16, DYNAMIC, F32, LlamaRMSNorm, check, fused_nodes, quant_static, reasons, sites
 
 from fxrewrite.rewrites import collective
 

@@ -16,7 +16,7 @@ import functools
 
 import pytest
 import torch
-from conftest import BF16, F32, compile_modes, fused, fused_nodes, sites
+from helpers.rewrites import BF16, F32, compile_modes, fused, fused_nodes, sites
 
 from fxrewrite import models
 from fxrewrite.testing import Compiled, compile_once

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BF16, DYNAMIC, check, compile_modes, fused_nodes, reasons
+from helpers.rewrites import BF16, DYNAMIC, check, compile_modes, fused_nodes, reasons
 
 from fxrewrite import meta
 from fxrewrite.backend import default_rule_groups

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BF16, DYNAMIC, F32, check, compile_modes, reasons, sites, storage_bytes, storages
+from helpers.rewrites import BF16, DYNAMIC, F32, check, compile_modes, reasons, sites, storage_bytes, storages
 
 from fxrewrite import Backend
 from fxrewrite.config import Config

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.fx as fx
-from conftest import BF16, DYNAMIC, F32, LlamaRMSNorm, check, fused_nodes, reasons, sites
+from helpers.rewrites import BF16, DYNAMIC, F32, LlamaRMSNorm, check, fused_nodes, reasons, sites
 
 from fxrewrite.rewrites import norm
 

@@ -1,7 +1,7 @@
 """FP8 rules (rewrites/quant.py): RMSNorm, add + RMSNorm and SiLU-and-mul followed by FP8 quant.
 
 The quantization is spelled two ways in the models below: inline, as runtime/ops/quant.py's spec
-writes it (``conftest.quant_static`` / ``quant_per_token``, literals 448 and 1e-12), and by calling
+writes it (``helpers.rewrites.quant_static`` / ``quant_per_token``, literals 448 and 1e-12), and by calling
 the runtime helpers ``quant_fp8_static`` / ``quant_fp8_per_token`` (which read the bound from the
 module global ``FP8_MAX``: Dynamo lifts that float under dynamic=True).
 
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BF16, DYNAMIC, F32, FP8, check, quant_per_token, quant_static, reasons, sites
+from helpers.rewrites import BF16, DYNAMIC, F32, FP8, check, quant_per_token, quant_static, reasons, sites
 
 from fxrewrite import Rule
 from fxrewrite.rewrites import activation, quant

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BF16, DYNAMIC, F32, check, reasons
+from helpers.rewrites import BF16, DYNAMIC, F32, check, reasons
 
 from fxrewrite import Config
 from fxrewrite.rewrites import rotary

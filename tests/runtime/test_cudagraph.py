@@ -7,9 +7,6 @@ of these tests is tests/runtime/test_cudagraph_gpu.py.
 
 from __future__ import annotations
 
-import pathlib
-import sys
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -20,78 +17,28 @@ from fxrewrite.config import Config
 from fxrewrite.runtime.cudagraph import Runner, build_runner, copy_all
 from fxrewrite.runtime.dispatch import Dispatch, ShapeError, check_capture_sizes, pad_zeros, select_size
 from fxrewrite.split import CaptureHazardError
-
-# The graph fixtures are shared with the split tests; pytest imports that file as `test_split`.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "fxrewrite"))
-from test_split import (  # noqa: E402
+from helpers.graphs import (
+    CAPTURE_SIZES,
+    SDPA,
     CachedAttention,
     Recorded,
     TinyLlama,
     ToyAttention,
+    args_for,
+    check_state_written_by_splitting_op,
+    copy_all_case,
     llama_inputs,
     record,
+    runner_for,
     seeded,
     toy_inputs,
 )
 
-SDPA = F.scaled_dot_product_attention
-SIZES = (4, 8, 16)
 TOY_CALLS = (3, 4, 5, 8, 9, 16, 17)  # padded, exact, padded, exact, padded, exact, beyond
-
-
-def runner_for(rec: Recorded, **config: Any) -> Runner:
-    config.setdefault("capture_sizes", SIZES)
-    return build_runner(rec.gm, rec.example_inputs, Config(progress=False, **config))
 
 
 def tokens(args: tuple[Any, ...]) -> int:
     return next(a for a in args if isinstance(a, int))
-
-
-def args_for(runner: Runner, base: Sequence[Any], n: int, seed: int = 0, **named: torch.Tensor) -> tuple[Any, ...]:
-    """The graph's arguments for ``n`` tokens: each token input random (ids below 128) or
-    ``named[key]`` when ``key`` is in its name; every other input as in ``base``."""
-    gen = torch.Generator().manual_seed(seed + n)
-    args: list[Any] = []
-    for i, (spec, like) in enumerate(zip(runner.dispatch.inputs, base)):
-        given = next((t for key, t in named.items() if key in spec.name), None)
-        if spec.kind == "sym":
-            args.append(n)
-        elif spec.kind == "token" and given is not None:
-            args.append(given.to(like.device, like.dtype))
-        elif spec.kind == "token":
-            shape = runner.dispatch.expected_shape(i, n)
-            fresh = torch.randn(shape, generator=gen) if like.is_floating_point() else torch.randint(
-                0, 128, shape, generator=gen)
-            args.append(fresh.to(like.device, like.dtype))
-        else:
-            args.append(like)
-    return tuple(args)
-
-
-def check_state_written_by_splitting_op(rec: Recorded, mode: str, device: str) -> Runner:
-    """Capture leaves the KV caches alone; padded steps match eager outside the dummy slot 0."""
-    runner = runner_for(rec, mode=mode, splitting_ops=("fxrtest::cache_attn",))
-    caches = [i for i, spec in enumerate(runner.dispatch.inputs) if "cache" in spec.name]
-    assert len(caches) == 2 and {runner.dispatch.inputs[i].kind for i in caches} == {"static"}
-    base = rec.calls[0]
-    before = [base[i].clone() for i in caches]
-    runner.capture()  # warm-ups, captures (emulated on CPU) must not write the caches
-    for i, saved in zip(caches, before):
-        torch.testing.assert_close(base[i], saved, rtol=0, atol=0)
-    reference = list(base)
-    for i in caches:
-        reference[i] = base[i].clone()
-    start = 1  # slot 0: where padded rows write (zero padding), reserved as a dummy
-    for n in (3, 8, 5, 16):
-        args = args_for(runner, base, n, slots=torch.arange(start, start + n, device=device))
-        start += n
-        ref_args = [reference[i] if i in caches else a for i, a in enumerate(args)]
-        torch.testing.assert_close(runner(*args), rec.gm(*ref_args))
-        for i in caches:
-            torch.testing.assert_close(base[i][1:], reference[i][1:])
-    assert runner.stats()["padded_calls"] == 2
-    return runner
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +67,7 @@ def llama() -> Recorded:
     (4, False, 4), (5, False, None), (17, False, None),
 ])
 def test_select_size(n: int, pad: bool, size: int | None) -> None:
-    assert select_size(n, SIZES, pad) == size
+    assert select_size(n, CAPTURE_SIZES, pad) == size
 
 
 @pytest.mark.parametrize(("sizes", "says"), [
@@ -140,12 +87,12 @@ def test_bad_capture_sizes_are_refused(toy: Recorded, sizes: tuple[int, ...], sa
 
 def test_dispatch_classifies_llama_inputs(llama: Recorded) -> None:
     used = set(range(len(llama.example_inputs)))
-    d = Dispatch(llama.gm, llama.example_inputs, used, SIZES, pad=True, on_cuda=False)
+    d = Dispatch(llama.gm, llama.example_inputs, used, CAPTURE_SIZES, pad=True, on_cuda=False)
     kinds = {s.kind for s in d.inputs}
     assert kinds == {"sym", "token", "static", "host"} and d.reason is None
     (token,) = [s for s in d.inputs if s.kind == "token"]
     assert "input_ids" in token.name and token.token_dims == (1,)
-    assert d.lo == 2 and d.sizes == SIZES  # Dynamo compiles s0 >= 2: sizes 0 and 1 are not captured
+    assert d.lo == 2 and d.sizes == CAPTURE_SIZES  # Dynamo compiles s0 >= 2: sizes 0 and 1 are not captured
     args = llama.calls[1]
     assert d.token_count(args) == 8 and d.select(3) == 4 and d.select(17) is None
     d.check(args, 8)
@@ -164,7 +111,7 @@ def test_toy_outputs_match_eager_for_every_size(toy: Recorded, mode: str) -> Non
         torch.testing.assert_close(runner(*args), toy.gm(*args))
     s = runner.stats()
     assert s["mode"] == mode and s["device"] == "cpu" and not s["cudagraphs"] and s["captured"]
-    assert s["capture_sizes"] == list(SIZES) and s["graphs"] == s["captured_pieces"] * len(SIZES)
+    assert s["capture_sizes"] == list(CAPTURE_SIZES) and s["graphs"] == s["captured_pieces"] * len(CAPTURE_SIZES)
     assert (s["calls"], s["replays"], s["padded_calls"], s["eager_calls"]) == (7, 6, 3, 1)
     assert s["eager_reasons"] == {"beyond_max": 1}
     assert s["pieces"] == (5 if mode == "piecewise" else 1) and s["splitting_pieces"] == (2 if mode == "piecewise" else 0)
@@ -187,7 +134,7 @@ def test_through_torch_compile() -> None:
     runners: list[Runner] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Runner:
-        runners.append(build_runner(gm, example_inputs, Config(mode="piecewise", capture_sizes=SIZES,
+        runners.append(build_runner(gm, example_inputs, Config(mode="piecewise", capture_sizes=CAPTURE_SIZES,
                                                               progress=False)))
         return runners[-1]
 
@@ -241,18 +188,6 @@ def test_copies_per_step(toy: Recorded, toy_out: Recorded) -> None:
         torch.testing.assert_close(out(*args), toy_out.gm(*args))
     s = out.stats()  # the op writes into a buffer allocated by the piece before: nothing to copy
     assert s["splitting_pieces"] == 2 and s["activation_copies"] == 0 and s["replays"] == 2
-
-
-def copy_all_case(device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Destinations and sources: three int64 pairs, two int32 pairs, a pair that converts int32
-    -> int64, and one that converts float32 -> bf16 into a strided destination."""
-    gen = torch.Generator().manual_seed(0)
-    lengths, dtypes = (8, 5, 3, 8, 8, 4, 6), (torch.int64,) * 3 + (torch.int32,) * 2 + (torch.int64, torch.bfloat16)
-    src_dtypes = dtypes[:5] + (torch.int32, torch.float32)
-    dst = [torch.full((k,), -1, dtype=dt, device=device) for k, dt in zip(lengths[:6], dtypes)]
-    dst.append(torch.full((6, 2), -1, dtype=torch.bfloat16, device=device)[:, 0])
-    src = [torch.randint(0, 1000, (k,), generator=gen).to(dt).to(device) for k, dt in zip(lengths, src_dtypes)]
-    return dst, src
 
 
 def test_copy_all_copies_every_pair() -> None:
@@ -468,7 +403,7 @@ def test_mode_none_is_the_graph_itself(toy: Recorded) -> None:
 
 
 def test_progress_bar_on_stderr(toy: Recorded, capsys: pytest.CaptureFixture[str]) -> None:
-    runner = build_runner(toy.gm, toy.example_inputs, Config(mode="full", capture_sizes=SIZES))
+    runner = build_runner(toy.gm, toy.example_inputs, Config(mode="full", capture_sizes=CAPTURE_SIZES))
     runner.capture()
     assert "emulating CUDA graphs" in capsys.readouterr().err
     assert runner.stats()["capture_s"] > 0

@@ -9,7 +9,6 @@ F.scaled_dot_product_attention or custom attention ops (functional and ``out=``)
 from __future__ import annotations
 
 import functools
-import pathlib
 import random
 import subprocess
 import sys
@@ -23,14 +22,14 @@ from fxrewrite.config import Config
 from fxrewrite.runtime.cudagraph import Runner, build_runner, copy_all
 from fxrewrite.runtime.dispatch import ShapeError
 from fxrewrite.split import CaptureHazardError
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "fxrewrite"))
-from test_cudagraph import args_for, check_state_written_by_splitting_op, copy_all_case  # noqa: E402  (same folder)
-from test_split import (  # noqa: E402
+from helpers.graphs import (
     CachedAttention,
     Recorded,
     TinyLlama,
     ToyAttention,
+    args_for,
+    check_state_written_by_splitting_op,
+    copy_all_case,
     llama_inputs,
     record,
     seeded,

@@ -1,4 +1,4 @@
-"""Shared helpers for the rule-library tests (tests/rewrites only).
+"""Shared helpers for the rule-library tests (tests/rewrites), imported as ``helpers.rewrites``.
 
 Every test compiles a small module written as model code through the default pipeline and
 checks three things: the captured graph calls no fused op, the rewritten graph calls exactly the

@@ -1,0 +1,88 @@
+"""``fxrewrite.pipeline(config)``: the library's ordered steps (``fxrewrite.rewrites.PIPELINE``)
+turned into passes for a Config, and the README's list of them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxrewrite
+from fxrewrite import Config, Rule, rewrites
+from fxrewrite.backend import default_rule_groups
+from fxrewrite.passes import GraphPass, RuleGroup
+from fxrewrite.report import PassResult
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+PASS_LIST = r"The pipeline \(`fxrewrite.pipeline\(config\)`\) is one ordered list of named passes:(.*?)\. Each pass"
+LIBRARY_GROUPS = ["fuse_collective", "fuse_norm_quant", "fuse_norm", "fuse_rotary", "fuse_activation",
+                  "fuse_activation_quant"]  # fmt: skip
+
+
+def double_pattern(x):
+    return x + x
+
+
+def double_replacement(x):
+    return x * 2
+
+
+DOUBLE = Rule("double", double_pattern, double_replacement)  # x + x -> x * 2
+
+
+def names(config: Config, **kw: object) -> list[str]:
+    return [p.name for p in fxrewrite.pipeline(config, **kw)]
+
+
+@pytest.mark.parametrize("mode", ["none", "piecewise", "full"])
+def test_the_library_in_its_order_with_gemms_selected_for_replayed_graphs_only(mode: str) -> None:
+    gemm = ["select_gemm"] if mode != "none" else []
+    want = ["canonicalize", "merge_siblings", *LIBRARY_GROUPS, *gemm, "fold_rotary", "cleanup"]
+    assert names(Config(mode=mode)) == want
+    assert [name for name, _ in default_rule_groups(mode)] == LIBRARY_GROUPS + gemm
+
+
+def test_user_rules_follow_the_last_rule_group_in_every_mode() -> None:
+    for mode in ("none", "piecewise"):
+        got = names(Config(mode=mode, extra_rules=(DOUBLE,)))
+        assert got[got.index("user_rules") - 1] == ("select_gemm" if mode != "none" else "fuse_activation_quant")
+        assert got[got.index("user_rules") + 1] == "fold_rotary"
+
+
+def test_rules_replace_the_rule_groups_and_keep_the_graph_passes() -> None:
+    assert names(Config(rules=(DOUBLE,))) == ["canonicalize", "merge_siblings", "rules", "fold_rotary", "cleanup"]
+    assert names(Config(rules=(DOUBLE,), merge_siblings=False)) == ["canonicalize", "rules", "fold_rotary", "cleanup"]
+
+
+def test_no_rules_runs_none_of_the_library() -> None:
+    assert names(Config(rules=())) == ["canonicalize", "cleanup"]
+    assert names(Config(rules=(), extra_rules=(DOUBLE,))) == ["canonicalize", "user_rules", "cleanup"]
+
+
+def test_a_graph_pass_gets_the_config_fields_it_names() -> None:
+    seen: list[int] = []
+
+    def count_positions(gm: torch.fx.GraphModule, max_positions: int) -> PassResult:
+        seen.append(max_positions)
+        return PassResult()
+
+    library = (RuleGroup("empty", []), GraphPass("positions", count_positions, options=("max_positions",)))
+    passes = fxrewrite.pipeline(Config(max_positions=77), library)
+    assert [p.name for p in passes] == ["canonicalize", "positions", "cleanup"]  # an empty group: no pass
+    passes[1].fn(torch.fx.symbolic_trace(torch.nn.Identity()))
+    assert seen == [77]
+
+
+def test_the_library_states_its_steps_as_data() -> None:
+    assert all(isinstance(s, (RuleGroup, GraphPass)) for s in rewrites.PIPELINE)
+    assert all(isinstance(r, Rule) for s in rewrites.PIPELINE if isinstance(s, RuleGroup) for r in s.rules)
+
+
+def test_the_readme_lists_the_passes_in_order() -> None:
+    paragraph = re.search(PASS_LIST, README.read_text(), re.S)
+    assert paragraph is not None
+    text = " ".join(paragraph.group(1).split()).replace("your rules", "`user_rules`")
+    listed = [n for n in re.findall(r"`(\w+)`", text) if n not in ("piecewise", "full")]  # the modes named
+    assert listed == names(Config(mode="piecewise", extra_rules=(DOUBLE,)))
