@@ -10,7 +10,8 @@ bounds at once and the device asserts, in every run, not only after an unlucky e
 The scenario runs in a process of its own (a device assert kills the CUDA context, and with it
 every later GPU test of this process): HF Llama in bf16 compiled in mode "none", then the same
 model object again, after ``torch._dynamo.reset()``, in "piecewise" and "full" with the default
-capture sizes (1 .. 512), called at (1, 9), (4, 17), (1, 1), (8, 1); then the serving-engine model
+capture sizes (1 .. 512), called at (1, 9), (4, 17), (1, 1), (8, 1); a causal LM with its KV cache
+on, through plain ``torch.compile`` (floats lifted), piecewise and full; then the serving-engine model
 of ``bench/engine_model.py`` (its own attention op, KV cache, flat tokens) piecewise and full,
 prefill then decode. Every output is compared with eager.
 """
@@ -56,6 +57,23 @@ with torch.no_grad():
                 close(models.hidden_states(compiled(ids)), models.hidden_states(eager(ids)), f"llama {mode} {shape}")
         torch.cuda.synchronize()
         print("ok llama", mode, [r.stats()["replays"] for r in backend.runners if hasattr(r, "stats")], flush=True)
+
+    # as a new user writes it: plain torch.compile (floats lifted to host scalars), a causal LM
+    # with its KV cache on (use_cache=True: the cache positions come from the cache)
+    import transformers
+    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=1024)
+    lm = transformers.LlamaForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
+    lm_eager = copy.deepcopy(lm)
+    for mode in ("piecewise", "full"):
+        torch._dynamo.reset()
+        poison_allocator()
+        compiled = torch.compile(lm, backend=fxrewrite.Backend(mode=mode, progress=False), fullgraph=True, dynamic=True)
+        for shape in shapes:
+            ids = torch.randint(0, 1024, shape, device="cuda")
+            close(compiled(ids).logits, lm_eager(ids).logits, f"causal lm {mode} {shape}")
+        torch.cuda.synchronize()
+        print("ok causal lm", mode, flush=True)
 
     from engine_model import SPLITTING_OPS, build_model, make_batch, mark_static_metadata, tiny
     cfg = tiny()
