@@ -105,6 +105,7 @@ class Report:
 
     graphs: list[GraphReport] = dataclasses.field(default_factory=list)
     providers: dict[str, Any] = dataclasses.field(default_factory=dict)
+    cache: dict[str, Any] = dataclasses.field(default_factory=dict)  # the compile cache's CacheStats
 
     @property
     def sites(self) -> list[Site]:
@@ -148,6 +149,7 @@ class Report:
             "rewrite_ms": sum(g.rewrite_ms for g in self.graphs),
             "runtime": [g.runtime for g in self.graphs if g.runtime],
             "providers": self.providers,
+            "cache": self.cache,
         }
 
     def to_json(self) -> str:
@@ -184,7 +186,20 @@ class Report:
                 out.append("runtime: " + ", ".join(f"{k}={v}" for k, v in g.runtime.items()))
         if self.providers:
             out.append("providers: " + json.dumps(self.providers, default=str))
+        out += self.cache_lines()
         return "\n".join(out)
+
+    def cache_lines(self) -> list[str]:
+        """``cache hit: N graphs, saved X s``, and what was stored or not (empty with the
+        cache off)."""
+        c = self.cache
+        if not c:
+            return []
+        lines = [f"cache hit: {c['hits']} graphs, saved {c['saved_s']:.2f} s"] if c["hits"] else []
+        if c["stored"] or c["misses"]:
+            lines.append(f"cache miss: {c['misses']} graphs, stored {c['stored']}")
+        lines += [f"cache: not stored ({n}x): {why}" for why, n in c["not_stored"].items()]
+        return lines
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:

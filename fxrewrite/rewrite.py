@@ -140,6 +140,20 @@ def planned_calls(gm: fx.GraphModule, rules: Sequence[Rule], wants: Callable[[An
     return calls
 
 
+def graph_calls(gm: fx.GraphModule, wants: Callable[[Any], bool]) -> list[Call]:
+    """The calls ``gm`` makes to targets ``wants`` accepts, graph values as their fake values at
+    the hints, as :func:`planned_calls` gives them: what a graph loaded from the compile cache
+    builds ahead, with no rule to scan."""
+    calls: list[Call] = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not wants(n.target):
+            continue
+        values = {a: meta.example(meta.value(a)) for a in n.all_input_nodes}
+        if all(v is not None for v in values.values()):
+            calls.append((n.target, fx.node.map_arg(n.args, values.__getitem__), fx.node.map_arg(n.kwargs, values.__getitem__)))
+    return calls
+
+
 def _shallow_progress(anchor: fx.Node) -> int:
     """The most pattern nodes a walk that fails at the anchor's arguments can have matched: the
     anchor, an elided cast in its place, and elided casts among its arguments."""

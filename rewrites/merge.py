@@ -104,6 +104,13 @@ def merge_sibling_linears(gm: fx.GraphModule) -> PassResult:
     return result
 
 
+def relaid(*params: torch.Tensor) -> torch.Tensor:
+    """``params`` laid end to end in one buffer, which they become views of (see the module
+    docstring): how the compile cache makes a merged weight again from a new process's
+    parameters."""
+    return _merged(list(params))
+
+
 def _merge(gm: fx.GraphModule, lins: list[fx.Node], no_bias: bool, fake_mode: object, result: PassResult) -> None:
     weights = [_param(n.args[1]) for n in lins]
     merged_w = _merged(weights)  # type: ignore[arg-type]
@@ -112,9 +119,12 @@ def _merge(gm: fx.GraphModule, lins: list[fx.Node], no_bias: bool, fake_mode: ob
     first = lins[0]
     graph = gm.graph
     with graph.inserting_before(first):
-        args = [first.args[0], meta.constant_node(gm, f"fxr_merged_{index}", merged_w, fake_mode)]
+        w = meta.constant_node(gm, f"fxr_merged_{index}", merged_w, fake_mode, rebuild=(relaid, [n.args[1] for n in lins]))
+        args = [first.args[0], w]
         if merged_b is not None:
-            args.append(meta.constant_node(gm, f"fxr_merged_{index}_bias", merged_b, fake_mode))
+            b = meta.constant_node(gm, f"fxr_merged_{index}_bias", merged_b, fake_mode,
+                                   rebuild=(relaid, [n.args[2] for n in lins]))  # fmt: skip
+            args.append(b)
         y = graph.call_function(LINEAR, tuple(args) + ((None,) if merged_b is None else ()))
         meta.copy_provenance(first, y)
         meta.propagate(y, fake_mode)

@@ -244,14 +244,6 @@ class _NotFoldable(Exception):
     """The tables of a rotation cannot be folded; the message says why."""
 
 
-def _real(node: fx.Node) -> Any:
-    """The compile-time value of a placeholder that holds module state, else None."""
-    for key in ("fxr_param", "fxr_buffer", "fxr_real"):
-        if key in node.meta:
-            return node.meta[key]
-    return None
-
-
 class _Tables:
     """Where a rotation's ``cos`` and ``sin`` come from: one positions tensor and constants."""
 
@@ -261,7 +253,7 @@ class _Tables:
         const: dict[fx.Node, bool] = {}
         for n in nodes:
             if n.op == "placeholder":
-                const[n] = _real(n) is not None  # module state, not an input
+                const[n] = meta.is_state(n)  # module state, not an input
             else:  # a factory (``arange(T)``) makes positions, not a constant
                 const[n] = n.op == "get_attr" or bool(n.all_input_nodes) and all(const[a] for a in n.all_input_nodes)
         if const[cos] and const[sin]:
@@ -305,9 +297,9 @@ class _Tables:
         if node in env:
             return env[node]
         if node.op == "placeholder":
-            return _real(node)
+            return meta.real(node)  # read: the compile cache keys on its value
         if node.op == "get_attr":
-            return functools.reduce(getattr, node.target.split("."), self.gm)
+            return meta.attribute(self.gm, node.target)
         raise _NotFoldable(f"`{node.name}` is not computed from positions and constants")
 
     def evaluate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
