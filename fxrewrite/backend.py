@@ -83,9 +83,11 @@ def _apply(
 
 def _on_cuda(gm: fx.GraphModule) -> bool:
     """Whether an input of ``gm`` lives on a CUDA device: only there are kernels built ahead
-    (elsewhere the prescan would be a second matching pass for nothing)."""
-    return any(isinstance(v := meta.value(n), torch.Tensor) and v.device.type == "cuda"
-               for n in gm.graph.find_nodes(op="placeholder"))  # fmt: skip
+    (elsewhere the prescan would be a second matching pass for nothing). Read once per graph."""
+    if "fxr_on_cuda" not in gm.meta:
+        gm.meta["fxr_on_cuda"] = any(isinstance(v := meta.value(n), torch.Tensor) and v.device.type == "cuda"
+                                     for n in gm.graph.find_nodes(op="placeholder"))  # fmt: skip
+    return gm.meta["fxr_on_cuda"]
 
 
 def pipeline(config: Config, library: Sequence[Step] | None = None) -> list[Pass]:

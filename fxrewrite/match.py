@@ -74,14 +74,10 @@ class Failure:
     progress: float
 
 
-def _position(n: fx.Node) -> int:
+def _position(n: fx.Node) -> float:
+    """The node's place in graph order, numbered by the pass (``rewrite.Anchors``): matching
+    and in-place checks compare positions."""
     return n.meta["_fxr_pos"]
-
-
-def number_nodes(graph: fx.Graph) -> None:
-    """Record each node's position; matching and in-place checks compare positions."""
-    for i, n in enumerate(graph.nodes):
-        n.meta["_fxr_pos"] = i * 4
 
 
 def _describe(v: Any) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
+from torch.utils.weak import WeakIdKeyDictionary
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +131,19 @@ def dim_key(d: Any) -> Any:
     return d.node.expr if isinstance(d, torch.SymInt) else d
 
 
+# A fake tensor's part of a signature, per tensor: propagated values are shared between nodes.
+_TENSOR_SIGNATURES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def _signature(a: Any) -> Any:
     if isinstance(a, fx.Node):
         v = value(a)
         if isinstance(v, torch.Tensor):
-            return ("T", v.dtype, v.device, tuple(map(dim_key, v.shape)), tuple(map(dim_key, v.stride())))
+            sig = _TENSOR_SIGNATURES.get(v)
+            if sig is None:
+                sig = ("T", v.dtype, v.device, tuple(map(dim_key, v.shape)), tuple(map(dim_key, v.stride())))
+                _TENSOR_SIGNATURES[v] = sig
+            return sig
         if isinstance(v, torch.SymFloat):
             return ("S", "SymFloat")  # a float never decides a shape
         if isinstance(v, (torch.SymInt, torch.SymBool)):

@@ -115,7 +115,7 @@ def _merge(gm: fx.GraphModule, lins: list[fx.Node], no_bias: bool, fake_mode: ob
     weights = [_param(n.args[1]) for n in lins]
     merged_w = _merged(weights)  # type: ignore[arg-type]
     merged_b = None if no_bias else _merged([_param(n.args[2]) for n in lins])  # type: ignore[misc]
-    index = sum(1 for name, _ in gm.named_buffers() if name.startswith("fxr_merged_") and not name.endswith("_bias"))
+    index = sum(1 for name in gm.meta.get("fxr_constants", ()) if name.startswith("fxr_merged_") and not name.endswith("_bias"))
     first = lins[0]
     graph = gm.graph
     with graph.inserting_before(first):

@@ -416,6 +416,8 @@ class _Folder:
         self.gm, self.graph, self.max_positions = gm, gm.graph, max_positions
         self.fake_mode = meta.fake_mode_of(gm.graph)
         self.caches: dict[tuple[Any, ...], fx.Node] = {}
+        self.unfoldable: dict[tuple[Any, ...], str] = {}  # why the tables of a source did not fold
+        self._order: dict[fx.Node, int] | None = None  # graph order, made again after a fold adds nodes
         self.flat: dict[fx.Node, fx.Node] = {}
 
     def node(self, target: Any, *args: Any, like: fx.Node) -> fx.Node:
@@ -430,11 +432,18 @@ class _Folder:
         # Layers that each reshape the model's tables (HF's per-layer ``cos.unsqueeze(1)``) read
         # the same values: evaluate the tables once per source, not once per layer.
         key = (_source(cos), _source(sin), interleaved, full)
+        if key in self.unfoldable:  # every layer reading these tables fails alike
+            raise _NotFoldable(self.unfoldable[key])
         if key not in self.caches:
-            order = {node: i for i, node in enumerate(self.graph.nodes)}  # folds so far added nodes
-            tables = _Tables(self.gm, key[0], key[1], order)
-            width = meta.tensor(cos).shape[-1]
-            value = build_cache(tables, width, full, interleaved, self.max_positions, meta.tensor(x).device)
+            if self._order is None:
+                self._order = {node: i for i, node in enumerate(self.graph.nodes)}
+            try:
+                tables = _Tables(self.gm, key[0], key[1], self._order)
+                width = meta.tensor(cos).shape[-1]
+                value = build_cache(tables, width, full, interleaved, self.max_positions, meta.tensor(x).device)
+            except _NotFoldable as e:
+                self.unfoldable[key] = str(e)
+                raise
             self.caches[key] = self._constant(value, tables.positions)
         return self.caches[key]
 
@@ -495,6 +504,7 @@ class _Folder:
         replaced.replace_all_uses_with(out)
         for old in reversed(chain):
             self.graph.erase_node(old)
+        self._order = None  # nodes were added
 
 
 def fold_rotary_tables(gm: fx.GraphModule, max_positions: int = 32768) -> PassResult:
