@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import re
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -233,7 +234,13 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path, _cls = list(stack.values())[-1]
-    return str(path).removeprefix("L['self'].")  # Dynamo's name for the compiled module itself
+    return _ROOT.sub("", str(path))
+
+
+# Dynamo's name for the compiled module itself: ``L['self']``, or ``L['args'][0]`` when the
+# forward it enters is a wrapper taking the module as its first argument (transformers 5.24's
+# decorated forwards)
+_ROOT = re.compile(r"^L\['\w+'\](?:\[\d+\])*\.?")
 
 
 def constant(node: fx.Node) -> float | int | None:
