@@ -272,6 +272,12 @@ def _devices(value: Any) -> set[str]:
     return out
 
 
+def _empty(value: Any) -> bool:
+    """A tensor with no elements whatever the symbols (``torch.tensor([], device="cuda")``, as
+    transformers' KV caches start): copying it to the device launches nothing."""
+    return isinstance(value, torch.Tensor) and any(isinstance(d, int) and d == 0 for d in value.shape)
+
+
 def _reason(node: Node, host_scalars: Collection[str]) -> str | None:
     name = _op_name(node)
     value = _value(node)
@@ -285,7 +291,7 @@ def _reason(node: Node, host_scalars: Collection[str]) -> str | None:
     if node.op == "call_function" and (node.target in _HOST_FUNCTIONS or (
             _qualified(node.target).startswith("aten::") and name in _HOST_OPS)):
         return "syncs with the host or has a data-dependent result"
-    if name in _TRANSFERS:
+    if name in _TRANSFERS and not _empty(value):  # no bytes move: no copy is launched
         src = {d for a in (*node.args, *node.kwargs.values()) for d in _devices(_value(a))} or {"cpu"}
         involved = src | _devices(value)
         if "cpu" in involved and len(involved) > 1:
