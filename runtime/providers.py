@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -33,7 +34,7 @@ import logging
 import os
 import time
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -97,8 +98,10 @@ class _Registry:
     modules: dict[str, types.ModuleType | None] = dataclasses.field(default_factory=dict)
     import_errors: dict[str, str] = dataclasses.field(default_factory=dict)
     plans: dict[tuple[str, str], _Plan] = dataclasses.field(default_factory=dict)
-    served: collections.Counter[tuple[str, str]] = dataclasses.field(default_factory=collections.Counter)
-    fallbacks: collections.Counter[tuple[str, str]] = dataclasses.field(default_factory=collections.Counter)
+    # counters keyed (scope, op, provider label) and (scope, op, reason); see :func:`counting`
+    served: collections.Counter[tuple[str, str, str]] = dataclasses.field(default_factory=collections.Counter)
+    fallbacks: collections.Counter[tuple[str, str, str]] = dataclasses.field(default_factory=collections.Counter)
+    scope: str = "model"
 
 
 _REGISTRY = _Registry()
@@ -236,21 +239,22 @@ def dispatch(op: str, kernels: Sequence[Kernel], reference: Callable[..., Any], 
     """
     device = args[0].device
     plan = _plan(op, kernels, device)
+    scope = _REGISTRY.scope
     if plan.forced_torch:
-        _REGISTRY.served[(op, "torch")] += 1
+        _REGISTRY.served[(scope, op, "torch")] += 1
         return reference(*args)
     kernel, reasons = _pick(plan, args)
     if kernel is not None:
-        _REGISTRY.served[(op, kernel.name)] += 1
+        _REGISTRY.served[(scope, op, kernel.name)] += 1
         return kernel.run(*args)
     if not plan.candidates:
         forced = _override(op)
         reasons.append(f"{forced} has no kernel for {op}" if forced else f"no kernel for {op}")
     reason = "; ".join(reasons)
-    if _REGISTRY.fallbacks[(op, reason)] == 0:
-        log.info("fxr::%s falls back to the torch reference on %s: %s", op, device, reason)
-    _REGISTRY.fallbacks[(op, reason)] += 1
-    _REGISTRY.served[(op, "torch")] += 1
+    if _REGISTRY.fallbacks[(scope, op, reason)] == 0:
+        log.info("fxr::%s falls back to the torch reference on %s (%s calls): %s", op, device, scope, reason)
+    _REGISTRY.fallbacks[(scope, op, reason)] += 1
+    _REGISTRY.served[(scope, op, "torch")] += 1
     return reference(*args)
 
 
@@ -475,22 +479,45 @@ def _short(dtype: torch.dtype) -> str:
 # --------------------------------------------------------------------------- report
 
 
-def served() -> dict[str, dict[str, Any]]:
-    """Per op: calls served per provider label, and ``"fallbacks"``: {reason: calls}.
+@contextlib.contextmanager
+def counting(scope: str) -> Iterator[None]:
+    """Count the calls made inside under ``scope`` instead of the model's (``"model"``).
+
+    Compile-time verification runs each matched site's replacement on random inputs; its calls
+    are not the model's (an ``apply_rotary`` that a later pass folds away never runs in the
+    model), so the backend counts them as ``served("verification")``. Not thread-safe: one
+    scope for the whole process at a time.
+
+        with providers.counting("verification"):
+            torch.ops.fxr.rms_norm(x, w, 1e-6)
+        providers.served("verification")  # {"rms_norm": {"flashinfer": 1, "fallbacks": {}}}
+    """
+    prior, _REGISTRY.scope = _REGISTRY.scope, scope
+    try:
+        yield
+    finally:
+        _REGISTRY.scope = prior
+
+
+def served(scope: str = "model") -> dict[str, dict[str, Any]]:
+    """Per op: calls served per provider label, and ``"fallbacks"``: {reason: calls}, counted
+    under ``scope`` (the model's calls by default; see :func:`counting`).
 
     ``torch`` counts every call the reference served on a kernel-capable device, whether
     forced by the override or as a fallback (then also under ``fallbacks`` with its reason).
     """
     out: dict[str, dict[str, Any]] = {}
-    for (op, name), n in sorted(_REGISTRY.served.items()):
-        out.setdefault(op, {"fallbacks": {}})[name] = n
-    for (op, reason), n in sorted(_REGISTRY.fallbacks.items()):
-        out.setdefault(op, {"fallbacks": {}})["fallbacks"][reason] = n
+    for (where, op, name), n in sorted(_REGISTRY.served.items()):
+        if where == scope:
+            out.setdefault(op, {"fallbacks": {}})[name] = n
+    for (where, op, reason), n in sorted(_REGISTRY.fallbacks.items()):
+        if where == scope:
+            out.setdefault(op, {"fallbacks": {}})["fallbacks"][reason] = n
     return out
 
 
 def reset_counts() -> None:
-    """Zero the served and fallback counters (plans and overrides stay)."""
+    """Zero the served and fallback counters of every scope (plans and overrides stay)."""
     _REGISTRY.served.clear()
     _REGISTRY.fallbacks.clear()
 
