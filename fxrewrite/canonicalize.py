@@ -16,7 +16,9 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
 * scalar-first arithmetic -> tensor first (``2 * x`` -> ``mul(x, 2)``, ``1 - x`` -> ``rsub``,
   ``c / x`` -> ``mul(reciprocal(x), c)``);
 * ``.float()`` / ``.half()`` / ``.to(dtype)`` / ``.to(other)`` / ``.type(dtype)`` / ``.type_as``
-  -> ``prims.convert_element_type``; casts to the dtype a tensor already has are removed;
+  -> ``prims.convert_element_type``; casts to the dtype a tensor already has are removed, and so
+  is a widening cast of one operand of ``+ - * /`` that type promotion does anyway
+  (``h * w.float()`` with ``h`` float32 -> ``h * w``);
 * ``x ** 2`` / ``x.pow(2)`` / ``torch.square(x)`` / ``x * x`` -> ``aten.pow.Tensor_Scalar(x, 2)``;
 * ``1 / sqrt(x)`` and ``reciprocal(sqrt(x))`` -> ``aten.rsqrt``; ``a / sqrt(x)`` -> ``a * rsqrt(x)``
   (equal up to rounding);
@@ -322,7 +324,26 @@ class _Canon:
             return None
         if op is DIV and a == 1:
             return None
-        return self.set(node, op, (a, b))
+        args = (self.uncast(a, b), self.uncast(b, a))
+        self.set(node, op, args)
+        for old in {a, b} - set(args):
+            if not old.users:  # a cast read nowhere else
+                self.graph.erase_node(old)
+        return None
+
+    def uncast(self, x: Any, other: Any) -> Any:
+        """``x``'s source when ``x`` is a widening cast, read only here, that the arithmetic with
+        ``other`` would do anyway: ``h * w.float()`` with ``h`` float32 computes exactly ``h * w``
+        (mixed dtypes are computed in the promoted one), so the cast goes and every order of cast
+        and multiply in model code (``(w.float() * h)``, ``(h * w.to(h.dtype))``) reads as ``h * w``."""
+        if not (isinstance(x, fx.Node) and x.target is CAST and isinstance(x.args[0], fx.Node)):
+            return x
+        if len(x.users) != 1:
+            return x  # read elsewhere too: the cast stays, and patterns that share it still match
+        src, o = meta.tensor(x.args[0]), meta.tensor(other) if isinstance(other, fx.Node) else other
+        if src is None or not meta.promotion_makes(src, x.args[1], o):
+            return x
+        return x.args[0]
 
     def permute(self, node: fx.Node) -> None:
         """``permute`` of a ``transpose`` or ``permute`` -> one permute of the source; the identity

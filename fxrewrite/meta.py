@@ -179,6 +179,29 @@ def propagate(node: fx.Node, fake_mode: Any) -> None:
     node.meta["example_value"] = out
 
 
+def promotion_makes(src: torch.Tensor, dtype: torch.dtype, other: Any) -> bool:
+    """Whether ``src.to(dtype)`` as an operand of ``+ - * /`` beside ``other`` computes exactly
+    what ``src`` itself computes there: the cast widens (loses nothing) and type promotion with
+    ``other`` picks the same dtype with the cast as without it (``h * w.float()`` with ``h``
+    float32 and ``w`` bfloat16 is ``h * w``). ``other``: a tensor (a fake one will do) or a number.
+
+    Promotion reads dtypes and whether a tensor is 0-dim, so meta tensors stand in.
+    """
+    if not (isinstance(dtype, torch.dtype) and src.is_floating_point() and dtype.is_floating_point):
+        return False
+    if torch.promote_types(src.dtype, dtype) != dtype:
+        return False  # narrowing: the cast rounds
+
+    def like(t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        return torch.empty([1] * min(t.dim(), 1), dtype=dt, device="meta")
+
+    if isinstance(other, torch.Tensor):
+        other = like(other, other.dtype)
+    elif not isinstance(other, (bool, int, float)):
+        return False
+    return torch.result_type(other, like(src, src.dtype)) == torch.result_type(other, like(src, dtype))
+
+
 def size_equal(a: Any, b: Any) -> bool:
     """Two sizes are equal: identical (symbolic) expressions, or else, where one is symbolic
     and Dynamo could not simplify it (``s0 // (s0 // 16) // 2`` for 8), equal for the traced

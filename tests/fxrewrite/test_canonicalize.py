@@ -139,6 +139,24 @@ def test_cast_to_another_dtype_stays() -> None:
     assert [n.args[1] for n in calls(r, CAST)] == [torch.float16, torch.bfloat16, torch.bfloat16, torch.float32]
 
 
+def _upcasts(h, w, v):
+    # h float32, w and v bfloat16: the first three casts are what promotion does anyway
+    return h * w.float(), w.float() * h, h - w.to(torch.float32), w.float() * v, h.bfloat16() * w
+
+
+def test_a_widening_cast_that_promotion_makes_anyway_is_removed() -> None:
+    r = canon(
+        _upcasts, x2d(4, 16), torch.randn(16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16),
+        before={"method.float": 3, "method.to": 1, "method.bfloat16": 1},
+        expect={"prims.convert_element_type": 2, "aten.mul": 4, "aten.sub": 1}, absent=["method"],
+    )  # fmt: skip
+    h, w = placeholder(r, "h"), placeholder(r, "w")
+    assert [n.args for n in calls(r, A.mul.Tensor)][:2] == [(h, w), (w, h)]
+    assert calls(r, A.sub.Tensor)[0].args == (h, w)
+    # negative twins: w.float() * v (the cast makes it float32) and h.bfloat16() (narrowing) stay
+    assert sorted(str(n.args[1]) for n in calls(r, CAST)) == ["torch.bfloat16", "torch.float32"]
+
+
 # -- elementwise forms ------------------------------------------------------------------------
 
 
