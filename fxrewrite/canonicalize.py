@@ -533,6 +533,28 @@ class _Canon:
         self._split_users(node, bounds, self.neg_dim(x, dim))
 
 
+def noop_source(node: fx.Node) -> fx.Node | None:
+    """The input ``node`` passes on unchanged when it is a canonical no-op (a cast to the dtype
+    its input has, a full-range slice, a reshape to the same shape), else None. A replacement's
+    slice or cast can become one once its scalars are bound: ``fxr.silu_and_mul(x[..., a:e])``
+    with ``a = 0`` and ``e`` the end is ``fxr.silu_and_mul(x)``."""
+    if node.op != "call_function" or not node.args or not isinstance(src := node.args[0], fx.Node):
+        return None
+    t = meta.tensor(src)
+    if t is None:
+        return None
+    if node.target is CAST:
+        return src if node.args[1] == t.dtype else None
+    if node.target is RESHAPE:
+        return src if meta.same_shape(node, src) else None
+    if node.target is SLICE:
+        _, dim, start, end, step = node.args
+        size = t.shape[dim]
+        full = isinstance(end, int) and isinstance(size, int) and end >= size
+        return src if start == 0 and step == 1 and (end == MAX or full) else None
+    return None
+
+
 def canonicalize(gm: fx.GraphModule) -> int:
     """Rewrite ``gm`` in place into canonical form; returns the number of nodes changed."""
     return _Canon(gm).run()

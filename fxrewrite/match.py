@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from fxrewrite import meta
-from fxrewrite.canonicalize import ADD, CAST, COMMUTATIVE, DIV, MUL, SUB
+from fxrewrite.canonicalize import ADD, CAST, COMMUTATIVE, DIV, MAX, MUL, SUB
 from fxrewrite.rule import Bindings, Rule, Scalar
 
 ARITHMETIC = frozenset({ADD, SUB, MUL, DIV})
@@ -90,6 +90,8 @@ def number_nodes(graph: fx.Graph) -> None:
 def _describe(v: Any) -> str:
     if isinstance(v, fx.Node):
         return f"`{v.name}`"
+    if v is MAX:
+        return "end"  # a canonical slice's "to the end"
     return repr(v)
 
 
