@@ -31,7 +31,8 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
   dim, start 0 for None and end ``sys.maxsize`` for "to the end"; full-range slices are removed;
 * reduction dims -> a list of negative ints; ``flatten`` -> ``aten.flatten.using_ints`` with
   negative dims;
-* ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed;
+* ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed; ``cat``
+  drops operands empty along its dim (and a ``cat`` of one operand is that operand);
   ``permute`` of a ``transpose`` / ``permute`` becomes one permute, and the identity is removed;
 * a call of an op packet with one overload -> that overload, arguments bound: Dynamo records
   ``torch.ops._c10d_functional.all_reduce(x, 'sum', '0')`` (the packet) for a functional
@@ -127,6 +128,9 @@ for _fn, _op in ((operator.add, ADD), (operator.sub, SUB), (operator.mul, MUL), 
 _CLAMP = {("call_function", f) for f in (torch.clamp, torch.clip, torch.clamp_min, torch.clamp_max)} | {
     ("call_method", m) for m in ("clamp", "clip", "clamp_min", "clamp_max")
 }
+
+
+_CAT = {("call_function", torch.cat), ("call_function", torch.concat), ("call_function", torch.concatenate)}
 
 
 def _key(node: fx.Node) -> tuple[str, Any]:
@@ -266,6 +270,8 @@ class _Canon:
             return self.chunk(node)
         if key in (("call_function", torch.split), ("call_method", "split")):
             return self.split(node)
+        if key in _CAT:
+            return self.cat(node)
         if node.op == "call_function" and node.target is PERMUTE:
             return self.permute(node)
         if node.op == "call_function" and node.target in (SLICE,):
@@ -344,6 +350,24 @@ class _Canon:
         if src is None or not meta.promotion_makes(src, x.args[1], o):
             return x
         return x.args[0]
+
+    def cat(self, node: fx.Node) -> None:
+        """``cat`` drops operands that are empty along its dim (Phi-3's partial-rotary code keeps
+        ``q[..., rotary_dim:]`` even when the rotation covers the whole head); ``cat`` of one
+        operand is that operand, unless a user writes the result in place."""
+        tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int):
+            return None
+        sizes = [meta.tensor(t).shape[dim] if meta.tensor(t) is not None else None for t in tensors]
+        keep = [t for t, n in zip(tensors, sizes) if not (isinstance(n, int) and n == 0)]
+        if len(keep) == len(tensors) or not keep:
+            return None
+        if len(keep) == 1 and meta.same_shape(node, keep[0]) and not any(meta.written_args(u) for u in node.users):
+            return self.drop(node, keep[0])
+        node.args, node.kwargs = (keep, dim), {}
+        self.changed += 1
+        return None
 
     def permute(self, node: fx.Node) -> None:
         """``permute`` of a ``transpose`` or ``permute`` -> one permute of the source; the identity

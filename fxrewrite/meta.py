@@ -202,6 +202,43 @@ def promotion_makes(src: torch.Tensor, dtype: torch.dtype, other: Any) -> bool:
     return torch.result_type(other, like(src, src.dtype)) == torch.result_type(other, like(src, dtype))
 
 
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                      operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+                      operator.setitem}
+
+
+def written_args(node: fx.Node) -> list[Any]:
+    """The arguments ``node`` writes in place: ``x.add_(y)``, ``operator.iadd``, ``out=``,
+    ``inplace=True``, an ATen overload whose schema marks an argument written."""
+    t = node.target
+    if node.op == "call_method":
+        inplace = t.endswith("_") and not t.startswith("_")
+        return [node.args[0]] if inplace and node.args else []
+    if node.op != "call_function":
+        return []
+    out = [node.kwargs["out"]] if "out" in node.kwargs else []
+    if t in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+        out.append(node.args[0])
+    elif getattr(t, "__name__", "").endswith("_") and not getattr(t, "__name__", "_").startswith("_"):
+        out.append(node.args[0])
+    if isinstance(t, torch._ops.OpOverloadPacket) and "default" in t.overloads():
+        t = t.default
+    if isinstance(t, torch._ops.OpOverload):
+        for i, arg in enumerate(t._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                out.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+    return out
+
+
+
+def is_impure(node: fx.Node) -> bool:
+    """What dead-code elimination must keep although nothing reads it: FX's own notion (calls
+    with side effects, in-place ATen overloads) and every in-place write of :func:`written_args`
+    (FX drops an unread ``x.add_(1)`` call_method)."""
+    return node.is_impure() or bool(written_args(node))
+
+
 def size_equal(a: Any, b: Any) -> bool:
     """Two sizes are equal: identical (symbolic) expressions, or else, where one is symbolic
     and Dynamo could not simplify it (``s0 // (s0 // 16) // 2`` for 8), equal for the traced

@@ -268,8 +268,9 @@ def _apply_subgraph_rewriter(gm: fx.GraphModule, rule: Rule, result: PassResult,
 
 
 def dead_code(gm: fx.GraphModule) -> int:
-    """Remove nodes nobody reads (pure ops only); returns how many."""
+    """Remove nodes nobody reads (pure ops only: an in-place write stays, :func:`meta.is_impure`);
+    returns how many."""
     before = len(gm.graph.nodes)
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=meta.is_impure)
     return before - len(gm.graph.nodes)
 

@@ -302,6 +302,21 @@ def test_contiguous_on_contiguous_is_removed() -> None:
     assert outputs(r)[1].args[0].target == "t", "negative twin: a transposed tensor keeps contiguous()"
 
 
+def _cats(x):
+    # Phi-3's partial rotary with rotary_dim == head_dim: the pass-through slice is empty
+    whole = torch.cat([x * 2, x[..., 8:]], dim=-1)
+    part = torch.cat([x * 3, x[..., 4:]], dim=-1)  # negative twin: nothing empty, the cat stays
+    written = torch.cat([x * 4, x[..., 8:]], dim=-1)
+    written.add_(1)  # negative twin: written in place, so it stays a fresh tensor
+    return whole, part, written
+
+
+def test_cat_drops_operands_empty_along_its_dim() -> None:
+    r = canon(_cats, x2d(4, 8), before={"torch.cat": 3}, expect={"torch.cat": 2}, dynamic=False)  # static width
+    cats = [n for n in r.graph.graph.nodes if n.target is torch.cat]
+    assert [len(n.args[0]) for n in cats] == [2, 1]
+
+
 def test_expand_to_the_same_shape_is_removed() -> None:
     r = canon(lambda x: (x.expand(4, 8) + 1, x.expand_as(x) + 1, x.expand(2, 4, 8)), x2d(), dynamic=False,
               before={"method.expand": 2, "method.expand_as": 1}, expect={"method.expand": 1})  # fmt: skip
