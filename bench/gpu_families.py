@@ -3,7 +3,7 @@ provider served each fused op, every fallback to the torch reference, and the er
 float32 reference next to eager bf16's (issue 19). GPU only.
 
     source .devkit/setup.sh && python3 bench/gpu_families.py [--families llama,qwen3] [--modes none,full]
-        [--capture-sizes 1,2,4,8,16,24,32] [--jobs 4] [--json out.json] [--no-all] [--no-poison]
+        [--capture-sizes 1,2,4,8,16,24,32] [--jobs 4] [--json out.json] [--no-all | --no-own] [--no-poison]
     python3 bench/gpu_families.py --child llama:none,llama:piecewise   # cases in this process, rows as JSON
 
 Cases: each family of ``fxrewrite.models.FAMILIES`` (tiny config: hidden 512, 8 heads of 64, 2 KV
@@ -170,6 +170,7 @@ def main() -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--no-all", action="store_true", help="skip the all-in-one process")
+    p.add_argument("--no-own", action="store_true", help="skip the own-process cases (run only the all-in-one)")
     p.add_argument("--timeout", type=int, default=240, help="seconds per process")
     p.add_argument("--capture-sizes", default="1,2,4,8,16,24,32", help="token counts captured (modes piecewise, full)")
     p.add_argument("--jobs", type=int, default=4, help="own-process cases run at a time")
@@ -187,9 +188,11 @@ def main() -> int:
     families = args.families.split(",") if args.families else list(FAMILIES)
     cases = [(f, m) for f in families for m in args.modes.split(",")]
     extra = ["--capture-sizes", args.capture_sizes] + (["--no-poison"] if args.no_poison else [])
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # processes on one GPU, not timed
-        own = list(pool.map(lambda case: _spawn([case], extra, timeout=args.timeout), cases))
-    rows = [dict(r, process="own") for rows_ in own for r in rows_]
+    rows = []
+    if not args.no_own:
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # processes on one GPU, not timed
+            own = list(pool.map(lambda case: _spawn([case], extra, timeout=args.timeout), cases))
+        rows = [dict(r, process="own") for rows_ in own for r in rows_]
     if not args.no_all:
         rows += [dict(r, process="all-in-one") for r in _spawn(cases, extra, timeout=args.timeout * len(cases))]
     if args.json:
