@@ -33,7 +33,7 @@ import torch.fx as fx
 from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
 from fxrewrite import meta
-from fxrewrite.canonicalize import CAST
+from fxrewrite.canonicalize import CAST, noop_source
 from fxrewrite.match import Failure, Match, inplace_blocker, match_at
 from fxrewrite.report import NearMiss, PassResult, Rejected, Site
 from fxrewrite.rule import Bindings, Rule
@@ -81,6 +81,7 @@ def apply_rules(
         cr = rule.compiled
         index = index or Anchors(gm.graph)
         prune = _shallow_progress(cr.anchor) / max(cr.op_count, 1) < near_miss_min  # pruned: no near miss
+        rule_misses: dict[fx.Node, NearMiss] = {}
         for anchor in index.get(cr.anchor_targets):
             if anchor in erased or (prune and not _may_match(cr.anchor, anchor)):
                 continue
@@ -88,13 +89,16 @@ def apply_rules(
             if isinstance(found, Failure):
                 if found.progress >= near_miss_min:
                     at = found.at.name if found.at is not None else ""
-                    misses.append((anchor, NearMiss(rule.name, anchor.name, meta.source_line(anchor), at, found.reason)))
+                    rule_misses[anchor] = NearMiss(rule.name, anchor.name, meta.source_line(anchor), at, found.reason)
                 continue
             refusal = verify(found) if verify is not None else None
             if refusal is None:
                 refusal = _replace(gm.graph, found, fake_mode, result, erased, index)
             if refusal is not None:
                 result.rejected.append(Rejected(rule.name, anchor.name, meta.source_line(anchor), refusal))
+        # One site, one miss: an attempt at a node whose consumer is an anchor that nearly matched
+        # too (a pattern ending in a cast tried with and without the cast) is part of that one.
+        misses += [(a, miss) for a, miss in rule_misses.items() if not any(u in rule_misses for u in a.users)]
     # A site another rule of this pass fused is no miss (Gemma's norm pattern nearly matches a
     # plain norm that the plain rule then takes).
     result.near_misses += [miss for anchor, miss in misses if anchor not in erased]
@@ -235,6 +239,10 @@ def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, eras
                 n.meta = {"fxr_rule": m.rule.name}
                 meta.copy_provenance(m.anchor, n)
                 meta.propagate(n, fake_mode)
+                if (src := noop_source(n)) is not None:  # a no-op once the scalars are bound
+                    graph.erase_node(n)
+                    env[rn] = src
+                    continue
                 env[rn] = n
                 new.append(n)
     # Number the new nodes between the anchor and the node before them, so a later anchor may
@@ -315,12 +323,13 @@ def _apply_subgraph_rewriter(gm: fx.GraphModule, rule: Rule, result: PassResult,
 
 
 def dead_code(gm: fx.GraphModule) -> int:
-    """Remove nodes nobody reads (pure ops only), last first so that their inputs may follow;
-    returns how many. ``Graph.eliminate_dead_code`` does the same after linting the graph and
-    asking every node whether it is pure; here only nodes without users are asked."""
+    """Remove nodes nobody reads (pure ops only: an in-place write stays, :func:`meta.is_impure`),
+    last first so that their inputs may follow; returns how many. ``Graph.eliminate_dead_code``
+    does the same after linting the graph and asking every node whether it is pure; here only
+    nodes without users are asked."""
     removed = 0
     for node in reversed(gm.graph.nodes):
-        if not node.users and not node.is_impure():
+        if not node.users and not meta.is_impure(node):
             gm.graph.erase_node(node)
             removed += 1
     return removed
