@@ -107,6 +107,17 @@ def _arg_names(target: Any, n: int) -> list[str]:
     return [names[i] if i < len(names) else f"arg{i}" for i in range(n)]
 
 
+def _pattern_arguments(p: fx.Node) -> tuple[tuple[str, ...], tuple[str, ...], frozenset[str]]:
+    """A pattern node's argument names (positional, then its keywords sorted) and keywords,
+    worked out once per pattern node (kept in its meta): the walker asks at every graph node
+    it pairs."""
+    found = p.meta.get("_fxr_arguments")
+    if found is None:
+        keywords = tuple(sorted(p.kwargs))
+        found = p.meta["_fxr_arguments"] = (tuple(_arg_names(p.target, len(p.args))) + keywords, keywords, frozenset(keywords))
+    return found
+
+
 def _arg(where: Any) -> str:
     """``"`mean` keepdim: "``: which argument of which node a reason is about."""
     return f"`{where[0].name}` {where[1]}: " if where else ""
@@ -235,8 +246,9 @@ class _Walker:
         if g in st.owner:
             self.fail(st, f"{_describe(g)} already paired with pattern node {st.owner[g].name}", g)
             return
-        if set(p.kwargs) != set(g.kwargs):
-            self.fail(st, f"`{g.name}`: keyword arguments {sorted(g.kwargs)} != {sorted(p.kwargs)}", g)
+        names, keywords, keyword_set = _pattern_arguments(p)
+        if keyword_set != g.kwargs.keys():
+            self.fail(st, f"`{g.name}`: keyword arguments {sorted(g.kwargs)} != {list(keywords)}", g)
             return
         st = st.copy()
         st.nodes[p], st.owner[g] = g, p
@@ -247,9 +259,9 @@ class _Walker:
         orders = [ga]
         if p.target in COMMUTATIVE and len(ga) == 2:
             orders.append([ga[1], ga[0]])
-        pk = [p.kwargs[k] for k in sorted(p.kwargs)]
-        gk = [g.kwargs[k] for k in sorted(p.kwargs)]
-        wheres: list[_Where] = [(g, n) for n in _arg_names(p.target, len(pa)) + sorted(p.kwargs)]
+        pk = [p.kwargs[k] for k in keywords]
+        gk = [g.kwargs[k] for k in keywords]
+        wheres: list[_Where] = [(g, n) for n in names]
         for args in orders:
             yield from self.seq(pa + pk, args + gk, st, wheres)
 
