@@ -378,7 +378,8 @@ def test_add_norm_negative_twins_fuse_only_the_norm(kind: str, gemma: bool) -> N
 
 
 def test_rule_order_puts_add_norm_before_norm_and_gemma_before_plain() -> None:
-    assert norm.RULES == [norm.GEMMA_ADD_RMS_NORM, norm.ADD_RMS_NORM, norm.GEMMA_RMS_NORM, norm.RMS_NORM]
+    assert norm.RULES == [norm.GEMMA_ADD_RMS_NORM, norm.GEMMA_ADD_RMS_NORM_F32_SUM, norm.ADD_RMS_NORM,
+                          norm.ADD_RMS_NORM_F32_SUM, norm.GEMMA_RMS_NORM, norm.RMS_NORM]  # fmt: skip
     assert norm.ADD_RMS_NORM.inplace is not None and norm.ADD_RMS_NORM.inplace.overwrites == ("x", "residual")
 
 
