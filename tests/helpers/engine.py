@@ -12,6 +12,8 @@ head_dim]``, rotates ``q[..., :rotary_dim]`` and concatenates the pass-through `
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -98,11 +100,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class EngineLayer(torch.nn.Module):
     """One decoder layer's elementwise work as an engine writes it around its merged linears
-    (attention is left out: an engine's opaque op, not what the rules touch). Without a residual
-    (the first layer) the input norm is a plain norm."""
+    (attention is an engine's opaque op: ``attention(q, k, v)``, by default a stand-in sum). Without
+    a residual (the first layer) the input norm is a plain norm."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, attention: Callable[..., torch.Tensor] | None = None) -> None:
         super().__init__()
+        self.attention = attention or stand_in_attention
         self.input_norm, self.post_norm = EngineRMSNorm(HIDDEN), EngineRMSNorm(HIDDEN)
         self.qkv = torch.nn.Linear(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD, bias=False)
         self.rotary = EngineRotary(dtype=dtype)
@@ -118,18 +121,23 @@ class EngineLayer(torch.nn.Module):
             h, residual = self.input_norm(h, residual)
         q, k, v = self.qkv(h).split([HIDDEN, KV_HEADS * HEAD, KV_HEADS * HEAD], dim=-1)
         q, k = self.rotary(positions, q, k)
-        attn = q + k.repeat(1, HEADS // KV_HEADS) + v.repeat(1, HEADS // KV_HEADS)  # stands in for attention
-        h, residual = self.post_norm(self.o(attn), residual)
+        h, residual = self.post_norm(self.o(self.attention(q, k, v)), residual)
         return self.down(silu_and_mul(self.gate_up(h))), residual
+
+
+def stand_in_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Mixes q, k and v (grouped heads repeated) where an engine calls its attention."""
+    return q + k.repeat(1, HEADS // KV_HEADS) + v.repeat(1, HEADS // KV_HEADS)
 
 
 class EngineDecoder(torch.nn.Module):
     """``layers`` :class:`EngineLayer` s and a final norm that adds the last residual: the fused
     ops per layer are layer 0's plain norm, then two add + norms per layer, RoPE and SiLU-and-mul."""
 
-    def __init__(self, layers: int = 2, dtype: torch.dtype = F32) -> None:
+    def __init__(self, layers: int = 2, dtype: torch.dtype = F32,
+                 attention: Callable[..., torch.Tensor] | None = None) -> None:  # fmt: skip
         super().__init__()
-        self.layers = torch.nn.ModuleList(EngineLayer(dtype) for _ in range(layers))
+        self.layers = torch.nn.ModuleList(EngineLayer(dtype, attention) for _ in range(layers))
         self.norm = EngineRMSNorm(HIDDEN)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
