@@ -3,6 +3,13 @@
 Patterns are written the way HF model code writes them; canonicalization makes them cover the
 other spellings (``x * x`` for ``pow(2)``, ``torch.mean(h, dim=-1, keepdim=True)``, weight on
 either side of the product, eps as a literal or as ``.item()`` of a lifted placeholder).
+
+Where the weight meets the normed value is the one choice model code makes that changes the
+result: Llama rounds to the input dtype, then scales (``w * h.to(dtype)``); OLMo2, gpt-oss and
+others scale in float32 and round once (``(w * h).to(dtype)``, also spelled ``(w.float() * h)``
+or ``(h * w.float()).type_as(x)``, which canonicalize to it). Each order has its rule, and the
+op computes exactly that order (``fxr.rms_norm(..., cast_last=True)``); in float32 the two are
+one computation and the first rule takes it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,19 @@ def norm_guard(b: Bindings) -> bool | str:
     if w.dim() != 1 or dim_key(w.shape[0]) != dim_key(x.shape[-1]):
         return f"weight shape {tuple(w.shape)} != normalized dim {tuple(x.shape[-1:])}"
     return True
+
+
+def cast_last_guard(b: Bindings) -> bool | str:
+    """:func:`norm_guard`, and the product runs in float32: a float64 weight would run it in
+    float64, which the op does not."""
+    w = b["weight"]
+    if not w.dtype.is_floating_point or w.element_size() > 4:
+        return f"weight dtype {w.dtype}: the product would not run in float32"
+    return norm_guard(b)
+
+
+def add_cast_last_guard(b: Bindings) -> bool | str:
+    return add_norm_guard(b) if (why := cast_last_guard(b)) is True else why
 
 
 def add_norm_guard(b: Bindings) -> bool | str:
@@ -69,6 +89,26 @@ def add_rms_norm_f32_sum_pattern(x, residual, weight, eps, dtype):
     return weight * _normed(s, eps).to(dtype), s.to(dtype)
 
 
+# (weight * norm(x.float())).to(dtype): scaled in float32, rounded once -> fxr.rms_norm(x, weight, eps, True)
+def rms_norm_cast_last_pattern(x, weight, eps, dtype):
+    return (weight * _normed(x, eps)).to(dtype)
+
+
+def rms_norm_cast_last_replacement(x, weight, eps):
+    return torch.ops.fxr.rms_norm(x, weight, eps, True)
+
+
+# s = x + residual; (weight * norm(s)).to(dtype); both used -> fxr.fused_add_rms_norm(x, residual, weight, eps, True)
+def add_rms_norm_cast_last_pattern(x, residual, weight, eps, dtype):
+    s = x + residual
+    return (weight * _normed(s, eps)).to(dtype), s
+
+
+def add_rms_norm_cast_last_replacement(x, residual, weight, eps):
+    out = torch.ops.fxr.fused_add_rms_norm(x, residual, weight, eps, True)
+    return out[0], out[1]
+
+
 # Gemma: norm(x.float()) * (1 + w.float()), cast back -> fxr.gemma_rms_norm(x, weight, eps)
 def gemma_rms_norm_pattern(x, weight, eps, dtype):
     return (_normed(x, eps) * (1.0 + weight.to(torch.float32))).to(dtype)
@@ -102,6 +142,11 @@ def add_rms_norm_inplace(x, residual, weight, eps):
     return out[0], out[1]
 
 
+def add_rms_norm_cast_last_inplace(x, residual, weight, eps):
+    out = torch.ops.fxr.fused_add_rms_norm_(x, residual, weight, eps, True)
+    return out[0], out[1]
+
+
 def gemma_add_rms_norm_inplace(x, residual, weight, eps):
     out = torch.ops.fxr.gemma_fused_add_rms_norm_(x, residual, weight, eps)
     return out[0], out[1]
@@ -117,6 +162,13 @@ ADD_RMS_NORM = Rule(
 ADD_RMS_NORM_F32_SUM = Rule(
     "add_rms_norm_f32_sum", add_rms_norm_f32_sum_pattern, add_rms_norm_replacement, add_norm_guard, WILDCARDS,
     inplace=InPlace(add_rms_norm_inplace, OVERWRITES),
+)  # fmt: skip
+RMS_NORM_CAST_LAST = Rule(
+    "rms_norm_cast_last", rms_norm_cast_last_pattern, rms_norm_cast_last_replacement, cast_last_guard, WILDCARDS
+)
+ADD_RMS_NORM_CAST_LAST = Rule(
+    "add_rms_norm_cast_last", add_rms_norm_cast_last_pattern, add_rms_norm_cast_last_replacement,
+    add_cast_last_guard, WILDCARDS, inplace=InPlace(add_rms_norm_cast_last_inplace, OVERWRITES),
 )  # fmt: skip
 
 GEMMA_RMS_NORM = Rule("gemma_rms_norm", gemma_rms_norm_pattern, gemma_rms_norm_replacement, norm_guard, WILDCARDS)
@@ -134,5 +186,6 @@ GEMMA_ADD_RMS_NORM_F32_SUM = Rule(
 # before plain: in float32 (casts elided) the plain pattern also matches Gemma's norm, binding
 # `1 + w` as its weight; the Gemma op computes that in float32 in one kernel.
 RULES: list[Rule] = [
-    GEMMA_ADD_RMS_NORM, GEMMA_ADD_RMS_NORM_F32_SUM, ADD_RMS_NORM, ADD_RMS_NORM_F32_SUM, GEMMA_RMS_NORM, RMS_NORM,
-]
+    GEMMA_ADD_RMS_NORM, GEMMA_ADD_RMS_NORM_F32_SUM, ADD_RMS_NORM, ADD_RMS_NORM_F32_SUM, ADD_RMS_NORM_CAST_LAST,
+    GEMMA_RMS_NORM, RMS_NORM, RMS_NORM_CAST_LAST,
+]  # fmt: skip
