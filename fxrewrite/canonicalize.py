@@ -356,7 +356,8 @@ class _Canon:
             return None
         if op is DIV and a == 1:
             return None
-        args = (self.uncast(a, b), self.uncast(b, a))
+        first = self.uncast(a, b)
+        args = (first, self.uncast(b, first))  # x.float() + y.float(): promotion makes one cast, not both
         self.set(node, op, args)
         for old in {a, b} - set(args):
             if not old.users:  # a cast read nowhere else

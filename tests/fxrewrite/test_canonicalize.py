@@ -157,6 +157,16 @@ def test_a_widening_cast_that_promotion_makes_anyway_is_removed() -> None:
     assert sorted(str(n.args[1]) for n in calls(r, CAST)) == ["torch.bfloat16", "torch.float32"]
 
 
+def test_of_two_widening_casts_one_stays() -> None:
+    """``x.float() + y.float()`` with both bfloat16 (vLLM's residual add): promotion makes one
+    cast, not both; dropping both would add in bfloat16."""
+    bf = x2d(dtype=torch.bfloat16)
+    r = canon(lambda x, y: x.float() + y.float(), bf, x2d(dtype=torch.bfloat16),
+              expect={"prims.convert_element_type": 1, "aten.add": 1})  # fmt: skip
+    [cast] = calls(r, CAST)
+    assert calls(r, A.add.Tensor)[0].args == (placeholder(r, "x"), cast) and cast.args[0] is placeholder(r, "y")
+
+
 # -- elementwise forms ------------------------------------------------------------------------
 
 
