@@ -23,6 +23,7 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
 * ``1 / sqrt(x)`` and ``reciprocal(sqrt(x))`` -> ``aten.rsqrt``; ``a / sqrt(x)`` -> ``a * rsqrt(x)``
   (equal up to rounding);
 * ``F.silu(x)`` and ``x * sigmoid(x)`` -> ``aten.silu``; ``F.gelu`` -> ``aten.gelu``;
+* ``x.index_select(d, i)`` / ``torch.index_select`` -> ``aten.index_select`` with a negative dim;
 * ``F.linear`` -> ``aten.linear``; ``x @ w.t()`` (``.T``, ``.mT``, ``transpose``, ``permute``; ``matmul``
   or ``mm``) of a matrix ``w`` -> ``aten.linear(x, w)``;
 * ``view`` and ``reshape`` -> ``aten.reshape`` when the input is contiguous (then both are views);
@@ -30,7 +31,7 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
 * ``x[..., a:b:s]``, ``chunk`` and ``split`` along one dim -> ``aten.slice.Tensor`` with a negative
   dim, start 0 for None and end ``sys.maxsize`` for "to the end"; full-range slices are removed;
 * reduction dims -> a list of negative ints; ``flatten`` -> ``aten.flatten.using_ints`` with
-  negative dims;
+  negative dims (removed when it keeps the shape);
 * ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed; ``cat``
   drops operands empty along its dim (and a ``cat`` of one operand is that operand);
   ``permute`` of a ``transpose`` / ``permute`` becomes one permute, and the identity is removed;
@@ -66,6 +67,7 @@ POW, RSQRT, SQRT, RECIP = A.pow.Tensor_Scalar, A.rsqrt.default, A.sqrt.default, 
 MEAN, SLICE, RESHAPE, LINEAR = A.mean.dim, A.slice.Tensor, A.reshape.default, A.linear.default
 SILU, GELU, SIGMOID, NEG = A.silu.default, A.gelu.default, A.sigmoid.default, A.neg.default
 CLAMP, AMAX, FLATTEN = A.clamp.default, A.amax.default, A.flatten.using_ints
+INDEX_SELECT = A.index_select.default
 
 COMMUTATIVE = frozenset({ADD, MUL})
 # Canonical ops that may still become no-ops (after a rewrite changed an input's dtype or shape).
@@ -124,6 +126,8 @@ for _name, _op in _BINARY_NAMES.items():
 for _fn, _op in ((operator.add, ADD), (operator.sub, SUB), (operator.mul, MUL), (operator.truediv, DIV)):
     _BINARY[("call_function", _fn)] = _op
 
+
+_INDEX_SELECT = {("call_function", torch.index_select), ("call_method", "index_select")}
 
 _CLAMP = {("call_function", f) for f in (torch.clamp, torch.clip, torch.clamp_min, torch.clamp_max)} | {
     ("call_method", m) for m in ("clamp", "clip", "clamp_min", "clamp_max")
@@ -257,6 +261,13 @@ class _Canon:
             if meta.is_tensor(lo) or meta.is_tensor(hi):
                 return None  # tensor bounds: clamp.Tensor, not a form rules use
             return self.set(node, CLAMP, (node.args[0], lo, hi))
+        if key in _INDEX_SELECT:  # an engine's cos/sin cache read at the positions
+            x = node.args[0]
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            index = node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
+            if not isinstance(dim, int) or "out" in node.kwargs:
+                return None  # a named dim, or an out= buffer: kept as written
+            return self.set(node, INDEX_SELECT, (x, self.neg_dim(x, dim), index))
         if key in (("call_function", F.gelu),):
             return self.set(node, GELU, (node.args[0],), {"approximate": node.kwargs.get("approximate", "none")})
         if key in (("call_function", F.linear), ("call_function", torch._C._nn.linear)):
@@ -269,6 +280,8 @@ class _Canon:
             x = node.args[0]
             start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
             end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+            if meta.same_shape(node, x):
+                return self.drop(node, x)  # flattening a 1-d tensor (an engine's positions)
             return self.set(node, FLATTEN, (x, self.neg_dim(x, start), self.neg_dim(x, end)))
         if key == ("call_method", "contiguous"):
             t = meta.tensor(node.args[0])
@@ -343,7 +356,8 @@ class _Canon:
             return None
         if op is DIV and a == 1:
             return None
-        args = (self.uncast(a, b), self.uncast(b, a))
+        first = self.uncast(a, b)
+        args = (first, self.uncast(b, first))  # x.float() + y.float(): promotion makes one cast, not both
         self.set(node, op, args)
         for old in {a, b} - set(args):
             if not old.users:  # a cast read nowhere else

@@ -157,6 +157,16 @@ def test_a_widening_cast_that_promotion_makes_anyway_is_removed() -> None:
     assert sorted(str(n.args[1]) for n in calls(r, CAST)) == ["torch.bfloat16", "torch.float32"]
 
 
+def test_of_two_widening_casts_one_stays() -> None:
+    """``x.float() + y.float()`` with both bfloat16 (vLLM's residual add): promotion makes one
+    cast, not both; dropping both would add in bfloat16."""
+    bf = x2d(dtype=torch.bfloat16)
+    r = canon(lambda x, y: x.float() + y.float(), bf, x2d(dtype=torch.bfloat16),
+              expect={"prims.convert_element_type": 1, "aten.add": 1})  # fmt: skip
+    [cast] = calls(r, CAST)
+    assert calls(r, A.add.Tensor)[0].args == (placeholder(r, "x"), cast) and cast.args[0] is placeholder(r, "y")
+
+
 # -- elementwise forms ------------------------------------------------------------------------
 
 
@@ -292,6 +302,34 @@ def test_flatten_method_and_function_become_one_op_with_negative_dims() -> None:
     r = canon(lambda x: (x.flatten(1) + 1, torch.flatten(x, -2, -1) + 1, x.flatten(start_dim=0, end_dim=1) + 1),
               x2d(2, 3, 8), expect={"aten.flatten": 3}, absent=["method.flatten", "torch.flatten"])  # fmt: skip
     assert [tuple(n.args[1:]) for n in calls(r, A.flatten.using_ints)] == [(-2, -1), (-2, -1), (-3, -2)]
+
+
+def test_flatten_that_keeps_the_shape_is_removed() -> None:
+    r = canon(lambda p, x: (p.flatten() + 1, x.flatten() + 1), torch.arange(6), x2d(2, 3),
+              before={"method.flatten": 2}, expect={"aten.flatten": 1})  # fmt: skip
+    assert outputs(r)[0].args[0] is placeholder(r, "p"), "an engine's 1-d positions: nothing to flatten"
+    assert calls(r, A.flatten.using_ints)[0].args[0] is placeholder(r, "x"), "negative twin: 2-d is flattened"
+
+
+def test_index_select_method_and_function_become_aten_index_select() -> None:
+    cache, pos = x2d(16, 8), torch.tensor([3, 0, 7])
+    r = canon(lambda c, i: (c.index_select(0, i), torch.index_select(c, dim=1, index=i)), cache, pos,
+              before={"method.index_select": 1, "torch.index_select": 1}, expect={"aten.index_select": 2},
+              absent=["method.index_select", "torch.index_select"])  # fmt: skip
+    assert [n.args[1] for n in calls(r, A.index_select.default)] == [-2, -1]
+
+
+def _cat_with_empty(x):
+    empty = x[..., 16:]  # the pass-through part of a rotary that rotates the whole head
+    return torch.cat((x * 2, empty), dim=-1), torch.cat((x, empty, x + 1), dim=-1), torch.cat((x, x), dim=-1)
+
+
+def test_cat_drops_operands_empty_along_its_dim() -> None:
+    r = canon(Merged(_cat_with_empty), x2d(2, 3, 8), before={"torch.cat": 3}, expect={"torch.cat": 2})
+    first, second, third = outputs(r)
+    assert first.target is A.mul.Tensor, "a cat of one non-empty tensor is that tensor"
+    assert len(second.args[0]) == 2, "the empty operand is dropped"
+    assert len(third.args[0]) == 2, "negative twin: nothing empty, nothing dropped"
 
 
 def test_contiguous_on_contiguous_is_removed() -> None:
