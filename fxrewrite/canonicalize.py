@@ -46,6 +46,7 @@ patterns are written with negative dims.
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 from collections.abc import Callable
@@ -174,6 +175,15 @@ def _empty_along(t: torch.Tensor | None, dim: int) -> bool:
         return False
     n = t.shape[dim]
     return isinstance(n, int) and n == 0
+
+
+def _same_promotion(node: fx.Node, operands: list[Any]) -> bool:
+    """Whether ``operands`` alone promote to the dtype ``node`` returns: an empty float32
+    operand makes ``cat([empty_f32, x_bf16])`` float32, and dropping it would change that."""
+    out, values = meta.tensor(node), [meta.tensor(t) for t in operands]
+    if out is None or any(v is None for v in values):
+        return False
+    return functools.reduce(torch.promote_types, [v.dtype for v in values]) == out.dtype
 
 
 class _Canon:
@@ -388,7 +398,7 @@ class _Canon:
         if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int):
             return None
         keep = [t for t in tensors if not _empty_along(meta.tensor(t), dim)]
-        if len(keep) == len(tensors) or not keep:
+        if len(keep) == len(tensors) or not keep or not _same_promotion(node, keep):
             return None
         if len(keep) == 1 and meta.same_shape(node, keep[0]) and not any(meta.written_args(u) for u in node.users):
             return self.drop(node, keep[0])

@@ -353,7 +353,9 @@ def _cache_cats(x):
     # a KV cache that starts as torch.tensor([]): cat skips the 1-D empty at any dim
     first = torch.cat([x.new_zeros(0), x * 5], dim=-2)
     rows = torch.cat([x.new_zeros(0, 8), x * 6], dim=0)
-    return first, rows
+    # negative twin: the empty float32 operand makes the result float32; dropping it would not
+    promoted = torch.cat([x.new_zeros(0, 8), x.to(torch.bfloat16) * 7], dim=0)
+    return first, rows, promoted
 
 
 def test_cat_drops_operands_empty_along_its_dim() -> None:
@@ -363,7 +365,8 @@ def test_cat_drops_operands_empty_along_its_dim() -> None:
 
 
 def test_cat_drops_the_legacy_empty_operand_at_any_dim() -> None:
-    canon(_cache_cats, x2d(4, 8), before={"torch.cat": 2}, expect={"torch.cat": 0}, dynamic=False)
+    r = canon(_cache_cats, x2d(4, 8), before={"torch.cat": 3}, expect={"torch.cat": 1}, dynamic=False)
+    assert outputs(r)[2].meta["example_value"].dtype == torch.float32
 
 
 def test_expand_to_the_same_shape_is_removed() -> None:
