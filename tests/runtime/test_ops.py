@@ -19,6 +19,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import fxrewrite.runtime.ops as ops
+import moe_samples
 import rotary_samples
 from fxrewrite.runtime.ops import activation, linear, norm, quant
 from fxrewrite.runtime.providers import OpDef
@@ -306,6 +307,8 @@ def make_args(op: OpDef, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.
             args.append("tanh")
         elif name in rotary_samples.NAMES:
             args.append(rotary_samples.rotary_arg(name, shape, dtype, gen))
+        elif name in moe_samples.NAMES:
+            args.append(moe_samples.moe_arg(name, shape, dtype, gen))
         elif name == "group_name":  # the collective ops: the fake group of `fake_group`
             args.append(torch.distributed.group.WORLD.group_name)
         else:
@@ -358,7 +361,7 @@ def test_linear_silu_and_mul_triton_kernel_constraints(gen: torch.Generator) -> 
 
 def test_ops_lists_every_definition() -> None:
     assert ops.OPS == tuple(op.name for op in ops.DEFS)
-    assert len(set(ops.OPS)) == len(ops.OPS) == 21
+    assert len(set(ops.OPS)) == len(ops.OPS) == 22
     for name in ops.OPS:
         assert hasattr(torch.ops.fxr, name)
 

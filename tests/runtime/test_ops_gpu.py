@@ -24,7 +24,7 @@ import torch
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import collective, quant, rotary
+from fxrewrite.runtime.ops import collective, moe, quant, rotary
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -38,8 +38,9 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 # (tokens, hidden): hidden 4096 over token counts, then odd sizes: hidden 33 (vectors of 1),
 # 3420 (Qwen2.5-VL MLP half: not 16-byte rows), 5120.
 # Ops whose arguments are [tokens, hidden] activations; the rotary ops (q/k per head, a cache)
-# have tests/runtime/test_rotary_gpu.py, the all-reduce ops (a process group) test_collective_ops.py.
-GENERIC = [op for op in ops.DEFS if op not in rotary.DEFS + collective.DEFS]
+# have tests/runtime/test_rotary_gpu.py, the all-reduce ops (a process group) test_collective_ops.py,
+# fxr.moe (routing and stacked experts) test_moe_gpu.py.
+GENERIC = [op for op in ops.DEFS if op not in rotary.DEFS + collective.DEFS + moe.DEFS]
 SHAPES = [(1, 4096), (7, 4096), (64, 4096), (513, 4096), (4096, 4096), (3, 33), (5, 3420), (2, 5120)]
 
 
@@ -283,7 +284,7 @@ def test_dynamic_quant_zero_rows(provider: str) -> None:
         assert torch.equal(s, floor)
 
 
-TRITON_OPS = [op for op in ops.DEFS if any(k.provider == "triton" for k in op.kernels)]
+TRITON_OPS = [op for op in GENERIC if any(k.provider == "triton" for k in op.kernels)]
 
 
 @pytest.mark.parametrize("hidden", [14336, 28672, 32769])
