@@ -8,11 +8,13 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "phi3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
 """Mixture-of-experts decoders: Mixtral (renormalized top-k), Qwen2-MoE (a shared expert beside
 the routed ones), OLMoE (top-k weights as the softmax gives them)."""
 MODELS = FAMILIES + MOE_FAMILIES
+# Config fields a family needs at these tiny widths (token ids inside the vocabulary).
+_EXTRA: dict[str, dict[str, Any]] = {"phi3": {"pad_token_id": 0}, "olmo2": {"eos_token_id": 0}, "olmoe": {"eos_token_id": 0}}
 
 
 def _configs() -> dict[str, Callable[..., Any]]:
@@ -26,6 +28,8 @@ def _configs() -> dict[str, Callable[..., Any]]:
         "qwen2": tf.Qwen2Config,
         "qwen3": tf.Qwen3Config,
         "gemma": tf.GemmaConfig,
+        "olmo2": tf.Olmo2Config,  # RMSNorm scaled in float32, rounded once; post-norms; q/k norms
+        "phi3": tf.Phi3Config,  # q/k/v and gate/up already merged in the checkpoint's layout
         "mixtral": tf.MixtralConfig,
         "qwen2_moe": tf.Qwen2MoeConfig,
         "olmoe": tf.OlmoeConfig,
@@ -41,6 +45,8 @@ def _model_classes() -> dict[str, Any]:
         "qwen2": tf.Qwen2Model,
         "qwen3": tf.Qwen3Model,
         "gemma": tf.GemmaModel,
+        "olmo2": tf.Olmo2Model,
+        "phi3": tf.Phi3Model,
         "mixtral": tf.MixtralModel,
         "qwen2_moe": tf.Qwen2MoeModel,
         "olmoe": tf.OlmoeModel,
@@ -95,6 +101,7 @@ def build(
         max_position_embeddings=256,
         use_cache=False,
         **_moe_options(family, hidden, intermediate, experts, top_k, experts_implementation),
+        **_EXTRA.get(family, {}),
     )
     torch.manual_seed(seed)
     model = _model_classes()[family](cfg).eval().to(dtype)

@@ -48,6 +48,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.split_module import split_module
 
+from fxrewrite import meta
+
 logger = logging.getLogger(__name__)
 
 SplitOp = Callable[..., Any] | torch._ops.OpOverloadPacket | torch._ops.OpOverload | str
@@ -272,6 +274,12 @@ def _devices(value: Any) -> set[str]:
     return out
 
 
+def _empty(value: Any) -> bool:
+    """A tensor with no elements whatever the symbols (``torch.tensor([], device="cuda")``, as
+    transformers' KV caches start): copying it to the device launches nothing."""
+    return isinstance(value, torch.Tensor) and any(isinstance(d, int) and d == 0 for d in value.shape)
+
+
 def _reason(node: Node, host_scalars: Collection[str]) -> str | None:
     name = _op_name(node)
     value = _value(node)
@@ -285,7 +293,7 @@ def _reason(node: Node, host_scalars: Collection[str]) -> str | None:
     if node.op == "call_function" and (node.target in _HOST_FUNCTIONS or (
             _qualified(node.target).startswith("aten::") and name in _HOST_OPS)):
         return "syncs with the host or has a data-dependent result"
-    if name in _TRANSFERS:
+    if name in _TRANSFERS and not _empty(value):  # no bytes move: no copy is launched
         src = {d for a in (*node.args, *node.kwargs.values()) for d in _devices(_value(a))} or {"cpu"}
         involved = src | _devices(value)
         if "cpu" in involved and len(involved) > 1:
@@ -334,34 +342,6 @@ def find_capture_hazards(gm: GraphModule, host_scalars: Collection[str] | None =
 _VIEWS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "expand",
           "narrow", "select", "t", "as_strided", "view_as", "unflatten", "unbind", "split",
           "chunk", "slice", "diagonal", "movedim", "getitem", "detach", "alias", "contiguous"}
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
-                      operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-                      operator.setitem}
-
-
-def _written(node: Node) -> list[Any]:
-    """The arguments ``node`` writes in place."""
-    t = node.target
-    if node.op == "call_method":
-        inplace = t.endswith("_") and not t.startswith("_")
-        return [node.args[0]] if inplace and node.args else []
-    if node.op != "call_function":
-        return []
-    out = [node.kwargs["out"]] if "out" in node.kwargs else []
-    if t in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
-        out.append(node.args[0])
-    elif getattr(t, "__name__", "").endswith("_") and not getattr(t, "__name__", "_").startswith("_"):
-        out.append(node.args[0])
-    if isinstance(t, torch._ops.OpOverloadPacket) and "default" in t.overloads():
-        t = t.default
-    if isinstance(t, torch._ops.OpOverload):
-        for i, arg in enumerate(t._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                out.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
-    return out
-
-
 def is_trivial(gm: GraphModule) -> bool:
     """True when ``gm`` launches no kernel of its own: only views, getitems and scalar math.
 
@@ -393,7 +373,7 @@ def mutated_placeholders(gm: GraphModule) -> set[str]:
     """
     mutated: set[str] = set()
     for node in _call_nodes(gm.graph):
-        for base in _written(node):
+        for base in meta.written_args(node):
             while isinstance(base, Node) and base.op != "placeholder" and base.args and (
                     _op_name(base) in _VIEWS) and isinstance(base.args[0], Node):
                 base = base.args[0]
