@@ -7,11 +7,9 @@ the real shapes of the benchmark, and capture into a CUDA graph that replays oth
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Iterator
-
 import pytest
 import torch
+from gpu_fixtures import fresh_counts, gen  # noqa: F401  (pytest fixtures of this module)
 from moe_samples import experts, routing
 
 from fxrewrite.runtime import providers
@@ -20,19 +18,6 @@ from fxrewrite.testing import assert_close
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def fresh_counts() -> Iterator[None]:
-    providers.reset_counts()
-    yield
-    providers.configure(None)
-    providers.reset_counts()
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    return torch.Generator(device="cuda").manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def distinct_logits(tokens: int, count: int, gen: torch.Generator) -> torch.Tensor:

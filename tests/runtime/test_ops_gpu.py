@@ -15,12 +15,11 @@ Each case forces one provider, runs ``torch.ops.fxr.<op>`` on CUDA tensors and c
 from __future__ import annotations
 
 import inspect
-import zlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from gpu_fixtures import fresh_counts, gen  # noqa: F401  (pytest fixtures of this module)
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
@@ -42,19 +41,6 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 # fxr.moe (routing and stacked experts) test_moe_gpu.py.
 GENERIC = [op for op in ops.DEFS if op not in rotary.DEFS + collective.DEFS + moe.DEFS]
 SHAPES = [(1, 4096), (7, 4096), (64, 4096), (513, 4096), (4096, 4096), (3, 33), (5, 3420), (2, 5120)]
-
-
-@pytest.fixture(autouse=True)
-def fresh_counts() -> Iterator[None]:
-    providers.reset_counts()
-    yield
-    providers.configure(None)
-    providers.reset_counts()
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    return torch.Generator(device="cuda").manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def force(provider: str) -> None:
