@@ -334,9 +334,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         blocks = hf_blocks(shape, device, LAYERS)
         _dynamo.reset()
         compiled = torch.compile(hf_call, fullgraph=True, dynamic=False)
+        before = _dynamo.utils.counters["stats"]["unique_graphs"]
         for t in tokens:
             rows.append(measure(name, shape, blocks, t, reps, bandwidth, compiled, sweeps if args.sweep else None))
-        graphs = _dynamo.utils.counters["stats"]["unique_graphs"]
+        graphs = _dynamo.utils.counters["stats"]["unique_graphs"] - before
         print(f"{name}: Inductor compiled {graphs} graph(s) for {len(tokens)} token count(s)", file=sys.stderr)
         del blocks, compiled
         torch.cuda.empty_cache()
