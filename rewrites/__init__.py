@@ -12,7 +12,7 @@ PIPELINE: tuple[Step, ...] = (
     # one GEMM for linears that read the same input (Config.merge_siblings)
     GraphPass("merge_siblings", merge.merge_sibling_linears, switch="merge_siblings"),
     # router + experts -> fxr.moe: before the activation rules, which would take the experts' SiLU-and-mul
-    GraphPass("fuse_moe", moe.fuse_moe),
+    GraphPass("fuse_moe", moe.fuse_moe, fusion=True),
     # all-reduce + add + norm (tensor parallel): first, or the add + norm rules would take its sites
     RuleGroup("fuse_collective", collective.RULES),
     RuleGroup("fuse_norm_quant", quant.NORM_RULES),
