@@ -163,6 +163,19 @@ def bind_schema(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[t
     return tuple(out_args), out_kwargs
 
 
+def _empty_along(t: torch.Tensor | None, dim: int) -> bool:
+    """Whether ``torch.cat(..., dim)`` takes nothing from ``t``: no rows along ``dim``, or the
+    legacy 1-D empty tensor cat skips whatever the rank of the others."""
+    if t is None:
+        return False
+    if t.dim() == 1 and isinstance(t.shape[0], int) and t.shape[0] == 0:
+        return True
+    if not -t.dim() <= dim < t.dim():
+        return False
+    n = t.shape[dim]
+    return isinstance(n, int) and n == 0
+
+
 class _Canon:
     """One pass over a graph; see the module docstring for the forms."""
 
@@ -363,14 +376,14 @@ class _Canon:
 
     def cat(self, node: fx.Node) -> None:
         """``cat`` drops operands that are empty along its dim (Phi-3's partial-rotary code keeps
-        ``q[..., rotary_dim:]`` even when the rotation covers the whole head); ``cat`` of one
-        operand is that operand, unless a user writes the result in place."""
+        ``q[..., rotary_dim:]`` even when the rotation covers the whole head) and the legacy empty
+        ``[0]`` tensors it skips at any dim (a KV cache that starts as ``torch.tensor([])``);
+        ``cat`` of one operand is that operand, unless a user writes the result in place."""
         tensors = node.args[0] if node.args else node.kwargs.get("tensors")
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int):
             return None
-        sizes = [meta.tensor(t).shape[dim] if meta.tensor(t) is not None else None for t in tensors]
-        keep = [t for t, n in zip(tensors, sizes) if not (isinstance(n, int) and n == 0)]
+        keep = [t for t in tensors if not _empty_along(meta.tensor(t), dim)]
         if len(keep) == len(tensors) or not keep:
             return None
         if len(keep) == 1 and meta.same_shape(node, keep[0]) and not any(meta.written_args(u) for u in node.users):

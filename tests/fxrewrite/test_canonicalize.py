@@ -349,10 +349,21 @@ def _cats(x):
     return whole, part, written
 
 
+def _cache_cats(x):
+    # a KV cache that starts as torch.tensor([]): cat skips the 1-D empty at any dim
+    first = torch.cat([x.new_zeros(0), x * 5], dim=-2)
+    rows = torch.cat([x.new_zeros(0, 8), x * 6], dim=0)
+    return first, rows
+
+
 def test_cat_drops_operands_empty_along_its_dim() -> None:
     r = canon(_cats, x2d(4, 8), before={"torch.cat": 3}, expect={"torch.cat": 2}, dynamic=False)  # static width
     cats = [n for n in r.graph.graph.nodes if n.target is torch.cat]
     assert [len(n.args[0]) for n in cats] == [2, 1]
+
+
+def test_cat_drops_the_legacy_empty_operand_at_any_dim() -> None:
+    canon(_cache_cats, x2d(4, 8), before={"torch.cat": 2}, expect={"torch.cat": 0}, dynamic=False)
 
 
 def test_expand_to_the_same_shape_is_removed() -> None:

@@ -14,6 +14,8 @@ torch.compile leaves them).
 from __future__ import annotations
 
 import functools
+import pathlib
+import re
 
 import pytest
 import torch
@@ -155,11 +157,22 @@ def test_qwen3_qk_norms_are_per_head() -> None:
 
 
 def test_table_for_the_readme() -> None:
-    """The README's "family x fused op -> count per layer" table is TABLE's first column."""
-    ops = sorted({op for row in TABLE.values() for op in row})
-    per_layer = {f: {op: TABLE[f].get(op, (0, 0))[0] for op in ops} for f in TABLE}
-    assert per_layer["llama"] == per_layer["mistral"] == per_layer["qwen2"]
-    assert per_layer["qwen3"]["rms_norm"] == 2
+    """The README's "family x fused op -> count per layer" table says what TABLE asserts: per
+    layer, and "(+N)" once per model."""
+    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("## What the default rules fuse in transformers models", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| ")]
+    head, rows = rows[0], rows[1:]
+    ops = [c.split(" (")[0] for c in head[1:]]
+    readme: dict[str, dict[str, tuple[int, int]]] = {}
+    for family, *cells in rows:
+        counts = {}
+        for op, cell in zip(ops, cells):
+            m = re.match(r"(\d+)(?: \(\+(\d+)\))?", cell)
+            if m and " " not in op:  # not "linears merged"
+                counts[op] = (int(m[1]), int(m[2] or 0))
+        readme[family] = {op: n for op, n in counts.items() if n != (0, 0)}
+    assert readme == {f: {op: n for op, n in row.items() if n != (0, 0)} for f, row in TABLE.items()}
     assert set(TABLE) == set(models.FAMILIES)
 
 

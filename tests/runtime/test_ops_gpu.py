@@ -248,12 +248,13 @@ def test_per_head_rms_norm(provider: str, dtype: torch.dtype, tokens: int, gen: 
 
 @pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
 def test_weight_dtype_mismatch_falls_back(provider: str, gen: torch.Generator) -> None:
-    """A float32 weight with bf16 input must not reach a kernel (vLLM issue 48330)."""
+    """A float32 weight with bf16 input must not reach a library kernel that reads it as bf16
+    (vLLM issue 48330); the Triton kernel loads each operand in its own dtype and serves it."""
     force(provider)
     op = ops.DEFS[ops.OPS.index("rms_norm")]
     x = torch.randn(8, 4096, device="cuda", generator=gen).to(torch.bfloat16)
     w = torch.rand(4096, device="cuda", generator=gen) + 0.5
-    assert run_and_check(op, provider, [x, w, EPS], torch.bfloat16) == "torch"
+    assert run_and_check(op, provider, [x, w, EPS], torch.bfloat16) == ("triton" if provider == "triton" else "torch")
 
 
 @pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
@@ -342,7 +343,7 @@ def strided(shape: tuple[int, ...], layout: str, dtype: torch.dtype, gen: torch.
 
 
 @pytest.mark.parametrize("layout", ["per-head", "permuted"])
-@pytest.mark.parametrize("tokens", [1, 9, 600])
+@pytest.mark.parametrize("tokens", [3, 9, 600])  # one token's heads are contiguous: the libraries serve it
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float32])
 @pytest.mark.parametrize("op", ROWS_OPS, ids=lambda op: op.name)
 def test_triton_rows_kernels_at_any_strides(op: OpDef, dtype: torch.dtype, tokens: int, layout: str,

@@ -4,7 +4,6 @@ their real 0.7.2 signatures; every op's CUDA impl (``OpDef.cuda``) then runs on 
 
 from __future__ import annotations
 
-import inspect
 import threading
 import types
 import zlib
