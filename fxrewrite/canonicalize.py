@@ -30,8 +30,11 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
   a reshape to the same shape is removed;
 * ``x[..., a:b:s]``, ``chunk`` and ``split`` along one dim -> ``aten.slice.Tensor`` with a negative
   dim, start 0 for None and end ``sys.maxsize`` for "to the end"; full-range slices are removed;
-* reduction dims -> a list of negative ints; ``flatten`` -> ``aten.flatten.using_ints`` with
-  negative dims (removed when it keeps the shape);
+* reduction dims -> a list of negative ints (``mean``, ``amax``, ``sum`` over dims);
+  ``flatten`` -> ``aten.flatten.using_ints`` with negative dims (removed when it keeps the shape);
+* ``F.softmax`` / ``torch.softmax`` / ``x.softmax`` -> ``aten.softmax.int(x, dim)`` with a negative
+  dim, its ``dtype=`` argument as a cast before it (what the argument means);
+  ``torch.topk`` / ``x.topk`` -> ``aten.topk`` with every argument bound (dim negative);
 * ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed; ``cat``
   drops operands empty along its dim (and a ``cat`` of one operand is that operand);
   ``permute`` of a ``transpose`` / ``permute`` becomes one permute, and the identity is removed;
@@ -69,6 +72,7 @@ MEAN, SLICE, RESHAPE, LINEAR = A.mean.dim, A.slice.Tensor, A.reshape.default, A.
 SILU, GELU, SIGMOID, NEG = A.silu.default, A.gelu.default, A.sigmoid.default, A.neg.default
 CLAMP, AMAX, FLATTEN = A.clamp.default, A.amax.default, A.flatten.using_ints
 INDEX_SELECT = A.index_select.default
+SUM, SOFTMAX, TOPK = A.sum.dim_IntList, A.softmax.int, A.topk.default
 
 COMMUTATIVE = frozenset({ADD, MUL})
 # Canonical ops that may still become no-ops (after a rewrite changed an input's dtype or shape).
@@ -263,6 +267,12 @@ class _Canon:
             return self.reduce(node, MEAN)
         if key in (("call_function", torch.amax), ("call_method", "amax")):
             return self.reduce(node, AMAX)
+        if key in (("call_function", torch.sum), ("call_method", "sum")):
+            return self.reduce(node, SUM)
+        if key in (("call_function", F.softmax), ("call_function", torch.softmax), ("call_method", "softmax")):
+            return self.softmax(node)
+        if key in (("call_function", torch.topk), ("call_method", "topk")):
+            return self.topk(node)
         if key in _CLAMP:
             lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
             hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
@@ -463,6 +473,30 @@ class _Canon:
             return
         dims = [self.neg_dim(x, d) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
         self.set(node, op, (x, dims, keepdim))
+
+    def softmax(self, node: fx.Node) -> None:
+        """``softmax(x, dim, dtype=d)`` casts ``x`` to ``d`` first (so documented): the cast
+        becomes its own node, and a softmax in the input's dtype is the one form."""
+        x = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        at = 3 if node.target is F.softmax else 2  # F.softmax(input, dim, _stacklevel, dtype)
+        dtype = node.args[at] if len(node.args) > at else node.kwargs.get("dtype")
+        if not isinstance(dim, int) or not meta.is_tensor(x) or (dtype is not None and not isinstance(dtype, torch.dtype)):
+            return None  # softmax without a dim picks one by rank (deprecated): kept as written
+        if dtype is not None and self.dtype(x) != dtype:
+            x = self.new(node, CAST, (x, dtype))
+        self.set(node, SOFTMAX, (x, self.neg_dim(x, dim)))
+        return None
+
+    def topk(self, node: fx.Node) -> None:
+        x = node.args[0]
+        args = dict(zip(("self", "k", "dim", "largest", "sorted"), node.args))
+        args.update(node.kwargs)
+        if "out" in args or "k" not in args or not meta.is_tensor(x):
+            return None
+        dim = self.neg_dim(x, args.get("dim", -1))
+        self.set(node, TOPK, (x, args["k"], dim, args.get("largest", True), args.get("sorted", True)))
+        return None
 
     def to(self, node: fx.Node) -> None:
         x, rest = node.args[0], list(node.args[1:])

@@ -257,6 +257,44 @@ def test_positive_reduction_dims_become_negative() -> None:
     assert [n.args[1] for n in calls(r, A.mean.dim)] == [[-2], [-3, -2], [-3]]
 
 
+def test_sum_over_dims_becomes_aten_sum_and_full_sums_stay() -> None:
+    r = canon(lambda x: (x.sum(-1, keepdim=True), torch.sum(x, dim=1), x.sum(), x.sum(-1, dtype=torch.float64)),
+              x2d(2, 4, 8), before={"method.sum": 3, "torch.sum": 1}, expect={"aten.sum": 2, "method.sum": 2})  # fmt: skip
+    assert [n.args[1:] for n in calls(r, A.sum.dim_IntList)] == [([-1], True), ([-2], False)]
+
+
+# -- routing: softmax and top-k ----------------------------------------------------------------
+
+
+def _softmaxes(x):
+    return (F.softmax(x, dim=-1), torch.softmax(x, 1), x.softmax(dim=-1), F.softmax(x, -1, dtype=torch.float32),
+            torch.softmax(x, -1, torch.float32), x.float().softmax(-1))  # fmt: skip
+
+
+def test_softmax_forms_become_aten_softmax_with_its_dtype_as_a_cast() -> None:
+    """``softmax(x, dtype=float32)`` casts ``x`` first (so documented): the same nodes as
+    ``softmax(x.float())``; the negative twins keep the input's dtype."""
+    r = canon(_softmaxes, x2d(dtype=torch.bfloat16), before={"torch.nn.functional.softmax": 2, "torch.softmax": 2},
+              expect={"aten.softmax": 6, "prims.convert_element_type": 3}, absent=["method", "torch"])  # fmt: skip
+    soft = calls(r, A.softmax.int)
+    assert [n.args[1:] for n in soft] == [(-1, None)] * 6
+    inputs = [n.args[0] for n in soft]
+    assert [i.target is CAST and i.args[1] is torch.float32 for i in inputs] == [False] * 3 + [True] * 3
+    assert [meta_dtype(n) for n in soft] == [torch.bfloat16] * 3 + [torch.float32] * 3
+
+
+def meta_dtype(n: fx.Node) -> torch.dtype:
+    return n.meta["example_value"].dtype
+
+
+def test_topk_forms_become_aten_topk_with_every_argument() -> None:
+    r = canon(lambda x: (torch.topk(x, 2), x.topk(2, dim=1), torch.topk(x, k=3, dim=-1, largest=False, sorted=False)),
+              x2d(), before={"torch.topk": 2, "method.topk": 1}, expect={"aten.topk": 3},
+              absent=["method", "torch"])  # fmt: skip
+    assert [n.args[1:] for n in calls(r, A.topk.default)] == [(2, -1, True, True), (2, -1, True, True),
+                                                              (3, -1, False, False)]  # fmt: skip
+
+
 # -- shapes and views -------------------------------------------------------------------------
 
 
