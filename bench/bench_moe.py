@@ -279,7 +279,8 @@ def sweep(name: str, shape: Shape, blocks: list[torch.nn.Module], x: torch.Tenso
     default = kernels.config(x.shape[0], shape.top_k, shape.experts, shape.width, shape.hidden, sms)
     gemms = [kernels.GemmConfig(bn, bk, w, s) for bn, bk, w, s in
              ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 256, 4, 2))]  # fmt: skip
-    candidates = {default}
+    candidates = {default} | {dataclasses.replace(default, gate_up=dataclasses.replace(default.gate_up, group=g),
+                                                  down=dataclasses.replace(default.down, group=g)) for g in (0, 4, 16)}
     for bm in (16, 32, 64, 128):
         base = dataclasses.replace(default, bm=bm)
         candidates |= {base} | {dataclasses.replace(base, gate_up=g) for g in gemms}

@@ -48,6 +48,9 @@ ONE_HOT_ELEMENTS = 16384
 SUM_BLOCK = 1024
 SMEM_BUDGET = 160 * 1024
 """Shared memory a GEMM program's pipeline stages may take (an H100/H200 SM has 228 KB)."""
+L2_GROUP = 8
+"""Blocks of sorted rows whose GEMM programs run together over every output tile (compute-bound
+sizes): a group is about one expert's rows at prefill sizes, so its weights stream once."""
 
 
 # --------------------------------------------------------------------------- kernels
@@ -145,14 +148,22 @@ def _activation(gate, ACT: tl.constexpr):
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, ends_ptr, totals_ptr, weights_ptr, N, K, E,
-                     a_stride, w_stride_e, w_stride_n, out_stride,
+                     a_stride, w_stride_e, w_stride_n, out_stride, n_blocks, group,
                      A_ROW_DIV: tl.constexpr, E_BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
                      WEIGHTED: tl.constexpr):  # fmt: skip
     """Program (b, n): block b's ``BM`` sorted rows, all pairs of one expert, times that expert's
     weight rows ``n*BN ..`` (and with ``GATED`` the up rows ``N + n*BN ..``). A row of ``a`` is
-    ``pair // A_ROW_DIV`` (x: the pair's token; h: the pair itself); the output row is the pair."""
-    b = tl.program_id(0)
+    ``pair // A_ROW_DIV`` (x: the pair's token; h: the pair itself); the output row is the pair.
+    Programs run ``group`` blocks at a time over every n (blocks fastest), so the blocks of one
+    expert and its weight tiles are read from L2 while they are hot; ``group = n_blocks`` is
+    blocks fastest over the whole grid (decode: every active expert's tile n at once)."""
+    pid = tl.program_id(0)
+    per_group = group * tl.cdiv(N, BN)
+    first = (pid // per_group) * group
+    rows_in_group = tl.minimum(n_blocks - first, group)
+    b = first + (pid % per_group) % rows_in_group
+    n_tile = (pid % per_group) // rows_in_group
     e = tl.arange(0, E_BLOCK)
     ends = tl.load(ends_ptr + e, mask=e < E, other=2147483647)
     expert = tl.sum((ends <= b * BM).to(tl.int32), axis=0)
@@ -163,7 +174,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, ends_ptr, totals_ptr, weig
         mmask = m < valid
         pair = tl.load(rows_ptr + b * BM + m, mask=mmask, other=0).to(tl.int64)
         a_rows = a_ptr + (pair // A_ROW_DIV) * a_stride
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        cols = n_tile * BN + tl.arange(0, BN)
         nmask = cols < N
         w_rows = w_ptr + expert.to(tl.int64) * w_stride_e + cols.to(tl.int64) * w_stride_n
         acc = tl.zeros([BM, BN], tl.float32)
@@ -214,6 +225,7 @@ class GemmConfig:
     bk: int
     warps: int = 4
     stages: int = 3
+    group: int = 0  # blocks per L2 group (0: all blocks, blocks fastest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +257,7 @@ def _gemm_config(bm: int, n: int, active: int, sms: int, gated: bool) -> GemmCon
     else:
         bn, bk, warps = 64 if gated else 128, 64, 8 if bm == 128 else 4
     stage = bk * (bm + bn * (2 if gated else 1)) * 2  # bytes of 16-bit tiles per stage
-    return GemmConfig(bn, bk, warps, max(2, min(4, SMEM_BUDGET // stage)))
+    return GemmConfig(bn, bk, warps, max(2, min(4, SMEM_BUDGET // stage)), 0 if bm <= 32 else L2_GROUP)
 
 
 def config(tokens: int, top_k: int, experts: int, width: int, hidden: int, sms: int) -> MoeConfig:
@@ -319,9 +331,9 @@ def moe(
         )  # fmt: skip
         for a, w, dst, g, gated in ((xs, w_gate_up, h, cfg.gate_up, True), (h, w_down, part, cfg.down, False)):
             n, k = dst.shape[1], a.shape[1]
-            _moe_gemm_kernel[(blocks, triton.cdiv(n, g.bn))](
+            _moe_gemm_kernel[(blocks * triton.cdiv(n, g.bn),)](
                 a, w, dst, rows, ends, totals, weights, n, k, experts, a.stride(0), w.stride(0), w.stride(1),
-                dst.stride(0), A_ROW_DIV=top_k if gated else 1, BN=g.bn, BK=g.bk, EVEN_K=k % g.bk == 0,
+                dst.stride(0), blocks, min(g.group or blocks, blocks), A_ROW_DIV=top_k if gated else 1, BN=g.bn, BK=g.bk, EVEN_K=k % g.bk == 0,
                 GATED=gated, ACT=ACT_IDS[activation], WEIGHTED=not gated, num_warps=g.warps, num_stages=g.stages,
                 **common,
             )  # fmt: skip

@@ -6,6 +6,7 @@ Dynamo, providers) run with the other ops in test_ops.py and test_providers.py."
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import zlib
 
@@ -187,6 +188,17 @@ def test_kernel_aligns_over_many_chunks_and_blocks(triton_moe: types.ModuleType,
     x, logits, gate_up, down = sample(gen, 37, 8, 16, 32, F16)
     args = (x, None, *routing(37, 2, gen, [1, 6]), gate_up, down, 2, True, "silu")
     cfg = triton_moe.MoeConfig(16, triton_moe.GemmConfig(16, 32), triton_moe.GemmConfig(32, 16))
+    assert_close(triton_moe.moe(*args, cfg=cfg), moe.moe_reference(*args))
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 0])
+def test_kernel_runs_blocks_in_l2_groups(triton_moe: types.ModuleType, gen: torch.Generator, group: int) -> None:
+    """Programs ordered in groups of blocks over every column tile (a last group smaller than
+    the rest, 0: all blocks at once): each (block, tile) computed once, whatever the group."""
+    x, _, gate_up, down = sample(gen, 37, 8, 48, 40, F16)
+    args = (x, None, *routing(37, 2, gen, [0, 3, 6]), gate_up, down, 2, True, "silu")
+    gemm = triton_moe.GemmConfig(16, 16, group=group)
+    cfg = triton_moe.MoeConfig(16, gemm, dataclasses.replace(gemm, bn=32))
     assert_close(triton_moe.moe(*args, cfg=cfg), moe.moe_reference(*args))
 
 
