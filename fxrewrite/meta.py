@@ -282,3 +282,43 @@ def ancestors(*nodes: fx.Node, stop: fx.Node | None = None) -> set[fx.Node]:
             stack.extend(n.all_input_nodes)
     return seen
 
+
+
+_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                                operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                                operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+                                operator.setitem})  # fmt: skip
+
+
+def written(node: fx.Node) -> list[Any]:
+    """The arguments ``node`` writes in place: the tensor of an in-place method (``buf.add_(1)``,
+    ``keys.index_copy_(2, pos, k)``), of an in-place operator (``x += y``, ``x[i] = y``), of an
+    ``inplace=True`` or ``out=`` argument, or an argument the op's schema marks written."""
+    t = node.target
+    if node.op == "call_method":
+        inplace = t.endswith("_") and not t.startswith("_")
+        return [node.args[0]] if inplace and node.args else []
+    if node.op != "call_function":
+        return []
+    out = [node.kwargs["out"]] if "out" in node.kwargs else []
+    if t in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+        out.append(node.args[0])
+    elif getattr(t, "__name__", "").endswith("_") and not getattr(t, "__name__", "_").startswith("_"):
+        out.append(node.args[0])
+    if isinstance(t, torch._ops.OpOverloadPacket) and "default" in t.overloads():
+        t = t.default
+    if isinstance(t, torch._ops.OpOverload):
+        for i, arg in enumerate(t._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                out.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+    return out
+
+
+def has_side_effects(node: fx.Node) -> bool:
+    """True when removing ``node`` would change what the graph does even though nobody reads its
+    result: ``Node.is_impure()`` (placeholders, outputs, ops torch marks effectful) or a write in
+    place (:func:`written`), which ``Node.is_impure()`` does not see for tensor methods::
+
+        index_copy_ = l_keys_.index_copy_(2, cache_position, k);  index_copy_ = None  # kept
+    """
+    return node.is_impure() or bool(written(node))

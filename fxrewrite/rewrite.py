@@ -260,8 +260,9 @@ def _apply_subgraph_rewriter(gm: fx.GraphModule, rule: Rule, result: PassResult,
 
 
 def dead_code(gm: fx.GraphModule) -> int:
-    """Remove nodes nobody reads (pure ops only); returns how many."""
+    """Remove nodes nobody reads, keeping those with side effects (``meta.has_side_effects``: a
+    KV cache's ``keys.index_copy_(...)`` is read by nobody); returns how many."""
     before = len(gm.graph.nodes)
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=meta.has_side_effects)
     return before - len(gm.graph.nodes)
 

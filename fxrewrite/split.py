@@ -48,6 +48,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.split_module import split_module
 
+from fxrewrite import meta
+
 logger = logging.getLogger(__name__)
 
 SplitOp = Callable[..., Any] | torch._ops.OpOverloadPacket | torch._ops.OpOverload | str
@@ -334,34 +336,6 @@ def find_capture_hazards(gm: GraphModule, host_scalars: Collection[str] | None =
 _VIEWS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "expand",
           "narrow", "select", "t", "as_strided", "view_as", "unflatten", "unbind", "split",
           "chunk", "slice", "diagonal", "movedim", "getitem", "detach", "alias", "contiguous"}
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
-                      operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-                      operator.setitem}
-
-
-def _written(node: Node) -> list[Any]:
-    """The arguments ``node`` writes in place."""
-    t = node.target
-    if node.op == "call_method":
-        inplace = t.endswith("_") and not t.startswith("_")
-        return [node.args[0]] if inplace and node.args else []
-    if node.op != "call_function":
-        return []
-    out = [node.kwargs["out"]] if "out" in node.kwargs else []
-    if t in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
-        out.append(node.args[0])
-    elif getattr(t, "__name__", "").endswith("_") and not getattr(t, "__name__", "_").startswith("_"):
-        out.append(node.args[0])
-    if isinstance(t, torch._ops.OpOverloadPacket) and "default" in t.overloads():
-        t = t.default
-    if isinstance(t, torch._ops.OpOverload):
-        for i, arg in enumerate(t._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                out.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
-    return out
-
-
 def is_trivial(gm: GraphModule) -> bool:
     """True when ``gm`` launches no kernel of its own: only views, getitems and scalar math.
 
@@ -393,7 +367,7 @@ def mutated_placeholders(gm: GraphModule) -> set[str]:
     """
     mutated: set[str] = set()
     for node in _call_nodes(gm.graph):
-        for base in _written(node):
+        for base in meta.written(node):
             while isinstance(base, Node) and base.op != "placeholder" and base.args and (
                     _op_name(base) in _VIEWS) and isinstance(base.args[0], Node):
                 base = base.args[0]

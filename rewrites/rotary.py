@@ -588,7 +588,7 @@ def _inputs_after(b: fx.Node, a: fx.Node, order: dict[fx.Node, float]) -> list[f
             if x is a:
                 return None
             if order[x] > order[a] and x not in found:
-                if x.op not in ("call_function", "call_method") or x.is_impure() or str(x.target).endswith("_"):
+                if x.op not in ("call_function", "call_method") or meta.has_side_effects(x):
                     return None
                 found.add(x)
                 stack.append(x)
