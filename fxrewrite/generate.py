@@ -152,6 +152,13 @@ def compile_for_generation(model: torch.nn.Module, mode: str = "none", **fields:
     return backend.compile(copy.deepcopy(model)), backend
 
 
+def logits(model: Callable[..., Any], input_ids: torch.Tensor) -> torch.Tensor:
+    """The logits of one forward over ``input_ids`` ([1, T]) without a cache, as float32 [T, vocab]:
+    what compares a model in two precisions position by position."""
+    with torch.no_grad():
+        return model(input_ids=input_ids, use_cache=False).logits[0].float()
+
+
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """The first position where the token lists differ (a shorter list differs where it ends), or
     None when they are equal."""

@@ -162,3 +162,29 @@ def chat_ids(tokenizer: Any, prompt: str) -> torch.Tensor:
     enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         return_tensors="pt")  # fmt: skip
     return enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
+
+
+# Chat prompts with answers of a few dozen tokens, and a fixed text of about 300 tokens whose logits
+# compare precisions position by position: the tests and bench/gpu_smollm2.py use the same ones.
+SMOLLM2_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+)
+SMOLLM2_TEXT = (
+    "The lighthouse keeper rose before dawn, as he had every morning for thirty years. He climbed the "
+    "spiral stairs, counted the steps out of habit, and wiped the salt from the great lens with a soft "
+    "cloth. Below him the harbour was still dark, but the fishing boats were already moving, their small "
+    "lamps swaying with the swell. When the first light touched the cliffs he wrote the weather in his "
+    "logbook: wind from the west, a long grey swell, rain expected by the afternoon. Then he went down "
+    "to the kitchen, boiled water for tea, and listened to the radio report the tides. The village "
+    "depended on him less than it once had; ships carried their own instruments now, and satellites "
+    "told every captain where he was to within a few metres. Still, the council paid him to stay, and "
+    "he liked to think that on a night of fog and failing batteries a tired sailor would look up and "
+    "be glad of the old white beam sweeping across the water. In the evenings he repaired nets for his "
+    "neighbours, read history books borrowed from the library in town, and wrote letters to a daughter "
+    "who lived far inland and had never learned to like the sea. She wrote back about trains, offices "
+    "and a garden full of tomatoes, and every letter ended with the same question: when would he retire "
+    "and come to live somewhere quiet? He always answered that the lighthouse was the quietest place he "
+    "knew, and that he would leave when the light no longer needed him."
+)

