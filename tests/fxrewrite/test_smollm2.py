@@ -83,11 +83,11 @@ def test_bfloat16_logits_are_no_further_from_float32_than_eager_bfloat16() -> No
     compiled, backend = compile_for_generation(half, progress=False)
     eager_err = (logits(half, ids) - reference).abs().mean().item()
     compiled_err = (logits(compiled, ids) - reference).abs().mean().item()
-    f32_err = (logits(compile_for_generation(model, progress=False)[0], ids) - reference).abs().mean().item()
     print(f"mean |logits - float32| over {ids.shape[-1]} positions: eager bf16 {eager_err:.4f}, "
-          f"compiled bf16 {compiled_err:.4f}, compiled float32 {f32_err:.2e}")
-    # the measure can tell: bf16 rounding is far above the float32 compiled model's own error
-    assert f32_err < eager_err / 100
+          f"compiled bf16 {compiled_err:.4f}")
+    # the measure sees bf16's rounding (logits of this model span about -20 .. 30): not a bound that
+    # holds for any model because both errors are zero
+    assert eager_err > 0.01
     # fused kernels round once where eager rounds after every op: the same or closer, within 2 %
     assert compiled_err <= eager_err * 1.02
     assert backend.report.graphs[0].fused_ops["fused_add_rms_norm_"] == 2 * model.config.num_hidden_layers
