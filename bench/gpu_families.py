@@ -3,7 +3,7 @@ provider served each fused op, every fallback to the torch reference, and the er
 float32 reference next to eager bf16's (issue 19). GPU only.
 
     source .devkit/setup.sh && python3 bench/gpu_families.py [--families llama,qwen3] [--modes none,full]
-        [--capture-sizes 1,2,4,8,16,24,32] [--jobs 4] [--json out.json] [--no-all] [--no-poison]
+        [--capture-sizes 1,2,4,8,16,24,32] [--jobs 4] [--json out.json] [--no-all | --no-own] [--no-poison]
     python3 bench/gpu_families.py --child llama:none,llama:piecewise   # cases in this process, rows as JSON
 
 Cases: each family of ``fxrewrite.models.FAMILIES`` (tiny config: hidden 512, 8 heads of 64, 2 KV
@@ -19,8 +19,9 @@ then one process runs every case one after another, as a serving process compili
 models does, with ``torch._dynamo.reset()`` between cases and the caching allocator poisoned
 before each (blocks filled with a large integer pattern and freed: an index read before it was
 written then points far out of bounds and the device asserts). Rows: fused ops, the providers
-that served them during the calls (verification at compile time excluded), fallbacks, the
-runners' CUDA graphs (graphs captured / graphs), and the largest error over the calls relative
+that served the model's calls (captures and eager runs; replays do not pass through the
+dispatcher), fallbacks to the torch reference among them (verification's own calls at compile
+time are counted apart, ``providers.counting``, and listed above the table), the runners' CUDA graphs (graphs captured / graphs), and the largest error over the calls relative
 to the float32 reference's largest value, for the compiled model and for eager bf16, and their
 ratio (the goal: at most 1.10).
 """
@@ -60,6 +61,7 @@ def run_case(family: str, mode: str, poison: bool, device: str = "cuda",
 
     device = torch.device(device)
     torch._dynamo.reset()
+    providers.reset_counts()  # verification's calls are counted apart (providers.counting)
     if poison and device.type == "cuda":
         poison_allocator(device)
     ref32 = models.build(family, dtype=torch.float32, **FAMILY_SHAPE).to(device)
@@ -81,8 +83,6 @@ def run_case(family: str, mode: str, poison: bool, device: str = "cuda",
                     torch.cuda.synchronize()
                 if call == 0:
                     compile_s += time.perf_counter() - t0
-                if call == 0 and i == 0:
-                    providers.reset_counts()  # verification ran in this first compile: not a model call
                 err = max(err, _rel(out, ref))
             err_eager = max(err_eager, _rel(base, ref))
     backend.refresh_runtime()
@@ -96,6 +96,8 @@ def run_case(family: str, mode: str, poison: bool, device: str = "cuda",
         "rejected": [f"{r.rule}: {r.reason}" for r in report.rejected],
         "served": {op: {k: v for k, v in e.items() if k != "fallbacks"} for op, e in served.items()},
         "fallbacks": {op: e["fallbacks"] for op, e in served.items() if e["fallbacks"]},
+        "verification_fallbacks": {op: e["fallbacks"] for op, e in providers.served("verification").items()
+                                   if e["fallbacks"]},
         "graphs": len(report.graphs),
         "captured": sum(1 for r in runtime if r.get("cudagraphs") and r.get("replays")),
         "graph_reasons": sorted({r["reason"] for r in runtime if r.get("reason")}),
@@ -168,6 +170,7 @@ def main() -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--no-all", action="store_true", help="skip the all-in-one process")
+    p.add_argument("--no-own", action="store_true", help="skip the own-process cases (run only the all-in-one)")
     p.add_argument("--timeout", type=int, default=240, help="seconds per process")
     p.add_argument("--capture-sizes", default="1,2,4,8,16,24,32", help="token counts captured (modes piecewise, full)")
     p.add_argument("--jobs", type=int, default=4, help="own-process cases run at a time")
@@ -185,18 +188,22 @@ def main() -> int:
     families = args.families.split(",") if args.families else list(FAMILIES)
     cases = [(f, m) for f in families for m in args.modes.split(",")]
     extra = ["--capture-sizes", args.capture_sizes] + (["--no-poison"] if args.no_poison else [])
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # processes on one GPU, not timed
-        own = list(pool.map(lambda case: _spawn([case], extra, timeout=args.timeout), cases))
-    rows = [dict(r, process="own") for rows_ in own for r in rows_]
+    rows = []
+    if not args.no_own:
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # processes on one GPU, not timed
+            own = list(pool.map(lambda case: _spawn([case], extra, timeout=args.timeout), cases))
+        rows = [dict(r, process="own") for rows_ in own for r in rows_]
     if not args.no_all:
         rows += [dict(r, process="all-in-one") for r in _spawn(cases, extra, timeout=args.timeout * len(cases))]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)
     for r in rows:
-        if r["ok"] and (r["fallbacks"] or r["near_misses"] or r["rejected"] or r["graph_reasons"]):
+        if r["ok"] and (r["fallbacks"] or r["near_misses"] or r["rejected"] or r["graph_reasons"]
+                        or r["verification_fallbacks"]):
             print(f"{r['process']} {r['family']} {r['mode']}: fallbacks {r['fallbacks']} near misses "
-                  f"{r['near_misses']} rejected {r['rejected']} graphs not captured {r['graph_reasons']}")
+                  f"{r['near_misses']} rejected {r['rejected']} graphs not captured {r['graph_reasons']} "
+                  f"verification's own fallbacks {r['verification_fallbacks']}")
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"FXREWRITE_PROVIDER={os.environ.get('FXREWRITE_PROVIDER', '')!r}")

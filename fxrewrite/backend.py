@@ -65,10 +65,16 @@ def _filters(config: Config) -> list[Callable[[Any], str | None]]:
     """Checks every match passes before it is applied: verification, then the user's filter."""
     filters: list[Callable[[Any], str | None]] = []
     if config.verify:
-        filters.append(verify_match)
+        filters.append(_verify_apart)
     if config.match_filter is not None:
         filters.append(config.match_filter)
     return filters
+
+
+def _verify_apart(m: Any) -> str | None:
+    """``verify_match``, its kernel calls counted apart from the model's (``providers.counting``)."""
+    with providers.counting("verification"):
+        return verify_match(m)
 
 
 def _apply(
@@ -249,6 +255,7 @@ class Backend:
             if callable(stats):
                 g.runtime = stats()
         self.report.providers = providers.served()
+        self.report.verification_providers = providers.served("verification")
 
 
 def compile(model: Any, config: Config | None = None, *, dynamic: bool = True, **kw: Any) -> tuple[Any, Backend]:

@@ -16,7 +16,9 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
 * scalar-first arithmetic -> tensor first (``2 * x`` -> ``mul(x, 2)``, ``1 - x`` -> ``rsub``,
   ``c / x`` -> ``mul(reciprocal(x), c)``);
 * ``.float()`` / ``.half()`` / ``.to(dtype)`` / ``.to(other)`` / ``.type(dtype)`` / ``.type_as``
-  -> ``prims.convert_element_type``; casts to the dtype a tensor already has are removed;
+  -> ``prims.convert_element_type``; casts to the dtype a tensor already has are removed, and so
+  is a widening cast of one operand of ``+ - * /`` that type promotion does anyway
+  (``h * w.float()`` with ``h`` float32 -> ``h * w``);
 * ``x ** 2`` / ``x.pow(2)`` / ``torch.square(x)`` / ``x * x`` -> ``aten.pow.Tensor_Scalar(x, 2)``;
 * ``1 / sqrt(x)`` and ``reciprocal(sqrt(x))`` -> ``aten.rsqrt``; ``a / sqrt(x)`` -> ``a * rsqrt(x)``
   (equal up to rounding);
@@ -29,7 +31,8 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
   dim, start 0 for None and end ``sys.maxsize`` for "to the end"; full-range slices are removed;
 * reduction dims -> a list of negative ints; ``flatten`` -> ``aten.flatten.using_ints`` with
   negative dims;
-* ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed;
+* ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed; ``cat``
+  drops operands empty along its dim (and a ``cat`` of one operand is that operand);
   ``permute`` of a ``transpose`` / ``permute`` becomes one permute, and the identity is removed;
 * a call of an op packet with one overload -> that overload, arguments bound: Dynamo records
   ``torch.ops._c10d_functional.all_reduce(x, 'sum', '0')`` (the packet) for a functional
@@ -127,6 +130,9 @@ _CLAMP = {("call_function", f) for f in (torch.clamp, torch.clip, torch.clamp_mi
 }
 
 
+_CAT = {("call_function", torch.cat), ("call_function", torch.concat), ("call_function", torch.concatenate)}
+
+
 def _key(node: fx.Node) -> tuple[str, Any]:
     return (node.op, node.target)
 
@@ -151,6 +157,19 @@ def bind_schema(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[t
         else:
             out_args.append(v)
     return tuple(out_args), out_kwargs
+
+
+def _empty_along(t: torch.Tensor | None, dim: int) -> bool:
+    """Whether ``torch.cat(..., dim)`` takes nothing from ``t``: no rows along ``dim``, or the
+    legacy 1-D empty tensor cat skips whatever the rank of the others."""
+    if t is None:
+        return False
+    if t.dim() == 1 and isinstance(t.shape[0], int) and t.shape[0] == 0:
+        return True
+    if not -t.dim() <= dim < t.dim():
+        return False
+    n = t.shape[dim]
+    return isinstance(n, int) and n == 0
 
 
 class _Canon:
@@ -264,6 +283,8 @@ class _Canon:
             return self.chunk(node)
         if key in (("call_function", torch.split), ("call_method", "split")):
             return self.split(node)
+        if key in _CAT:
+            return self.cat(node)
         if node.op == "call_function" and node.target is PERMUTE:
             return self.permute(node)
         if node.op == "call_function" and node.target in (SLICE,):
@@ -322,7 +343,44 @@ class _Canon:
             return None
         if op is DIV and a == 1:
             return None
-        return self.set(node, op, (a, b))
+        args = (self.uncast(a, b), self.uncast(b, a))
+        self.set(node, op, args)
+        for old in {a, b} - set(args):
+            if not old.users:  # a cast read nowhere else
+                self.graph.erase_node(old)
+        return None
+
+    def uncast(self, x: Any, other: Any) -> Any:
+        """``x``'s source when ``x`` is a widening cast, read only here, that the arithmetic with
+        ``other`` would do anyway: ``h * w.float()`` with ``h`` float32 computes exactly ``h * w``
+        (mixed dtypes are computed in the promoted one), so the cast goes and every order of cast
+        and multiply in model code (``(w.float() * h)``, ``(h * w.to(h.dtype))``) reads as ``h * w``."""
+        if not (isinstance(x, fx.Node) and x.target is CAST and isinstance(x.args[0], fx.Node)):
+            return x
+        if len(x.users) != 1:
+            return x  # read elsewhere too: the cast stays, and patterns that share it still match
+        src, o = meta.tensor(x.args[0]), meta.tensor(other) if isinstance(other, fx.Node) else other
+        if src is None or not meta.promotion_makes(src, x.args[1], o):
+            return x
+        return x.args[0]
+
+    def cat(self, node: fx.Node) -> None:
+        """``cat`` drops operands that are empty along its dim (Phi-3's partial-rotary code keeps
+        ``q[..., rotary_dim:]`` even when the rotation covers the whole head) and the legacy empty
+        ``[0]`` tensors it skips at any dim (a KV cache that starts as ``torch.tensor([])``);
+        ``cat`` of one operand is that operand, unless a user writes the result in place."""
+        tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int):
+            return None
+        keep = [t for t in tensors if not _empty_along(meta.tensor(t), dim)]
+        if len(keep) == len(tensors) or not keep:
+            return None
+        if len(keep) == 1 and meta.same_shape(node, keep[0]) and not any(meta.written_args(u) for u in node.users):
+            return self.drop(node, keep[0])
+        node.args, node.kwargs = (keep, dim), {}
+        self.changed += 1
+        return None
 
     def permute(self, node: fx.Node) -> None:
         """``permute`` of a ``transpose`` or ``permute`` -> one permute of the source; the identity
@@ -510,6 +568,28 @@ class _Canon:
             bounds.append((start, min(start + n, size)))
             start += n
         self._split_users(node, bounds, self.neg_dim(x, dim))
+
+
+def noop_source(node: fx.Node) -> fx.Node | None:
+    """The input ``node`` passes on unchanged when it is a canonical no-op (a cast to the dtype
+    its input has, a full-range slice, a reshape to the same shape), else None. A replacement's
+    slice or cast can become one once its scalars are bound: ``fxr.silu_and_mul(x[..., a:e])``
+    with ``a = 0`` and ``e`` the end is ``fxr.silu_and_mul(x)``."""
+    if node.op != "call_function" or not node.args or not isinstance(src := node.args[0], fx.Node):
+        return None
+    t = meta.tensor(src)
+    if t is None:
+        return None
+    if node.target is CAST:
+        return src if node.args[1] == t.dtype else None
+    if node.target is RESHAPE:
+        return src if meta.same_shape(node, src) else None
+    if node.target is SLICE:
+        _, dim, start, end, step = node.args
+        size = t.shape[dim]
+        full = isinstance(end, int) and isinstance(size, int) and end >= size
+        return src if start == 0 and step == 1 and (end == MAX or full) else None
+    return None
 
 
 def canonicalize(gm: fx.GraphModule) -> int:

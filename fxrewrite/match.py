@@ -10,7 +10,8 @@ pattern node with a graph node:
 * a pattern argument (placeholder) binds a graph node the first time and must see the same node
   every later time; a scalar wildcard binds a literal or a symbolic scalar node;
 * a cast in the pattern pairs with nothing when the graph value already has that dtype (the
-  canonicalizer removed the no-op cast);
+  canonicalizer removed the no-op cast), or when it is an operand of ``+ - * /`` that promotes
+  it to that dtype anyway (the canonicalizer removed that cast too);
 * literals compare equal (``2 == 2.0``, lists element-wise).
 
 A structural match is then checked: internal nodes used outside the match (containment), the
@@ -30,8 +31,10 @@ import torch
 import torch.fx as fx
 
 from fxrewrite import meta
-from fxrewrite.canonicalize import CAST, COMMUTATIVE
+from fxrewrite.canonicalize import ADD, CAST, COMMUTATIVE, DIV, MAX, MUL, SUB
 from fxrewrite.rule import Bindings, Rule, Scalar
+
+ARITHMETIC = frozenset({ADD, SUB, MUL, DIV})
 
 # Ops whose output may share storage with an input: an in-place kernel must not write to them.
 VIEW_TARGETS = frozenset(
@@ -87,6 +90,8 @@ def number_nodes(graph: fx.Graph) -> None:
 def _describe(v: Any) -> str:
     if isinstance(v, fx.Node):
         return f"`{v.name}`"
+    if v is MAX:
+        return "end"  # a canonical slice's "to the end"
     return repr(v)
 
 
@@ -109,6 +114,18 @@ def _arg_names(target: Any, n: int) -> list[str]:
 def _arg(where: Any) -> str:
     """``"`mean` keepdim: "``: which argument of which node a reason is about."""
     return f"`{where[0].name}` {where[1]}: " if where else ""
+
+
+def _implied_by_promotion(t: torch.Tensor, dtype: torch.dtype, g: Any, where: _Where) -> bool:
+    """``g`` (value ``t``) is an operand of a canonical ``+ - * /`` (``where``'s node) that
+    promotes it to ``dtype`` anyway."""
+    if not where or where[0].target not in ARITHMETIC or where[0].kwargs:
+        return False
+    others = [a for a in where[0].args[:2] if a is not g]
+    if len(others) != 1:
+        return False
+    other = meta.tensor(others[0]) if isinstance(others[0], fx.Node) else others[0]
+    return other is not None and meta.promotion_makes(t, dtype, other)
 
 
 def _lit_eq(a: Any, b: Any) -> bool:
@@ -153,7 +170,7 @@ class _Walker:
             if p.op == "placeholder":
                 yield from self.placeholder(p, g, st, where)
             else:
-                yield from self.node(p, g, st)
+                yield from self.node(p, g, st, where)
         elif isinstance(p, (list, tuple)):
             if not isinstance(g, (list, tuple)) or len(p) != len(g):
                 self.fail(st, f"{_arg(where)}expected {len(p)} values, found {_describe(g)}", g)
@@ -204,7 +221,7 @@ class _Walker:
         st.binds[name] = g
         yield st
 
-    def node(self, p: fx.Node, g: Any, st: _State) -> Iterator[_State]:
+    def node(self, p: fx.Node, g: Any, st: _State, where: _Where = None) -> Iterator[_State]:
         if p in st.nodes:
             if st.nodes[p] is g:
                 yield st
@@ -212,7 +229,7 @@ class _Walker:
                 self.fail(st, f"{_describe(g)} is not {_describe(st.nodes[p])}", g)
             return
         if p.target is CAST:
-            yield from self.elided_cast(p, g, st)
+            yield from self.elided_cast(p, g, st, where)
         if not isinstance(g, fx.Node):
             self.fail(st, f"expected `{_target_name(p.target)}`, found literal {g!r}", None)
             return
@@ -240,8 +257,10 @@ class _Walker:
         for args in orders:
             yield from self.seq(pa + pk, args + gk, st, wheres)
 
-    def elided_cast(self, p: fx.Node, g: Any, st: _State) -> Iterator[_State]:
-        """A pattern cast pairs with nothing when ``g`` already has the cast's dtype."""
+    def elided_cast(self, p: fx.Node, g: Any, st: _State, where: _Where = None) -> Iterator[_State]:
+        """A pattern cast pairs with nothing when ``g`` already has the cast's dtype, or when
+        ``g`` is an operand of ``+ - * /`` whose type promotion makes the cast anyway (the
+        canonicalizer removed it: ``meta.promotion_makes``)."""
         t = meta.tensor(g)
         if t is None or (isinstance(g, fx.Node) and g.target is CAST and g not in st.owner):
             return
@@ -252,7 +271,7 @@ class _Walker:
             if name in st.binds and st.binds[name] != t.dtype:
                 return
             st.binds[name] = t.dtype
-        elif want != t.dtype:
+        elif want != t.dtype and not _implied_by_promotion(t, want, g, where):
             return
         st.nodes[p] = g
         st.elided.add(p)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import re
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -178,6 +179,66 @@ def propagate(node: fx.Node, fake_mode: Any) -> None:
     node.meta["example_value"] = out
 
 
+def promotion_makes(src: torch.Tensor, dtype: torch.dtype, other: Any) -> bool:
+    """Whether ``src.to(dtype)`` as an operand of ``+ - * /`` beside ``other`` computes exactly
+    what ``src`` itself computes there: the cast widens (loses nothing) and type promotion with
+    ``other`` picks the same dtype with the cast as without it (``h * w.float()`` with ``h``
+    float32 and ``w`` bfloat16 is ``h * w``). ``other``: a tensor (a fake one will do) or a number.
+
+    Promotion reads dtypes and whether a tensor is 0-dim, so meta tensors stand in.
+    """
+    if not (isinstance(dtype, torch.dtype) and src.is_floating_point() and dtype.is_floating_point):
+        return False
+    if torch.promote_types(src.dtype, dtype) != dtype:
+        return False  # narrowing: the cast rounds
+
+    def like(t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        return torch.empty([1] * min(t.dim(), 1), dtype=dt, device="meta")
+
+    if isinstance(other, torch.Tensor):
+        other = like(other, other.dtype)
+    elif not isinstance(other, (bool, int, float)):
+        return False
+    return torch.result_type(other, like(src, src.dtype)) == torch.result_type(other, like(src, dtype))
+
+
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                      operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+                      operator.setitem}
+
+
+def written_args(node: fx.Node) -> list[Any]:
+    """The arguments ``node`` writes in place: ``x.add_(y)``, ``operator.iadd``, ``out=``,
+    ``inplace=True``, an ATen overload whose schema marks an argument written."""
+    t = node.target
+    if node.op == "call_method":
+        inplace = t.endswith("_") and not t.startswith("_")
+        return [node.args[0]] if inplace and node.args else []
+    if node.op != "call_function":
+        return []
+    out = [node.kwargs["out"]] if "out" in node.kwargs else []
+    if t in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+        out.append(node.args[0])
+    elif getattr(t, "__name__", "").endswith("_") and not getattr(t, "__name__", "_").startswith("_"):
+        out.append(node.args[0])
+    if isinstance(t, torch._ops.OpOverloadPacket) and "default" in t.overloads():
+        t = t.default
+    if isinstance(t, torch._ops.OpOverload):
+        for i, arg in enumerate(t._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                out.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+    return out
+
+
+
+def is_impure(node: fx.Node) -> bool:
+    """What dead-code elimination must keep although nothing reads it: FX's own notion (calls
+    with side effects, in-place ATen overloads) and every in-place write of :func:`written_args`
+    (FX drops an unread ``x.add_(1)`` call_method)."""
+    return node.is_impure() or bool(written_args(node))
+
+
 def size_equal(a: Any, b: Any) -> bool:
     """Two sizes are equal: identical (symbolic) expressions, or else, where one is symbolic
     and Dynamo could not simplify it (``s0 // (s0 // 16) // 2`` for 8), equal for the traced
@@ -233,7 +294,13 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path, _cls = list(stack.values())[-1]
-    return str(path).removeprefix("L['self'].")  # Dynamo's name for the compiled module itself
+    return _ROOT.sub("", str(path))
+
+
+# Dynamo's name for the compiled module itself: ``L['self']``, or ``L['args'][0]`` when the
+# forward it enters is a wrapper taking the module as its first argument (transformers 5.24's
+# decorated forwards)
+_ROOT = re.compile(r"^L\['\w+'\](?:\[\d+\])*\.?")
 
 
 def constant(node: fx.Node) -> float | int | None:
@@ -282,43 +349,3 @@ def ancestors(*nodes: fx.Node, stop: fx.Node | None = None) -> set[fx.Node]:
             stack.extend(n.all_input_nodes)
     return seen
 
-
-
-_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                                operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
-                                operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-                                operator.setitem})  # fmt: skip
-
-
-def written(node: fx.Node) -> list[Any]:
-    """The arguments ``node`` writes in place: the tensor of an in-place method (``buf.add_(1)``,
-    ``keys.index_copy_(2, pos, k)``), of an in-place operator (``x += y``, ``x[i] = y``), of an
-    ``inplace=True`` or ``out=`` argument, or an argument the op's schema marks written."""
-    t = node.target
-    if node.op == "call_method":
-        inplace = t.endswith("_") and not t.startswith("_")
-        return [node.args[0]] if inplace and node.args else []
-    if node.op != "call_function":
-        return []
-    out = [node.kwargs["out"]] if "out" in node.kwargs else []
-    if t in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
-        out.append(node.args[0])
-    elif getattr(t, "__name__", "").endswith("_") and not getattr(t, "__name__", "_").startswith("_"):
-        out.append(node.args[0])
-    if isinstance(t, torch._ops.OpOverloadPacket) and "default" in t.overloads():
-        t = t.default
-    if isinstance(t, torch._ops.OpOverload):
-        for i, arg in enumerate(t._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                out.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
-    return out
-
-
-def has_side_effects(node: fx.Node) -> bool:
-    """True when removing ``node`` would change what the graph does even though nobody reads its
-    result: ``Node.is_impure()`` (placeholders, outputs, ops torch marks effectful) or a write in
-    place (:func:`written`), which ``Node.is_impure()`` does not see for tensor methods::
-
-        index_copy_ = l_keys_.index_copy_(2, cache_position, k);  index_copy_ = None  # kept
-    """
-    return node.is_impure() or bool(written(node))

@@ -16,8 +16,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "phi3")
 REAL = ("smollm2",)
+# Config fields a family needs at these tiny widths (token ids inside the vocabulary).
+_EXTRA: dict[str, dict[str, Any]] = {"phi3": {"pad_token_id": 0}, "olmo2": {"eos_token_id": 0}}
 
 
 def _configs() -> dict[str, Callable[..., Any]]:
@@ -31,6 +33,8 @@ def _configs() -> dict[str, Callable[..., Any]]:
         "qwen2": tf.Qwen2Config,
         "qwen3": tf.Qwen3Config,
         "gemma": tf.GemmaConfig,
+        "olmo2": tf.Olmo2Config,  # RMSNorm scaled in float32, rounded once; post-norms; q/k norms
+        "phi3": tf.Phi3Config,  # q/k/v and gate/up already merged in the checkpoint's layout
     }
 
 
@@ -43,6 +47,8 @@ def _model_classes() -> dict[str, Any]:
         "qwen2": tf.Qwen2Model,
         "qwen3": tf.Qwen3Model,
         "gemma": tf.GemmaModel,
+        "olmo2": tf.Olmo2Model,
+        "phi3": tf.Phi3Model,
     }
 
 
@@ -72,6 +78,7 @@ def build(
         vocab_size=vocab,
         max_position_embeddings=256,
         use_cache=False,
+        **_EXTRA.get(family, {}),
     )
     torch.manual_seed(seed)
     if causal_lm:

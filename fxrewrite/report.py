@@ -104,7 +104,8 @@ class Report:
     for machines."""
 
     graphs: list[GraphReport] = dataclasses.field(default_factory=list)
-    providers: dict[str, Any] = dataclasses.field(default_factory=dict)
+    providers: dict[str, Any] = dataclasses.field(default_factory=dict)  # the model's calls
+    verification_providers: dict[str, Any] = dataclasses.field(default_factory=dict)  # verify's own
 
     @property
     def sites(self) -> list[Site]:
@@ -148,6 +149,7 @@ class Report:
             "rewrite_ms": sum(g.rewrite_ms for g in self.graphs),
             "runtime": [g.runtime for g in self.graphs if g.runtime],
             "providers": self.providers,
+            "verification_providers": self.verification_providers,
         }
 
     def to_json(self) -> str:
@@ -187,6 +189,9 @@ class Report:
                 out.append("runtime: " + ", ".join(f"{k}={v}" for k, v in g.runtime.items()))
         if self.providers:
             out.append("providers: " + json.dumps(self.providers, default=str))
+        if self.verification_providers:
+            out.append("providers of verification's own calls (not the model's): "
+                       + json.dumps(self.verification_providers, default=str))
         return "\n".join(out)
 
 

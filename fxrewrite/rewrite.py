@@ -33,7 +33,7 @@ import torch.fx as fx
 from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
 from fxrewrite import meta
-from fxrewrite.canonicalize import CAST
+from fxrewrite.canonicalize import CAST, noop_source
 from fxrewrite.match import Failure, Match, inplace_blocker, match_at, number_nodes
 from fxrewrite.report import NearMiss, PassResult, Rejected, Site
 from fxrewrite.rule import Bindings, Rule
@@ -85,6 +85,7 @@ def apply_rules(
         targets = cr.anchor_targets
         anchors = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
         prune = _shallow_progress(cr.anchor) / max(cr.op_count, 1) < near_miss_min  # pruned: no near miss
+        rule_misses: dict[fx.Node, NearMiss] = {}
         for anchor in anchors:
             if anchor in erased or (prune and not _may_match(cr.anchor, anchor)):
                 continue
@@ -92,13 +93,16 @@ def apply_rules(
             if isinstance(found, Failure):
                 if found.progress >= near_miss_min:
                     at = found.at.name if found.at is not None else ""
-                    misses.append((anchor, NearMiss(rule.name, anchor.name, meta.source_line(anchor), at, found.reason)))
+                    rule_misses[anchor] = NearMiss(rule.name, anchor.name, meta.source_line(anchor), at, found.reason)
                 continue
             refusal = verify(found) if verify is not None else None
             if refusal is None:
                 refusal = _replace(gm.graph, found, fake_mode, result, erased)
             if refusal is not None:
                 result.rejected.append(Rejected(rule.name, anchor.name, meta.source_line(anchor), refusal))
+        # One site, one miss: an attempt at a node whose consumer is an anchor that nearly matched
+        # too (a pattern ending in a cast tried with and without the cast) is part of that one.
+        misses += [(a, miss) for a, miss in rule_misses.items() if not any(u in rule_misses for u in a.users)]
     # A site another rule of this pass fused is no miss (Gemma's norm pattern nearly matches a
     # plain norm that the plain rule then takes).
     result.near_misses += [miss for anchor, miss in misses if anchor not in erased]
@@ -184,6 +188,10 @@ def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, eras
                 n.meta = {"fxr_rule": m.rule.name}
                 meta.copy_provenance(m.anchor, n)
                 meta.propagate(n, fake_mode)
+                if (src := noop_source(n)) is not None:  # a no-op once the scalars are bound
+                    graph.erase_node(n)
+                    env[rn] = src
+                    continue
                 env[rn] = n
                 new.append(n)
     # Number the new nodes between the anchor and whatever precedes it (positions are 4 apart
@@ -260,9 +268,9 @@ def _apply_subgraph_rewriter(gm: fx.GraphModule, rule: Rule, result: PassResult,
 
 
 def dead_code(gm: fx.GraphModule) -> int:
-    """Remove nodes nobody reads, keeping those with side effects (``meta.has_side_effects``: a
-    KV cache's ``keys.index_copy_(...)`` is read by nobody); returns how many."""
+    """Remove nodes nobody reads (pure ops only: an in-place write stays, :func:`meta.is_impure`);
+    returns how many."""
     before = len(gm.graph.nodes)
-    gm.graph.eliminate_dead_code(is_impure_node=meta.has_side_effects)
+    gm.graph.eliminate_dead_code(is_impure_node=meta.is_impure)
     return before - len(gm.graph.nodes)
 

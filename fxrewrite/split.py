@@ -274,6 +274,12 @@ def _devices(value: Any) -> set[str]:
     return out
 
 
+def _empty(value: Any) -> bool:
+    """A tensor with no elements whatever the symbols (``torch.tensor([], device="cuda")``, as
+    transformers' KV caches start): copying it to the device launches nothing."""
+    return isinstance(value, torch.Tensor) and any(isinstance(d, int) and d == 0 for d in value.shape)
+
+
 def _reason(node: Node, host_scalars: Collection[str]) -> str | None:
     name = _op_name(node)
     value = _value(node)
@@ -287,7 +293,7 @@ def _reason(node: Node, host_scalars: Collection[str]) -> str | None:
     if node.op == "call_function" and (node.target in _HOST_FUNCTIONS or (
             _qualified(node.target).startswith("aten::") and name in _HOST_OPS)):
         return "syncs with the host or has a data-dependent result"
-    if name in _TRANSFERS:
+    if name in _TRANSFERS and not _empty(value):  # no bytes move: no copy is launched
         src = {d for a in (*node.args, *node.kwargs.values()) for d in _devices(_value(a))} or {"cpu"}
         involved = src | _devices(value)
         if "cpu" in involved and len(involved) > 1:
@@ -367,7 +373,7 @@ def mutated_placeholders(gm: GraphModule) -> set[str]:
     """
     mutated: set[str] = set()
     for node in _call_nodes(gm.graph):
-        for base in meta.written(node):
+        for base in meta.written_args(node):
             while isinstance(base, Node) and base.op != "placeholder" and base.args and (
                     _op_name(base) in _VIEWS) and isinstance(base.args[0], Node):
                 base = base.args[0]

@@ -3,6 +3,13 @@
 Patterns are written the way HF model code writes them; canonicalization makes them cover the
 other spellings (``x * x`` for ``pow(2)``, ``torch.mean(h, dim=-1, keepdim=True)``, weight on
 either side of the product, eps as a literal or as ``.item()`` of a lifted placeholder).
+
+Where the weight meets the normed value is the one choice model code makes that changes the
+result: Llama rounds to the input dtype, then scales (``w * h.to(dtype)``); OLMo2, gpt-oss and
+others scale in float32 and round once (``(w * h).to(dtype)``, also spelled ``(w.float() * h)``
+or ``(h * w.float()).type_as(x)``, which canonicalize to it). Each order has its rule, and the
+op computes exactly that order (``fxr.rms_norm(..., cast_last=True)``); in float32 the two are
+one computation and the first rule takes it.
 """
 
 from __future__ import annotations
@@ -35,6 +42,19 @@ def norm_guard(b: Bindings) -> bool | str:
     return True
 
 
+def cast_last_guard(b: Bindings) -> bool | str:
+    """:func:`norm_guard`, and the product runs in float32: a float64 weight would run it in
+    float64, which the op does not."""
+    w = b["weight"]
+    if not w.dtype.is_floating_point or w.element_size() > 4:
+        return f"weight dtype {w.dtype}: the product would not run in float32"
+    return norm_guard(b)
+
+
+def add_cast_last_guard(b: Bindings) -> bool | str:
+    return add_norm_guard(b) if (why := cast_last_guard(b)) is True else why
+
+
 def add_norm_guard(b: Bindings) -> bool | str:
     if b["x"].dtype != b["residual"].dtype or not same_sizes(b["x"], b["residual"]):
         return f"residual {b['residual'].dtype}{tuple(b['residual'].shape)} != input {b['x'].dtype}{tuple(b['x'].shape)}"
@@ -58,6 +78,26 @@ def add_rms_norm_pattern(x, residual, weight, eps, dtype):
 
 def add_rms_norm_replacement(x, residual, weight, eps):
     out = torch.ops.fxr.fused_add_rms_norm(x, residual, weight, eps)
+    return out[0], out[1]
+
+
+# (weight * norm(x.float())).to(dtype): scaled in float32, rounded once -> fxr.rms_norm(x, weight, eps, True)
+def rms_norm_cast_last_pattern(x, weight, eps, dtype):
+    return (weight * _normed(x, eps)).to(dtype)
+
+
+def rms_norm_cast_last_replacement(x, weight, eps):
+    return torch.ops.fxr.rms_norm(x, weight, eps, True)
+
+
+# s = x + residual; (weight * norm(s)).to(dtype); both used -> fxr.fused_add_rms_norm(x, residual, weight, eps, True)
+def add_rms_norm_cast_last_pattern(x, residual, weight, eps, dtype):
+    s = x + residual
+    return (weight * _normed(s, eps)).to(dtype), s
+
+
+def add_rms_norm_cast_last_replacement(x, residual, weight, eps):
+    out = torch.ops.fxr.fused_add_rms_norm(x, residual, weight, eps, True)
     return out[0], out[1]
 
 
@@ -88,6 +128,11 @@ def add_rms_norm_inplace(x, residual, weight, eps):
     return out[0], out[1]
 
 
+def add_rms_norm_cast_last_inplace(x, residual, weight, eps):
+    out = torch.ops.fxr.fused_add_rms_norm_(x, residual, weight, eps, True)
+    return out[0], out[1]
+
+
 def gemma_add_rms_norm_inplace(x, residual, weight, eps):
     out = torch.ops.fxr.gemma_fused_add_rms_norm_(x, residual, weight, eps)
     return out[0], out[1]
@@ -100,6 +145,14 @@ ADD_RMS_NORM = Rule(
     inplace=InPlace(add_rms_norm_inplace, OVERWRITES),
 )  # fmt: skip
 
+RMS_NORM_CAST_LAST = Rule(
+    "rms_norm_cast_last", rms_norm_cast_last_pattern, rms_norm_cast_last_replacement, cast_last_guard, WILDCARDS
+)
+ADD_RMS_NORM_CAST_LAST = Rule(
+    "add_rms_norm_cast_last", add_rms_norm_cast_last_pattern, add_rms_norm_cast_last_replacement,
+    add_cast_last_guard, WILDCARDS, inplace=InPlace(add_rms_norm_cast_last_inplace, OVERWRITES),
+)  # fmt: skip
+
 GEMMA_RMS_NORM = Rule("gemma_rms_norm", gemma_rms_norm_pattern, gemma_rms_norm_replacement, norm_guard, WILDCARDS)
 GEMMA_ADD_RMS_NORM = Rule(
     "gemma_add_rms_norm", gemma_add_rms_norm_pattern, gemma_add_rms_norm_replacement, add_norm_guard, WILDCARDS,
@@ -109,4 +162,6 @@ GEMMA_ADD_RMS_NORM = Rule(
 # add + norm first: it contains the plain norm, which would otherwise claim its sites. Gemma
 # before plain: in float32 (casts elided) the plain pattern also matches Gemma's norm, binding
 # `1 + w` as its weight; the Gemma op computes that in float32 in one kernel.
-RULES: list[Rule] = [GEMMA_ADD_RMS_NORM, ADD_RMS_NORM, GEMMA_RMS_NORM, RMS_NORM]
+RULES: list[Rule] = [
+    GEMMA_ADD_RMS_NORM, ADD_RMS_NORM, ADD_RMS_NORM_CAST_LAST, GEMMA_RMS_NORM, RMS_NORM, RMS_NORM_CAST_LAST,
+]  # fmt: skip

@@ -45,7 +45,7 @@ from fxrewrite import meta
 from fxrewrite.canonicalize import CAST
 from fxrewrite.meta import dim_key
 from fxrewrite.report import NearMiss, PassResult, Site
-from fxrewrite.rule import Bindings, Rule, Scalar
+from fxrewrite.rule import Bindings, Rule, Scalar, all_of
 
 HALF = Scalar(int, lambda v: v > 0)
 DTYPE = Scalar(torch.dtype)
@@ -94,6 +94,13 @@ def interleaved_half_guard(b: Bindings) -> bool | str:
     if b["x"].shape[-1] % 2:
         return f"odd last dim {b['x'].shape[-1]}"
     return _tables_guard(b, b["x"].shape[-1] // 2)
+
+
+def casts_back_guard(b: Bindings) -> bool | str:
+    """An upcast rotation's final cast goes to the dtype ``fxr.apply_rotary`` returns (that of x,
+    cos and sin promoted): the replacement rounds there first, so another target would round twice."""
+    out = functools.reduce(torch.promote_types, (b["x"].dtype, b["cos"].dtype, b["sin"].dtype))
+    return b["dtype"] == out or f"casts to {b['dtype']}, the rotation of {out} values returns {out}"
 
 
 def _neox_full(x, cos, sin, half):
@@ -208,15 +215,17 @@ _HD = {"half": HALF, "dtype": DTYPE}
 _D = {"dtype": DTYPE}
 # Upcast forms first: in float32 their casts are elided and they match what the native form would.
 ROTATION_RULES: list[Rule] = [
-    Rule("rotary_neox_upcast", neox_full_upcast_pattern, neox_full_upcast_replacement, neox_full_guard, _HD),
+    Rule("rotary_neox_upcast", neox_full_upcast_pattern, neox_full_upcast_replacement,
+         all_of(neox_full_guard, casts_back_guard), _HD),
     Rule("rotary_neox", neox_full_pattern, neox_full_replacement, neox_full_guard, _H),
-    Rule("rotary_neox_half_upcast", neox_half_upcast_pattern, neox_half_upcast_replacement, neox_half_guard, _HD),
+    Rule("rotary_neox_half_upcast", neox_half_upcast_pattern, neox_half_upcast_replacement,
+         all_of(neox_half_guard, casts_back_guard), _HD),
     Rule("rotary_neox_half", neox_half_pattern, neox_half_replacement, neox_half_guard, _H),
     Rule("rotary_interleaved_upcast", interleaved_full_upcast_pattern, interleaved_full_upcast_replacement,
-         interleaved_full_guard, _D),
+         all_of(interleaved_full_guard, casts_back_guard), _D),
     Rule("rotary_interleaved", interleaved_full_pattern, interleaved_full_replacement, interleaved_full_guard),
     Rule("rotary_interleaved_half_upcast", interleaved_half_upcast_pattern, interleaved_half_upcast_replacement,
-         interleaved_half_guard, _D),
+         all_of(interleaved_half_guard, casts_back_guard), _D),
     Rule("rotary_interleaved_half", interleaved_half_pattern, interleaved_half_replacement, interleaved_half_guard),
 ]  # fmt: skip
 PARTIAL = Rule(
@@ -588,7 +597,7 @@ def _inputs_after(b: fx.Node, a: fx.Node, order: dict[fx.Node, float]) -> list[f
             if x is a:
                 return None
             if order[x] > order[a] and x not in found:
-                if x.op not in ("call_function", "call_method") or meta.has_side_effects(x):
+                if x.op not in ("call_function", "call_method") or x.is_impure() or str(x.target).endswith("_"):
                     return None
                 found.add(x)
                 stack.append(x)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -33,7 +34,7 @@ import logging
 import os
 import time
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -97,8 +98,10 @@ class _Registry:
     modules: dict[str, types.ModuleType | None] = dataclasses.field(default_factory=dict)
     import_errors: dict[str, str] = dataclasses.field(default_factory=dict)
     plans: dict[tuple[str, str], _Plan] = dataclasses.field(default_factory=dict)
-    served: collections.Counter[tuple[str, str]] = dataclasses.field(default_factory=collections.Counter)
-    fallbacks: collections.Counter[tuple[str, str]] = dataclasses.field(default_factory=collections.Counter)
+    # counters keyed (scope, op, provider label) and (scope, op, reason); see :func:`counting`
+    served: collections.Counter[tuple[str, str, str]] = dataclasses.field(default_factory=collections.Counter)
+    fallbacks: collections.Counter[tuple[str, str, str]] = dataclasses.field(default_factory=collections.Counter)
+    scope: str = "model"
 
 
 _REGISTRY = _Registry()
@@ -236,21 +239,22 @@ def dispatch(op: str, kernels: Sequence[Kernel], reference: Callable[..., Any], 
     """
     device = args[0].device
     plan = _plan(op, kernels, device)
+    scope = _REGISTRY.scope
     if plan.forced_torch:
-        _REGISTRY.served[(op, "torch")] += 1
+        _REGISTRY.served[(scope, op, "torch")] += 1
         return reference(*args)
     kernel, reasons = _pick(plan, args)
     if kernel is not None:
-        _REGISTRY.served[(op, kernel.name)] += 1
+        _REGISTRY.served[(scope, op, kernel.name)] += 1
         return kernel.run(*args)
     if not plan.candidates:
         forced = _override(op)
         reasons.append(f"{forced} has no kernel for {op}" if forced else f"no kernel for {op}")
     reason = "; ".join(reasons)
-    if _REGISTRY.fallbacks[(op, reason)] == 0:
-        log.info("fxr::%s falls back to the torch reference on %s: %s", op, device, reason)
-    _REGISTRY.fallbacks[(op, reason)] += 1
-    _REGISTRY.served[(op, "torch")] += 1
+    if _REGISTRY.fallbacks[(scope, op, reason)] == 0:
+        log.info("fxr::%s falls back to the torch reference on %s (%s calls): %s", op, device, scope, reason)
+    _REGISTRY.fallbacks[(scope, op, reason)] += 1
+    _REGISTRY.served[(scope, op, "torch")] += 1
     return reference(*args)
 
 
@@ -468,6 +472,77 @@ def is_aligned(t: torch.Tensor, nbytes: int, *strides: int) -> bool:
     return t.data_ptr() % nbytes == 0 and all(s * size % nbytes == 0 for s in strides)
 
 
+TRITON_MAX_ROW = 32768
+"""Most values of one row a Triton program holds (our norm kernels reduce a row in one program)."""
+
+
+def check_triton_row(n: int) -> str | None:
+    return None if n <= TRITON_MAX_ROW else f"row of {n} values exceeds one Triton program ({TRITON_MAX_ROW})"
+
+
+def check_float(t: torch.Tensor) -> str | None:
+    """A float of 16 or 32 bits (what our Triton kernels load and store)."""
+    if t.dtype.is_floating_point and t.element_size() in (2, 4):
+        return None
+    return f"dtype {_short(t.dtype)} is not a float of 16 or 32 bits"
+
+
+def check_strided_rows(*tensors: torch.Tensor) -> str | None:
+    """What a strided-rows kernel (Triton's norms and activations) needs of equally shaped
+    tensors: floating point, one device, a contiguous non-empty last dim, leading dims that
+    :func:`leading_dims` can index, and no two at one address."""
+    x = tensors[0]
+    for t in tensors:
+        if reason := check_float(t):
+            return reason
+        if t.shape != x.shape:
+            return f"shape {tuple(t.shape)} != input shape {tuple(x.shape)}"
+        if t.device != x.device:
+            return f"{t.device} != {x.device}"
+        if t.dim() and t.stride(-1) != 1:
+            return "last dim not contiguous"
+    if x.numel() == 0 or x.dim() == 0:
+        return "empty input"
+    if len({t.data_ptr() for t in tensors}) != len(tensors):
+        return "inputs share memory"
+    if leading_dims(*tensors) is None:
+        return f"more than {LEADING_DIMS} leading dims at independent strides {tuple(x.stride())}"
+    return check_triton_row(x.shape[-1])
+
+
+LEADING_DIMS = 3
+"""How many leading dims at independent strides a strided-rows kernel indexes (Triton's norm and
+activation kernels): ``[B, T, H, D]`` read through a view of a merged projection needs two."""
+
+
+def leading_dims(*tensors: torch.Tensor, most: int = LEADING_DIMS) -> tuple[list[int], list[list[int]]] | None:
+    """The leading dims (all but the last) of equally shaped ``tensors``, collapsed where every
+    tensor allows it (``stride[i] == stride[i + 1] * size[i + 1]``) and padded with size-1 dims
+    to exactly ``most``: ``(sizes, strides per tensor)``; None when more than ``most`` remain.
+
+        >>> qkv = torch.empty(2, 5, 768)                       # q: 8 heads of 64 from a merged projection
+        >>> leading_dims(qkv[..., :512].view(2, 5, 8, 64))
+        ([1, 10, 8], [[0, 768, 64]])
+    """
+    shape = list(tensors[0].shape[:-1])
+    strides = [list(t.stride()[:-1]) for t in tensors]
+    keep = [i for i, n in enumerate(shape) if n != 1]
+    sizes, out = [], [[] for _ in tensors]
+    for i in keep:
+        if sizes and all(o[-1] == st[i] * shape[i] for o, st in zip(out, strides)):
+            sizes[-1] *= shape[i]
+            for o, st in zip(out, strides):
+                o[-1] = st[i]
+            continue
+        sizes.append(shape[i])
+        for o, st in zip(out, strides):
+            o.append(st[i])
+    if len(sizes) > most:
+        return None
+    pad = most - len(sizes)
+    return [1] * pad + sizes, [[0] * pad + o for o in out]
+
+
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -475,22 +550,45 @@ def _short(dtype: torch.dtype) -> str:
 # --------------------------------------------------------------------------- report
 
 
-def served() -> dict[str, dict[str, Any]]:
-    """Per op: calls served per provider label, and ``"fallbacks"``: {reason: calls}.
+@contextlib.contextmanager
+def counting(scope: str) -> Iterator[None]:
+    """Count the calls made inside under ``scope`` instead of the model's (``"model"``).
+
+    Compile-time verification runs each matched site's replacement on random inputs; its calls
+    are not the model's (an ``apply_rotary`` that a later pass folds away never runs in the
+    model), so the backend counts them as ``served("verification")``. Not thread-safe: one
+    scope for the whole process at a time.
+
+        with providers.counting("verification"):
+            torch.ops.fxr.rms_norm(x, w, 1e-6)
+        providers.served("verification")  # {"rms_norm": {"flashinfer": 1, "fallbacks": {}}}
+    """
+    prior, _REGISTRY.scope = _REGISTRY.scope, scope
+    try:
+        yield
+    finally:
+        _REGISTRY.scope = prior
+
+
+def served(scope: str = "model") -> dict[str, dict[str, Any]]:
+    """Per op: calls served per provider label, and ``"fallbacks"``: {reason: calls}, counted
+    under ``scope`` (the model's calls by default; see :func:`counting`).
 
     ``torch`` counts every call the reference served on a kernel-capable device, whether
     forced by the override or as a fallback (then also under ``fallbacks`` with its reason).
     """
     out: dict[str, dict[str, Any]] = {}
-    for (op, name), n in sorted(_REGISTRY.served.items()):
-        out.setdefault(op, {"fallbacks": {}})[name] = n
-    for (op, reason), n in sorted(_REGISTRY.fallbacks.items()):
-        out.setdefault(op, {"fallbacks": {}})["fallbacks"][reason] = n
+    for (where, op, name), n in sorted(_REGISTRY.served.items()):
+        if where == scope:
+            out.setdefault(op, {"fallbacks": {}})[name] = n
+    for (where, op, reason), n in sorted(_REGISTRY.fallbacks.items()):
+        if where == scope:
+            out.setdefault(op, {"fallbacks": {}})["fallbacks"][reason] = n
     return out
 
 
 def reset_counts() -> None:
-    """Zero the served and fallback counters (plans and overrides stay)."""
+    """Zero the served and fallback counters of every scope (plans and overrides stay)."""
     _REGISTRY.served.clear()
     _REGISTRY.fallbacks.clear()
 

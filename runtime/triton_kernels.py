@@ -1,6 +1,10 @@
 """Our Triton kernels: the ``triton`` provider's library, as ``sgl_kernel`` and ``flashinfer`` are
 the others.
 
+- RMSNorm (plain, Gemma's, in-place add + RMSNorm) and SiLU/GELU-and-mul over rows at any strides
+  (per-head norms read through a view of a merged projection, a gate/up slice of a wider GEMM's
+  output), any float dtype, a weight of another dtype: the calls sgl-kernel and flashinfer
+  cannot take, so that none runs the torch reference.
 - The FP8 ops that sgl-kernel and flashinfer serve as two kernels (or not at all): RMSNorm,
   add + RMSNorm, SiLU-and-mul, each fused with static or dynamic per-token FP8 (float8_e4m3fn)
   quantization, in one kernel.
@@ -42,6 +46,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fxrewrite.runtime import providers
 from fxrewrite.runtime.ops import linear as linear_ops
 from fxrewrite.runtime.ops import quant
 
@@ -125,6 +130,70 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, scale_ptr, d, BLOCK: tl.cons
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu, approximate division
     y = (act * up).to(dtype).to(tl.float32)
     _quantize_store(y, q_ptr + row * d + cols, mask, s_ptr + row, scale_ptr, DYNAMIC)
+
+
+@triton.jit
+def _row_offsets(rows, d1, d2, s0, s1, s2):
+    """Element offsets of ``rows`` (flat indices over leading dims [d0, d1, d2]) at strides s0..s2."""
+    i2 = rows % d2
+    i1 = (rows // d2) % d1
+    i0 = rows // (d1 * d2)
+    return i0 * s0 + i1 * s1 + i2 * s2
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, d1, d2,
+                     xs0, xs1, xs2, rs0, rs1, rs2, os0, os1, os2,
+                     BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     CAST_LAST: tl.constexpr, OFFSET: tl.constexpr):  # fmt: skip
+    """``ROWS`` rows per program, each at its own address (leading dims [d0, d1, d2] at any
+    strides, the last dim contiguous): ``h = x.float()`` (with ``HAS_RESIDUAL``: ``s = (x + r)``
+    rounded to the dtype, written over ``r``, and ``h = s.float()``); ``h *= rsqrt(mean(h^2) +
+    eps)``; ``y = (w + OFFSET) * h`` rounded once (``CAST_LAST``) or ``w * h.to(dtype)`` rounded
+    again, as the spec rounds; stored at ``out`` (its own strides)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < n_rows)[:, None] & (cols < n)[None, :]
+    dtype = x_ptr.dtype.element_ty
+    x_off = _row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
+    h = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r_off = _row_offsets(rows, d1, d2, rs0, rs1, rs2)[:, None] + cols[None, :]
+        total = (h + tl.load(r_ptr + r_off, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(sum_ptr + r_off, total, mask=mask)
+        h = total.to(tl.float32)
+    h = h * tl.math.rsqrt(tl.sum(h * h, axis=1) / n + eps)[:, None]
+    w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :] + OFFSET
+    if CAST_LAST:
+        y = w * h
+    else:
+        y = w * h.to(dtype).to(tl.float32)
+    o_off = _row_offsets(rows, d1, d2, os0, os1, os2)[:, None] + cols[None, :]
+    tl.store(out_ptr + o_off, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, y_ptr, n_rows, d, d1, d2, xs0, xs1, xs2,
+                        BLOCK: tl.constexpr, ROWS: tl.constexpr, ACT: tl.constexpr):  # fmt: skip
+    """``y = act(gate).to(dtype) * up`` rounded to the dtype, ``gate = x[row, :d]``, ``up =
+    x[row, d:2d]``, rows at any strides; ``ACT``: 0 SiLU, 1 GELU (erf), 2 GELU (tanh). Program
+    (row block, column block)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows < n_rows)[:, None] & (cols < d)[None, :]
+    dtype = x_ptr.dtype.element_ty
+    base = x_ptr + _row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
+    g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        a = g / (1.0 + tl.exp(-g))  # F.silu, approximate division
+    elif ACT == 1:
+        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    else:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0))  # tanh(z)
+    y = a.to(dtype).to(tl.float32) * up
+    tl.store(y_ptr + rows[:, None] * d + cols[None, :], y.to(dtype), mask=mask)
 
 
 @triton.jit(do_not_specialize=["rows"])  # one build per launch configuration serves 1 to 16 rows
@@ -223,6 +292,45 @@ def _silu_and_mul_quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor
         )
     shape = (*x.shape[:-1], d)
     return q.view(shape), s.view(*shape[:-1], 1) if dynamic else None
+
+
+def _rows_per_program(block: int) -> int:
+    """Rows a program holds: about 4096 values (head-dim rows of per-head norms take many)."""
+    return max(1, min(64, 4096 // block))
+
+
+def _norm_rows(x: Tensor, weight: Tensor, eps: float, out: Tensor, residual: Tensor | None,
+               cast_last: bool, offset: float) -> None:  # fmt: skip
+    """Launch ``_rms_norm_kernel`` over ``x``'s rows (each tensor at its own strides)."""
+    n = x.shape[-1]
+    tensors = (x, residual if residual is not None else x, out)
+    layout = providers.leading_dims(*tensors)
+    assert layout is not None, "the op module's check lets only such layouts through"
+    (_, d1, d2), strides = layout
+    n_rows = x.numel() // n
+    block = triton.next_power_of_2(n)
+    per = _rows_per_program(block)
+    with _device_of(x):
+        _rms_norm_kernel[(triton.cdiv(n_rows, per),)](
+            x, tensors[1], weight, out, tensors[1], n_rows, n, eps, d1, d2, *strides[0], *strides[1], *strides[2],
+            BLOCK=block, ROWS=per, HAS_RESIDUAL=residual is not None, CAST_LAST=cast_last, OFFSET=offset,
+            num_warps=_warps(block * per),
+        )  # fmt: skip
+
+
+def _act_and_mul(x: Tensor, act: int) -> Tensor:
+    d = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    layout = providers.leading_dims(x)
+    assert layout is not None, "the op module's check lets only such layouts through"
+    (_, d1, d2), (strides,) = layout
+    n_rows = out.numel() // d if d else 0
+    block = min(triton.next_power_of_2(d), STATIC_BLOCK)
+    per = _rows_per_program(block)
+    with _device_of(x):
+        _act_and_mul_kernel[(triton.cdiv(n_rows, per), triton.cdiv(d, block))](
+            x, out, n_rows, d, d1, d2, *strides, BLOCK=block, ROWS=per, ACT=act, num_warps=_warps(block * per))
+    return out
 
 
 def skinny_config(n: int, sms: int) -> tuple[int, int, int, int]:
@@ -338,6 +446,35 @@ def _bind_device(kernel: Any, device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------- the ops' signatures
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> Tensor:
+    dtype = x.dtype if cast_last else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    _norm_rows(x, weight, eps, out, None, cast_last, 0.0)
+    return out
+
+
+def gemma_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _norm_rows(x, weight, eps, out, None, True, 1.0)
+    return out
+
+
+def fused_add_rms_norm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> None:
+    _norm_rows(x, weight, eps, x, residual, cast_last, 0.0)
+
+
+def gemma_fused_add_rms_norm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    _norm_rows(x, weight, eps, x, residual, True, 1.0)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    return _act_and_mul(x, 0)
+
+
+def gelu_and_mul(x: Tensor, approximate: str = "none") -> Tensor:
+    return _act_and_mul(x, 2 if approximate == "tanh" else 1)
 
 
 def rms_norm_quant_fp8(x: Tensor, weight: Tensor, eps: float, scale: Tensor) -> Tensor:

@@ -117,13 +117,24 @@ flashinfer_silu_and_mul = P(flashinfer_act_and_mul, "silu_and_mul")
 # Order from measurement (bench/RESULTS.md, H100): flashinfer's SiLU-and-mul is the faster at
 # every T (1.28 against 1.59 us at T=1, 34.9 against 35.4 at 4096); sgl-kernel's GELU is the
 # faster up to T=64, so GELU keeps sgl-kernel first.
+def _triton_check(x: Tensor, approximate: str = "none") -> str | None:
+    if approximate not in GELU_APPROXIMATIONS:
+        return f"approximate={approximate!r}"
+    if x.dim() and x.shape[-1] % 2:
+        return f"odd last dim {x.shape[-1]}"
+    return providers.check_strided_rows(x)
+
+
+# Triton last: rows at any strides (a gate/up slice of a wider GEMM's output) and any float dtype.
 SILU_AND_MUL_KERNELS = (
     Kernel("flashinfer", flashinfer_silu_and_mul, P(_silu_check, False), module=_FI),
     Kernel("sgl_kernel", sgl_silu_and_mul, P(_silu_check, True)),
+    providers.triton_kernel("silu_and_mul", _triton_check),
 )
 GELU_AND_MUL_KERNELS = (
     Kernel("sgl_kernel", _sgl_gelu, P(_gelu_check, True)),
     Kernel("flashinfer", _flashinfer_gelu, P(_gelu_check, False), module=_FI),
+    providers.triton_kernel("gelu_and_mul", _triton_check),
 )
 
 # --------------------------------------------------------------------------- the ops

@@ -2,12 +2,19 @@
 
 Each ``*_reference`` function below is the op's spec and its CPU impl; rules that produce these
 ops must match exactly the code it spells. On CUDA the op runs sgl-kernel or flashinfer when the
-call meets their constraints (:mod:`fxrewrite.runtime.providers`).
+call meets their constraints, else our Triton kernel, which takes any float dtype, a weight of
+another dtype and rows at any strides (per-head norms read through a view of a merged
+projection) (:mod:`fxrewrite.runtime.providers`).
 
     # before (HF LlamaRMSNorm)                        # after
     h = x.to(torch.float32)                           y = torch.ops.fxr.rms_norm(x, w, eps)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     y = w * h.to(x.dtype)
+
+Where the weight is applied decides one rounding: Llama rounds the normed value to the input
+dtype and then multiplies (``cast_last=False``); OLMo2 and gpt-oss multiply in float32 and round
+once, ``(w * h).to(x.dtype)`` (``cast_last=True``), which is what the sgl-kernel and flashinfer
+kernels compute. Gemma's ``(h * (1 + w.float())).to(x.dtype)`` rounds once too.
 """
 
 from __future__ import annotations
@@ -27,14 +34,19 @@ NormFn = Callable[[Tensor, Tensor, float], Tensor]
 # --------------------------------------------------------------------------- references (the spec)
 
 
-def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> Tensor:
     """HF Llama RMSNorm over the last dim of ``x`` (any rank >= 1); dtype ``promote(weight, x)``.
 
     ``h = x.float(); h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps);
     return weight * h.to(x.dtype)``
+
+    ``cast_last``: ``return (weight * h).to(x.dtype)`` instead: scaled in float32 (or the
+    weight's wider dtype), rounded once; dtype ``x.dtype``.
     """
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if cast_last:
+        return (weight * h).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
@@ -50,11 +62,12 @@ def gemma_rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def add_then_norm(
-    norm: NormFn, x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    norm: Callable[..., Tensor], x: Tensor, residual: Tensor, weight: Tensor, eps: float, *flags: bool
 ) -> tuple[Tensor, Tensor]:
-    """``sum = x + residual; return norm(sum, weight, eps), sum`` (shared by spec and kernels)."""
+    """``sum = x + residual; return norm(sum, weight, eps, *flags), sum`` (shared by spec and
+    kernels; ``flags``: the norm's own, ``cast_last``)."""
     total = x + residual
-    return norm(total, weight, eps), total
+    return norm(total, weight, eps, *flags), total
 
 
 def add_then_norm_(norm: NormFn, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
@@ -64,10 +77,11 @@ def add_then_norm_(norm: NormFn, x: Tensor, residual: Tensor, weight: Tensor, ep
 
 
 def fused_add_rms_norm_reference(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """Returns ``(out, sum)``: ``sum = x + residual; out = rms_norm_reference(sum, weight, eps)``."""
-    return add_then_norm(rms_norm_reference, x, residual, weight, eps)
+    """Returns ``(out, sum)``: ``sum = x + residual; out = rms_norm_reference(sum, weight, eps,
+    cast_last)``."""
+    return add_then_norm(P(rms_norm_reference, cast_last=cast_last), x, residual, weight, eps)
 
 
 def gemma_fused_add_rms_norm_reference(
@@ -78,10 +92,11 @@ def gemma_fused_add_rms_norm_reference(
 
 
 def fused_add_rms_norm_inplace_reference(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False
 ) -> None:
-    """``residual <- x + residual; x <- rms_norm_reference(residual, weight, eps)`` (same dtypes)."""
-    add_then_norm_(rms_norm_reference, x, residual, weight, eps)
+    """``residual <- x + residual; x <- rms_norm_reference(residual, weight, eps, cast_last)``
+    (``x`` and ``residual`` of one dtype)."""
+    add_then_norm_(P(rms_norm_reference, cast_last=cast_last), x, residual, weight, eps)
 
 
 def gemma_fused_add_rms_norm_inplace_reference(
@@ -94,8 +109,8 @@ def gemma_fused_add_rms_norm_inplace_reference(
 # --------------------------------------------------------------------------- fake impls
 
 
-def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> Tensor:
+    return x.new_empty(x.shape, dtype=x.dtype if cast_last else torch.promote_types(weight.dtype, x.dtype))
 
 
 def _gemma_rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -109,13 +124,13 @@ def fake_sum(x: Tensor, residual: Tensor) -> Tensor:
 
 
 def _fused_add_fake(
-    norm_fake: NormFn, x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    norm_fake: Callable[..., Tensor], x: Tensor, residual: Tensor, weight: Tensor, eps: float, *flags: bool
 ) -> tuple[Tensor, Tensor]:
     total = fake_sum(x, residual)
-    return norm_fake(total, weight, eps), total
+    return norm_fake(total, weight, eps, *flags), total
 
 
-def _inplace_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+def _inplace_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *flags: bool) -> None:
     return None
 
 
@@ -128,6 +143,17 @@ def as_rows(x: Tensor) -> Tensor | None:
         return x
     try:
         return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def as_heads(x: Tensor) -> Tensor | None:
+    """``x`` as a 3D [rows, heads, head_dim] view (``[B, T, H, D]`` read through a view of a
+    merged projection: rows at one stride, heads at another); None when no such view exists."""
+    if x.dim() < 3:
+        return None
+    try:
+        return x.view(-1, *x.shape[-2:])
     except RuntimeError:
         return None
 
@@ -172,8 +198,8 @@ def check_norm(
         if t.stride(-1) != 1:
             return "last dim not contiguous"
         view = as_rows(t)
-        if view is None and allow_3d and t.dim() == 3:
-            view = t
+        if view is None and allow_3d:
+            view = as_heads(t)
         if view is None:
             ranks = "2D or 3D" if allow_3d else "2D"
             return f"{t.dim()}D input with these strides is not viewable as {ranks} rows"
@@ -182,19 +208,25 @@ def check_norm(
     return None
 
 
+# The libraries' kernels scale in float32 and round once: exactly ``cast_last=True``; for the
+# Llama order (round, then scale) they differ from the spec by that one rounding, as they do
+# inside vLLM and SGLang.
+
+
 def _norm_check(
-    x: Tensor, weight: Tensor, eps: float, *, allow_3d: bool = False, contiguous: bool = False
-) -> str | None:
+    x: Tensor, weight: Tensor, eps: float, cast_last: bool = False, *, allow_3d: bool = False,
+    contiguous: bool = False,
+) -> str | None:  # fmt: skip
     return check_norm(x, weight, allow_3d=allow_3d, contiguous=contiguous)
 
 
-def _fused_add_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> str | None:
+def _fused_add_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> str | None:
     # The sum is a fresh contiguous tensor: only the arguments matter, not their layout.
     return check_norm_args(x, weight, residual)
 
 
 def _inplace_check(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, contiguous: bool = False
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False, *, contiguous: bool = False
 ) -> str | None:
     if x.data_ptr() == residual.data_ptr():
         return "x and residual share memory"
@@ -204,7 +236,7 @@ def _inplace_check(
 # --------------------------------------------------------------------------- kernels
 
 
-def sgl_norm(kernel: str, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def sgl_norm(kernel: str, x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> Tensor:
     """sgl-kernel's own ``rmsnorm`` / ``gemma_rmsnorm`` (2D; the op, not the wrapper, which
     would hand the call to flashinfer)."""
     rows = as_rows(x)
@@ -214,24 +246,57 @@ def sgl_norm(kernel: str, x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out.view(x.shape)
 
 
-def flashinfer_norm(kernel: str, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def flashinfer_norm(kernel: str, x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> Tensor:
     """flashinfer ``norm.rmsnorm`` (2D rows or 3D per-head, strided rows) / ``gemma_rmsnorm`` (2D)."""
     rows = as_rows(x)
-    view = rows if rows is not None else x
+    view = rows if rows is not None else as_heads(x)
+    assert view is not None
     out = torch.empty(view.shape, dtype=x.dtype, device=x.device)
     fn = getattr(providers.library("flashinfer.norm"), kernel)
     fn(view, weight, eps, out=out, enable_pdl=providers.enable_pdl(x.device))
     return out.view(x.shape)
 
 
-def _sgl_fused_add_(kernel: str, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+def _sgl_fused_add_(kernel: str, x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> None:
     pdl = providers.enable_pdl(x.device)
     getattr(torch.ops.sgl_kernel, kernel).default(as_rows(x), as_rows(residual), weight, eps, pdl)
 
 
-def _flashinfer_fused_add_(kernel: str, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+def _flashinfer_fused_add_(kernel: str, x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                           cast_last: bool = False) -> None:  # fmt: skip
     fn = getattr(providers.library("flashinfer.norm"), kernel)
     fn(as_rows(x), as_rows(residual), weight, eps, enable_pdl=providers.enable_pdl(x.device))
+
+
+def _triton_norm_check(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> str | None:
+    return providers.check_strided_rows(x) or _triton_weight_check(x, weight)
+
+
+def _triton_inplace_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> str | None:
+    if residual.dtype != x.dtype:
+        return f"residual {residual.dtype} != input {x.dtype}"
+    return providers.check_strided_rows(x, residual) or _triton_weight_check(x, weight)
+
+
+def _triton_fused_add_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> str | None:
+    # The sum is a fresh contiguous tensor: the dtypes and the weight matter, not the layout.
+    if residual.dtype != x.dtype or residual.shape != x.shape:
+        return f"residual {residual.dtype}{tuple(residual.shape)} != input {x.dtype}{tuple(x.shape)}"
+    if reason := providers.check_float(x):
+        return reason
+    if x.numel() == 0:
+        return "empty input"
+    return providers.check_triton_row(x.shape[-1]) or _triton_weight_check(x, weight)
+
+
+def _triton_weight_check(x: Tensor, weight: Tensor) -> str | None:
+    if reason := providers.check_float(weight):
+        return "weight " + reason
+    if weight.device != x.device:
+        return f"weight on {weight.device}, input on {x.device}"
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or weight.stride(0) != 1:
+        return f"weight {tuple(weight.shape)} is not a contiguous [{x.shape[-1]}] vector"
+    return None
 
 
 P = functools.partial
@@ -245,13 +310,17 @@ _SGL_CHECK = P(_norm_check, contiguous=True)
 _SGL_INPLACE_CHECK = P(_inplace_check, contiguous=True)
 _FI = "flashinfer.norm"
 
+# Triton last: any float dtype, a weight of another dtype, rows at any strides (per-head norms
+# read through a view of a merged projection), so that no call runs the torch reference.
 RMS_NORM_KERNELS = (
     Kernel("sgl_kernel", sgl_rms_norm, _SGL_CHECK),
     Kernel("flashinfer", flashinfer_rms_norm, P(_norm_check, allow_3d=True), module=_FI),
+    providers.triton_kernel("rms_norm", _triton_norm_check),
 )
 GEMMA_RMS_NORM_KERNELS = (
     Kernel("sgl_kernel", sgl_gemma_rms_norm, _SGL_CHECK),
     Kernel("flashinfer", flashinfer_gemma_rms_norm, _norm_check, module=_FI),
+    providers.triton_kernel("gemma_rms_norm", _triton_norm_check),
 )
 
 
@@ -259,7 +328,8 @@ def _with_add(kernels: tuple[Kernel, ...]) -> tuple[Kernel, ...]:
     """Functional add + norm on CUDA: ``x + residual`` in torch, then the norm kernel (the fused
     kernels are in place only; the matcher picks the ``_`` op when it may overwrite)."""
     return tuple(
-        Kernel(k.provider, P(add_then_norm, k.run), _fused_add_check, k.min_capability, f"{k.name}+torch", k.module)
+        Kernel(k.provider, P(add_then_norm, k.run), _triton_fused_add_check if k.provider == "triton" else
+               _fused_add_check, k.min_capability, f"{k.name}+torch", k.module)  # fmt: skip
         for k in kernels
     )
 
@@ -289,6 +359,7 @@ DEFS: tuple[OpDef, ...] = (
         (
             Kernel("sgl_kernel", P(_sgl_fused_add_, "fused_add_rmsnorm"), _SGL_INPLACE_CHECK),
             Kernel("flashinfer", P(_flashinfer_fused_add_, "fused_add_rmsnorm"), _inplace_check, module=_FI),
+            providers.triton_kernel("fused_add_rms_norm_", _triton_inplace_check),
         ),
         _INPLACE,
     ),
@@ -299,6 +370,7 @@ DEFS: tuple[OpDef, ...] = (
         (
             Kernel("sgl_kernel", P(_sgl_fused_add_, "gemma_fused_add_rmsnorm"), _SGL_INPLACE_CHECK),
             Kernel("flashinfer", P(_flashinfer_fused_add_, "gemma_fused_add_rmsnorm"), _inplace_check, module=_FI),
+            providers.triton_kernel("gemma_fused_add_rms_norm_", _triton_inplace_check),
         ),
         _INPLACE,
     ),

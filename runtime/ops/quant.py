@@ -268,11 +268,8 @@ def _silu_dynamic_check(x: Tensor) -> str | None:
 # The Triton kernels read rows at any stride and alignment (Triton specializes on both); they need
 # what :func:`check_norm` / :func:`check_act_and_mul` ask of every provider, and a row that fits
 # one program where the kernel reduces over it (the norms; dynamic SiLU-and-mul).
-TRITON_MAX_ROW = 32768
-
-
-def _fits_one_program(n: int) -> str | None:
-    return None if n <= TRITON_MAX_ROW else f"row of {n} values exceeds one Triton program ({TRITON_MAX_ROW})"
+TRITON_MAX_ROW = providers.TRITON_MAX_ROW
+_fits_one_program = providers.check_triton_row
 
 
 def _triton_rows_check(x: Tensor, weight: Tensor, others: tuple[Tensor, ...], scale: Tensor | None) -> str | None:

@@ -139,6 +139,24 @@ def test_cast_to_another_dtype_stays() -> None:
     assert [n.args[1] for n in calls(r, CAST)] == [torch.float16, torch.bfloat16, torch.bfloat16, torch.float32]
 
 
+def _upcasts(h, w, v):
+    # h float32, w and v bfloat16: the first three casts are what promotion does anyway
+    return h * w.float(), w.float() * h, h - w.to(torch.float32), w.float() * v, h.bfloat16() * w
+
+
+def test_a_widening_cast_that_promotion_makes_anyway_is_removed() -> None:
+    r = canon(
+        _upcasts, x2d(4, 16), torch.randn(16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16),
+        before={"method.float": 3, "method.to": 1, "method.bfloat16": 1},
+        expect={"prims.convert_element_type": 2, "aten.mul": 4, "aten.sub": 1}, absent=["method"],
+    )  # fmt: skip
+    h, w = placeholder(r, "h"), placeholder(r, "w")
+    assert [n.args for n in calls(r, A.mul.Tensor)][:2] == [(h, w), (w, h)]
+    assert calls(r, A.sub.Tensor)[0].args == (h, w)
+    # negative twins: w.float() * v (the cast makes it float32) and h.bfloat16() (narrowing) stay
+    assert sorted(str(n.args[1]) for n in calls(r, CAST)) == ["torch.bfloat16", "torch.float32"]
+
+
 # -- elementwise forms ------------------------------------------------------------------------
 
 
@@ -282,6 +300,32 @@ def test_contiguous_on_contiguous_is_removed() -> None:
     x = placeholder(r, "x")
     assert outputs(r)[0].args[0] is x
     assert outputs(r)[1].args[0].target == "t", "negative twin: a transposed tensor keeps contiguous()"
+
+
+def _cats(x):
+    # Phi-3's partial rotary with rotary_dim == head_dim: the pass-through slice is empty
+    whole = torch.cat([x * 2, x[..., 8:]], dim=-1)
+    part = torch.cat([x * 3, x[..., 4:]], dim=-1)  # negative twin: nothing empty, the cat stays
+    written = torch.cat([x * 4, x[..., 8:]], dim=-1)
+    written.add_(1)  # negative twin: written in place, so it stays a fresh tensor
+    return whole, part, written
+
+
+def _cache_cats(x):
+    # a KV cache that starts as torch.tensor([]): cat skips the 1-D empty at any dim
+    first = torch.cat([x.new_zeros(0), x * 5], dim=-2)
+    rows = torch.cat([x.new_zeros(0, 8), x * 6], dim=0)
+    return first, rows
+
+
+def test_cat_drops_operands_empty_along_its_dim() -> None:
+    r = canon(_cats, x2d(4, 8), before={"torch.cat": 3}, expect={"torch.cat": 2}, dynamic=False)  # static width
+    cats = [n for n in r.graph.graph.nodes if n.target is torch.cat]
+    assert [len(n.args[0]) for n in cats] == [2, 1]
+
+
+def test_cat_drops_the_legacy_empty_operand_at_any_dim() -> None:
+    canon(_cache_cats, x2d(4, 8), before={"torch.cat": 2}, expect={"torch.cat": 0}, dynamic=False)
 
 
 def test_expand_to_the_same_shape_is_removed() -> None:

@@ -28,7 +28,6 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F

@@ -406,6 +406,22 @@ def test_pattern_casts_pair_with_nothing_when_the_dtype_matches(make: Any, dtype
     assert r.counts_before()["method.to"] == 2 * sites  # the model's own casts, elided or matched
 
 
+def relu_mul_upcast(x, w):
+    return torch.relu(x) * w.to(torch.float32)
+
+
+RELU_MUL_UPCAST = Rule("relu_mul_upcast", relu_mul_upcast, _relu_then("mul"))
+
+
+@pytest.mark.parametrize(("x_dtype", "sites"), [(torch.float32, 1), (torch.bfloat16, 0)],
+                         ids=["promotion-makes-the-cast", "the-cast-would-change-the-dtype"])  # fmt: skip
+def test_a_pattern_upcast_pairs_with_nothing_where_promotion_makes_it(x_dtype: torch.dtype, sites: int) -> None:
+    # the graph (as the canonicalizer leaves it) has no cast: relu(x) * w, w bfloat16
+    r = check_rewrite(lambda x, w: torch.relu(x) * w, t(4, 8, dtype=x_dtype), t(8, dtype=torch.bfloat16),
+                      rules=[RELU_MUL_UPCAST], expect={"fxrtest.relu_then": sites, "aten.mul": 1 - sites})  # fmt: skip
+    assert bool(reasons(r)) == (sites == 0)
+
+
 # -- replacement checks -----------------------------------------------------------------------
 
 

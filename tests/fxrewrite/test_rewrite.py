@@ -45,7 +45,7 @@ def test_dead_code_drops_unread_pure_nodes_and_keeps_writes() -> None:
     assert kept == {"mul_", str(torch.relu_), "<built-in function add>"}
 
 
-def test_written_names_the_tensors_written() -> None:
+def test_written_args_names_the_tensors_written() -> None:
     def f(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         x.add_(1)
         torch.add(x, y, out=out)
@@ -53,7 +53,7 @@ def test_written_names_the_tensors_written() -> None:
         return torch.sin(x)
 
     gm = torch.fx.symbolic_trace(f)
-    written = {n.name: [a.name for a in meta.written(n)] for n in gm.graph.nodes if meta.written(n)}
+    written = {n.name: [a.name for a in meta.written_args(n)] for n in gm.graph.nodes if meta.written_args(n)}
     assert written == {"add_": ["x"], "add": ["out"], "relu_": ["y"]}
     sin = next(n for n in gm.graph.nodes if n.target is torch.sin)
-    assert meta.written(sin) == [] and not meta.has_side_effects(sin)
+    assert meta.written_args(sin) == [] and not meta.is_impure(sin)

@@ -190,6 +190,18 @@ def test_hazards_flag_host_syncs_and_transfers() -> None:
     assert "host" in hazards[0].reason and "host and device" in hazards[1].reason
 
 
+def test_hazards_flag_a_host_list_to_the_device_but_not_an_empty_one() -> None:
+    # transformers' KV caches start as torch.tensor([], device=...): no bytes move, no copy runs
+    graph = torch.fx.Graph()
+    with FakeTensorMode():
+        values = {"empty": torch.empty(0, device="cuda:0"), "full": torch.empty(2, device="cuda:0")}
+    for name, data in (("empty", []), ("full", [1.0, 2.0])):
+        node = graph.call_function(torch.tensor, (data,), {"device": "cuda:0"})
+        node.name, node.meta["example_value"] = name, values[name]
+    graph.output(None)
+    assert [h.node for h in find_capture_hazards(torch.fx.GraphModule({}, graph))] == ["full"]
+
+
 def test_hazards_flag_data_dependent_shapes() -> None:
     def f(x: torch.Tensor) -> Any:
         return torch.nonzero(x), x.nonzero(), torch.ops.aten.masked_select.default(x, x > 0), x.unique()

@@ -155,6 +155,22 @@ def test_env_var_turns_verification_on(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Backend().config.verify is False
 
 
+def test_verification_counts_its_kernel_calls_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verification's own calls of the fused ops are not the model's (providers.served())."""
+    from fxrewrite import backend
+    from fxrewrite.runtime import providers
+
+    scopes: list[str] = []
+
+    def spy(m: object) -> None:
+        scopes.append(providers._REGISTRY.scope)
+
+    monkeypatch.setattr(backend, "verify_match", spy)
+    r = compile_once(Norms(32), torch.randn(4, 32), rules=[norm.RMS_NORM], verify=True)
+    assert r.report.rules() == {"rms_norm": 1}
+    assert scopes == ["verification"] and providers._REGISTRY.scope == "model"
+
+
 def test_silu_to_gelu_is_rejected_and_the_output_stays_eager() -> None:
     r = compile_once(Norms(16, 16), torch.randn(3, 16), torch.randn(3, 16), rules=[norm.RMS_NORM, SILU_TO_GELU],
                      verify=True)  # fmt: skip

@@ -1,4 +1,5 @@
-"""The rule library on real model code: HF transformers Llama, Mistral, Qwen2, Qwen3 and Gemma.
+"""The rule library on real model code: HF transformers Llama, Mistral, Qwen2, Qwen3, Gemma, OLMo2
+and Phi-3.
 
 Tiny configs with random weights (``fxrewrite.models.build``), CPU, ``fullgraph=True``. Per family
 the exact fused-op counts as a function of the layer count L, compiled output against eager, and
@@ -13,6 +14,8 @@ torch.compile leaves them).
 from __future__ import annotations
 
 import functools
+import pathlib
+import re
 
 import pytest
 import torch
@@ -33,6 +36,17 @@ TABLE: dict[str, dict[str, tuple[int, int]]] = {
     # GemmaRMSNorm scales by (1 + w) in float32; Gemma's MLP is gelu_pytorch_tanh
     "gemma": {"gemma_rms_norm": (0, 1), "gemma_fused_add_rms_norm_": (2, 0), "gelu_and_mul": (1, 0),
               "rotary_embedding": (1, 0)},
+    # norms after attention and MLP (the residual add reads their output: no add + norm), q/k
+    # norms over the whole projection, all scaled in float32 and rounded once (cast_last); the
+    # final norm fuses with the last residual add
+    "olmo2": {"rms_norm": (4, 0), "fused_add_rms_norm_": (0, 1), "silu_and_mul": (1, 0), "rotary_embedding": (1, 0)},
+    "phi3": {"rms_norm": (0, 1), "fused_add_rms_norm_": (2, 0), "silu_and_mul": (1, 0), "rotary_embedding": (1, 0)},
+}
+# family -> (linears per layer as captured, after merging, add + norm sites per layer and once)
+LINEARS: dict[str, tuple[int, int, tuple[int, int]]] = {
+    **{f: (7, 4, (2, 0)) for f in ("llama", "mistral", "qwen2", "qwen3", "gemma")},
+    "olmo2": (7, 4, (0, 1)),
+    "phi3": (4, 4, (2, 0)),  # qkv_proj and gate_up_proj are single linears in the model code
 }
 
 CASES = [
@@ -62,8 +76,9 @@ def test_fused_op_counts_are_exact(family: str, layers: int, dtype: torch.dtype,
     assert fused(r.counts()) == expected(family, layers)
     assert r.report.fused_ops() == expected(family, layers)
     # 7 projections per layer -> q/k/v merged, o, gate/up merged, down
-    assert r.counts_before()["torch._C._nn.linear"] == 7 * layers
-    assert r.counts()["aten.linear"] == 4 * layers
+    before, after, _ = LINEARS[family]
+    assert r.counts_before()["torch._C._nn.linear"] == before * layers
+    assert r.counts()["aten.linear"] == after * layers
 
 
 @pytest.mark.parametrize(("family", "layers", "dtype", "dynamic"), CASES)
@@ -88,12 +103,17 @@ def test_no_near_misses(family: str, layers: int, dtype: torch.dtype, dynamic: b
 def test_every_add_norm_is_in_place_and_every_group_merged(
     family: str, layers: int, dtype: torch.dtype, dynamic: bool
 ) -> None:
-    """The residual stream is dead intermediates only (embedding output, layer outputs): all 2L
-    add + norm sites overwrite in place. q/k/v and gate/up merge in every layer."""
+    """The residual stream is dead intermediates only (embedding output, layer outputs): every
+    add + norm site overwrites in place. q/k/v and gate/up merge in every layer (Phi-3 has them
+    merged already)."""
     r = compiled(family, layers, dtype, dynamic)
-    add_norm = [s for s in r.report.sites if s.rule.endswith("add_rms_norm")]
-    assert len(add_norm) == 2 * layers and all(s.inplace and not s.note for s in add_norm)
+    add_norm = [s for s in r.report.sites if "add_rms_norm" in s.rule]
+    per_layer, once = LINEARS[family][2]
+    assert len(add_norm) == per_layer * layers + once and all(s.inplace and not s.note for s in add_norm)
     merged = [s.module for s in sites(r, "merge_siblings")]
+    if family == "phi3":
+        assert merged == []
+        return
     prefix = "layers"
     assert merged == [
         m
@@ -137,11 +157,22 @@ def test_qwen3_qk_norms_are_per_head() -> None:
 
 
 def test_table_for_the_readme() -> None:
-    """The README's "family x fused op -> count per layer" table is TABLE's first column."""
-    ops = sorted({op for row in TABLE.values() for op in row})
-    per_layer = {f: {op: TABLE[f].get(op, (0, 0))[0] for op in ops} for f in TABLE}
-    assert per_layer["llama"] == per_layer["mistral"] == per_layer["qwen2"]
-    assert per_layer["qwen3"]["rms_norm"] == 2
+    """The README's "family x fused op -> count per layer" table says what TABLE asserts: per
+    layer, and "(+N)" once per model."""
+    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("## What the default rules fuse in transformers models", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| ")]
+    head, rows = rows[0], rows[1:]
+    ops = [c.split(" (")[0] for c in head[1:]]
+    readme: dict[str, dict[str, tuple[int, int]]] = {}
+    for family, *cells in rows:
+        counts = {}
+        for op, cell in zip(ops, cells):
+            m = re.match(r"(\d+)(?: \(\+(\d+)\))?", cell)
+            if m and " " not in op:  # not "linears merged"
+                counts[op] = (int(m[1]), int(m[2] or 0))
+        readme[family] = {op: n for op, n in counts.items() if n != (0, 0)}
+    assert readme == {f: {op: n for op, n in row.items() if n != (0, 0)} for f, row in TABLE.items()}
     assert set(TABLE) == set(models.FAMILIES)
 
 

@@ -193,6 +193,82 @@ def test_rms_norm_over_another_dim_is_not_fused() -> None:
     assert reasons(r, "rms_norm") == ["`mean` dim: literal -2 != -1"]
 
 
+# -- scaled in float32, rounded once: (w * h).to(dtype) -----------------------------------------
+
+
+class CastLast(torch.nn.Module):
+    """The orders of cast and multiply that round once, as model code spells them: OLMo2 and
+    gpt-oss ``(w * h).to(dtype)``, Nemotron ``(w.to(float32) * h).to(dtype)``, Gemma 4
+    ``(h * w.float()).type_as(x)``."""
+
+    def __init__(self, spelling: str, hidden: int = 64, weight_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.spelling, self.weight_dtype = spelling, weight_dtype
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(hidden))
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # keep a float32 weight float32
+        out = super()._apply(fn, recurse)
+        if self.weight_dtype is not None:
+            self.weight.data = self.weight.data.to(self.weight_dtype)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if self.spelling == "olmo2":
+            return (self.weight * h).to(x.dtype)
+        if self.spelling == "nemotron":
+            return (self.weight.to(torch.float32) * h).to(x.dtype)
+        return (h * self.weight.float()).type_as(x)
+
+
+CAST_LAST = ["olmo2", "nemotron", "gemma4"]
+
+
+@pytest.mark.parametrize("weight_dtype", [None, F32], ids=["weight-bf16", "weight-f32"])
+@pytest.mark.parametrize("spelling", CAST_LAST)
+@DYNAMIC
+def test_rms_norm_cast_last_spellings_bf16(spelling: str, weight_dtype: torch.dtype | None, dynamic: bool) -> None:
+    """One rule for every spelling (canonicalize drops the upcasts promotion makes anyway); the op
+    computes the same order, so the output is eager's to the bit."""
+    model = CastLast(spelling, weight_dtype=weight_dtype).to(BF16)
+    r = check(model, torch.randn(2, 5, 64, dtype=BF16), expect={"rms_norm": 1}, dynamic=dynamic, exact=True)
+    assert [s.rule for s in sites(r)] == ["rms_norm_cast_last"]
+    ((x, w, eps, cast_last),) = [n.args for n in fused_nodes(r, "rms_norm")]
+    assert cast_last is True and w.meta["example_value"].dtype == (weight_dtype or BF16)
+    assert not r.report.near_misses
+
+
+@pytest.mark.parametrize("spelling", CAST_LAST)
+def test_rms_norm_cast_last_in_float32_is_the_plain_norm(spelling: str) -> None:
+    r = check(CastLast(spelling), torch.randn(2, 5, 64), expect={"rms_norm": 1})
+    assert [s.rule for s in sites(r)] == ["rms_norm"]  # no cast to place: one computation
+
+
+def test_llama_order_keeps_rounding_before_the_scale() -> None:
+    r = check(LlamaRMSNorm(64).to(BF16), torch.randn(4, 64, dtype=BF16), expect={"rms_norm": 1}, exact=True)
+    ((x, w, eps),) = [n.args for n in fused_nodes(r, "rms_norm")]  # cast_last left at False
+
+
+@pytest.mark.parametrize(
+    ("weight_dtype", "back", "reason"),
+    [(torch.float64, None, "guard: weight dtype torch.float64: the product would not run in float32"),
+     (None, torch.float16, "guard: casts back to torch.float16, input is torch.bfloat16")],
+    ids=["float64-weight", "wrong-cast-back"],
+)  # fmt: skip
+def test_rms_norm_cast_last_negative_twins(weight_dtype: torch.dtype | None, back: torch.dtype | None,
+                                           reason: str) -> None:  # fmt: skip
+    def norm_(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (w * h).to(back or x.dtype)
+
+    w = torch.randn(64, dtype=weight_dtype or BF16)
+    r = check(norm_, torch.randn(4, 64, dtype=BF16), w, expect={}, dynamic=False)
+    # one miss for the site, not a second at the product with its cast taken as elided
+    assert reasons(r, "rms_norm_cast_last") == [reason]
+
+
 # -- Gemma: (1 + w), computed in float32 --------------------------------------------------------
 
 
@@ -260,12 +336,10 @@ def test_gemma_negative_twin_two_plus_w(dtype: torch.dtype) -> None:
         return (h * (2.0 + w.float())).to(x.dtype)
 
     x, w = torch.randn(4, 64, dtype=dtype), torch.randn(64, dtype=dtype)
-    if dtype == F32:
-        # casts elided, the plain rule sees `w' * normed` with w' = 2 + w: a correct plain norm
-        check(two_plus_w, x, w, expect={"rms_norm": 1})
-    else:
-        r = check(two_plus_w, x, w, expect={})
-        assert any("literal 2.0 != 1.0" in why for why in reasons(r, "gemma_rms_norm")), r.report.near_misses
+    # Not Gemma's norm; a plain one whose weight is w' = 2 + w, computed in float32: in float32
+    # the casts are elided and the plain rule takes it, in bf16 the cast-last one (exactly)
+    r = check(two_plus_w, x, w, expect={"rms_norm": 1}, exact=dtype == BF16)
+    assert [s.rule for s in sites(r)] == ["rms_norm" if dtype == F32 else "rms_norm_cast_last"]
 
 
 # -- residual add + RMSNorm -------------------------------------------------------------------
@@ -377,8 +451,25 @@ def test_add_norm_negative_twins_fuse_only_the_norm(kind: str, gemma: bool) -> N
     assert [s.rule for s in sites(r)] == [prefix + "rms_norm"]
 
 
+def cast_last_norm(h: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    f = h.to(torch.float32)
+    f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
+    return (w * f).to(h.dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_add_rms_norm_cast_last_in_place(dtype: torch.dtype) -> None:
+    model = AddNorm("dead").to(dtype)
+    model.norm = cast_last_norm
+    r = check(model, torch.randn(5, 64, dtype=dtype), torch.randn(5, 64, dtype=dtype),
+              expect={"fused_add_rms_norm_": 1}, exact=dtype == BF16)  # fmt: skip
+    (site,) = sites(r)
+    assert site.inplace and site.rule == ("add_rms_norm_cast_last" if dtype == BF16 else "add_rms_norm")
+
+
 def test_rule_order_puts_add_norm_before_norm_and_gemma_before_plain() -> None:
-    assert norm.RULES == [norm.GEMMA_ADD_RMS_NORM, norm.ADD_RMS_NORM, norm.GEMMA_RMS_NORM, norm.RMS_NORM]
+    assert norm.RULES == [norm.GEMMA_ADD_RMS_NORM, norm.ADD_RMS_NORM, norm.ADD_RMS_NORM_CAST_LAST,
+                          norm.GEMMA_RMS_NORM, norm.RMS_NORM, norm.RMS_NORM_CAST_LAST]  # fmt: skip
     assert norm.ADD_RMS_NORM.inplace is not None and norm.ADD_RMS_NORM.inplace.overwrites == ("x", "residual")
 
 

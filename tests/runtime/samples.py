@@ -20,7 +20,7 @@ def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.bfloat16)
 
 def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> list[Any]:
     """Arguments of ``op`` on CPU: ``x`` (and ``residual``) of ``shape``, a [hidden] weight, eps
-    1e-6, a static FP8 scale 0.02, GELU's tanh approximation, rotary arguments from
+    1e-6, a static FP8 scale 0.02, GELU's tanh approximation, the norms' ``cast_last`` order, the default process group's name, rotary arguments from
     :mod:`rotary_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias."""
     values = {
         "weight": lambda: rand(gen, shape[-1], dtype=dtype) * 0.5,
@@ -29,6 +29,9 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
         "eps": lambda: EPS,
         "scale": lambda: torch.tensor([0.02]),
         "approximate": lambda: "tanh",
+        "cast_last": lambda: True,
+        # the collective ops: the default group (test_ops.py makes a fake one)
+        "group_name": lambda: torch.distributed.group.WORLD.group_name,
     }
     for name in rotary_samples.NAMES:
         values[name] = functools.partial(rotary_samples.rotary_arg, name, shape, dtype, gen)

@@ -4,7 +4,6 @@ where they exist), fake impls, opcheck, in-place semantics, re-import."""
 from __future__ import annotations
 
 import importlib
-import inspect
 import zlib
 from collections.abc import Callable, Iterator
 
@@ -19,7 +18,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import fxrewrite.runtime.ops as ops
-import rotary_samples
+from samples import op_args  # this folder
 from fxrewrite.runtime.ops import activation, linear, norm, quant
 from fxrewrite.runtime.providers import OpDef
 
@@ -287,30 +286,9 @@ def fake_group() -> Iterator[None]:
 
 
 def make_args(op: OpDef, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> tuple[object, ...]:
-    """Arguments for ``op`` by parameter name; ``shape`` is that of ``x`` (even last dim)."""
-    args: list[object] = []
-    for name in inspect.signature(op.reference).parameters:
-        if name in ("x", "residual"):
-            args.append(rand(gen, *shape, dtype=dtype))
-        elif name == "weight":
-            args.append(rand(gen, shape[-1], dtype=dtype, scale=0.5))
-        elif name == "w":  # a linear's [hidden, hidden] matrix
-            args.append(rand(gen, shape[-1], shape[-1], dtype=dtype, scale=shape[-1] ** -0.5))
-        elif name == "bias":
-            args.append(rand(gen, shape[-1], dtype=dtype))
-        elif name == "eps":
-            args.append(EPS)
-        elif name == "scale":
-            args.append(fp8_scale())
-        elif name == "approximate":
-            args.append("tanh")
-        elif name in rotary_samples.NAMES:
-            args.append(rotary_samples.rotary_arg(name, shape, dtype, gen))
-        elif name == "group_name":  # the collective ops: the fake group of `fake_group`
-            args.append(torch.distributed.group.WORLD.group_name)
-        else:
-            raise AssertionError(f"no sample for parameter {name!r} of {op.name}")
-    return tuple(args)
+    """Arguments for ``op`` by parameter name (:func:`samples.op_args`); ``shape`` is that of
+    ``x`` (even last dim)."""
+    return tuple(op_args(op, shape, gen, dtype))
 
 
 def as_tuple(out: object) -> tuple[torch.Tensor, ...]:

@@ -24,7 +24,7 @@ import torch
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import collective, quant, rotary
+from fxrewrite.runtime.ops import activation, collective, norm, quant, rotary
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -34,7 +34,7 @@ FP8 = torch.float8_e4m3fn
 LIBRARIES = ("sgl_kernel", "flashinfer")
 KERNEL_PROVIDERS = (*LIBRARIES, "triton")
 DTYPES = [torch.bfloat16, torch.float16]
-TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 # (tokens, hidden): hidden 4096 over token counts, then odd sizes: hidden 33 (vectors of 1),
 # 3420 (Qwen2.5-VL MLP half: not 16-byte rows), 5120.
 # Ops whose arguments are [tokens, hidden] activations; the rotary ops (q/k per head, a cache)
@@ -88,6 +88,7 @@ def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torc
         "eps": lambda: EPS,
         "scale": lambda: torch.tensor([0.02], device="cuda"),
         "approximate": lambda: "none",
+        "cast_last": lambda: True,  # the order the libraries' kernels compute exactly
     }
     return [values[name]() for name in inspect.signature(op.reference).parameters]
 
@@ -260,12 +261,13 @@ def test_per_head_rms_norm(provider: str, dtype: torch.dtype, tokens: int, gen: 
 
 @pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
 def test_weight_dtype_mismatch_falls_back(provider: str, gen: torch.Generator) -> None:
-    """A float32 weight with bf16 input must not reach a kernel (vLLM issue 48330)."""
+    """A float32 weight with bf16 input must not reach a library kernel that reads it as bf16
+    (vLLM issue 48330); the Triton kernel loads each operand in its own dtype and serves it."""
     force(provider)
     op = ops.DEFS[ops.OPS.index("rms_norm")]
     x = torch.randn(8, 4096, device="cuda", generator=gen).to(torch.bfloat16)
     w = torch.rand(4096, device="cuda", generator=gen) + 0.5
-    assert run_and_check(op, provider, [x, w, EPS], torch.bfloat16) == "torch"
+    assert run_and_check(op, provider, [x, w, EPS], torch.bfloat16) == ("triton" if provider == "triton" else "torch")
 
 
 @pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
@@ -336,3 +338,36 @@ def test_dynamo_traces_cuda_calls(gen: torch.Generator) -> None:
         x, r = (torch.randn(tokens, 4096, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
         w = (torch.rand(4096, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
         torch.testing.assert_close(compiled(x, r, w), block(x, r, w), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- Triton: rows at any strides
+
+ROWS_OPS = [op for op in GENERIC if op in norm.DEFS + activation.DEFS]
+
+
+def strided(shape: tuple[int, ...], layout: str, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A [tokens, heads, dim] tensor read in place from a wider buffer: "per-head" (q of a merged
+    q/k/v projection: rows at the qkv row stride), "permuted" (heads-major storage)."""
+    t, h, d = shape
+    if layout == "per-head":
+        qkv = torch.randn(t, 3 * h * d, device="cuda", generator=gen).to(dtype)
+        return qkv[:, : h * d].view(t, h, d)
+    return torch.randn(h, t, d, device="cuda", generator=gen).to(dtype).permute(1, 0, 2)
+
+
+@pytest.mark.parametrize("layout", ["per-head", "permuted"])
+@pytest.mark.parametrize("tokens", [3, 9, 600])  # one token's heads are contiguous: the libraries serve it
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32])
+@pytest.mark.parametrize("op", ROWS_OPS, ids=lambda op: op.name)
+def test_triton_rows_kernels_at_any_strides(op: OpDef, dtype: torch.dtype, tokens: int, layout: str,
+                                            gen: torch.Generator) -> None:  # fmt: skip
+    """Per-head Q/K norms read through a view of a merged projection, a gate/up slice of a wider
+    row, float32 models: what sgl-kernel and flashinfer refuse, the Triton kernels serve."""
+    force("triton")
+    width = 2 * 128 if op in activation.DEFS else 128
+    args = make_args(op, tokens, 128, dtype, gen)
+    args[0] = strided((tokens, 8, width), layout, dtype, gen)
+    if op.name.startswith(("fused", "gemma_fused")):
+        args[1] = strided((tokens, 8, width), layout, dtype, gen)
+    assert not args[0].is_contiguous()
+    assert run_and_check(op, "triton", args, dtype).startswith("triton")

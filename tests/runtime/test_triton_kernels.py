@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from fxrewrite.runtime.ops import quant
+from fxrewrite.runtime.ops import activation, norm, quant
 from fxrewrite.runtime.providers import OpDef
 from samples import EPS, op_args, rand  # this folder
 
@@ -99,3 +99,78 @@ def test_checks_refuse_what_the_kernels_cannot_serve(gen: torch.Generator) -> No
     assert check_of(static_silu)(rand(gen, 1, 2 * wide), torch.tensor([0.02])) is None  # type: ignore[operator]
     assert check_of(silu)(rand(gen, 4, 2 * 64)[:, :64]) == "input not contiguous"  # type: ignore[operator]
     assert "is not one float32" in check_of(static_silu)(x, torch.tensor([0.02, 0.03]))  # type: ignore[operator]
+
+
+# --------------------------------------------------------------------------- strided rows: norms and activations
+
+ROWS_OPS = {op.name: op for op in norm.DEFS + activation.DEFS if any(k.provider == "triton" for k in op.kernels)}
+
+
+def per_head(gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """q of a merged q/k/v projection, [B, T, H, D]: rows at the qkv row stride (the Q/K norm case)."""
+    return rand(gen, 2, 5, 3 * 4 * 64, dtype=dtype)[..., : 4 * 64].view(2, 5, 4, 64)
+
+
+def permuted(gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """[T, B, H, D] read from a [B, H, T, D] buffer: three leading dims at independent strides."""
+    return rand(gen, 2, 4, 5, 64, dtype=dtype).permute(2, 0, 1, 3)
+
+
+LAYOUTS = {"rows": lambda gen, dtype: rand(gen, 7, 64, dtype=dtype), "per-head": per_head, "permuted": permuted}
+
+
+def close(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
+    """The spec's values: the kernels round where it rounds, so only the order of the row sum
+    differs; in half dtypes that moves a rare value by one step (at most 1% of them)."""
+    assert [(g.shape, g.dtype) for g in got] == [(w.shape, w.dtype) for w in want]
+    for g, w in zip(got, want):
+        step = torch.finfo(g.dtype).eps
+        torch.testing.assert_close(g, w, rtol=step, atol=1e-6)
+        assert (g != w).float().mean() <= (0.01 if g.dtype != torch.float32 else 1.0)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("name", list(ROWS_OPS))
+def test_rows_kernels_give_the_spec_at_any_strides(
+    triton_kernels: types.ModuleType, gen: torch.Generator, name: str, dtype: torch.dtype, layout: str
+) -> None:
+    op = ROWS_OPS[name]
+    x = LAYOUTS[layout](gen, dtype)
+    if op in activation.DEFS:
+        x = torch.cat([x, x.flip(-1)], dim=-1)[..., 16:16 + x.shape[-1]]  # [.., 2d], offset into wider rows
+    args = op_args(op, tuple(x.shape), gen, dtype)
+    args[0] = x
+    if "add" in name:
+        args[1] = LAYOUTS[layout](gen, dtype)
+    assert check_of(op)(*args) is None  # type: ignore[operator]
+    want = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    out = next(k for k in op.kernels if k.provider == "triton").run(*args)  # functional add: torch adds
+    if op.mutates_args:  # in place: x <- norm(x + residual), residual <- x + residual
+        op.reference(*want)
+        close((args[0], args[1]), (want[0], want[1]))
+    else:
+        close(as_tuple(out), as_tuple(op.reference(*want)))
+
+
+@pytest.mark.parametrize("cast_last", [False, True], ids=["round-then-scale", "scale-then-round"])
+def test_norm_takes_a_float32_weight_in_either_order(triton_kernels: types.ModuleType, gen: torch.Generator,
+                                                     cast_last: bool) -> None:  # fmt: skip
+    x, w = per_head(gen, torch.bfloat16), rand(gen, 64, dtype=torch.float32)
+    assert check_of(ROWS_OPS["rms_norm"])(x, w, EPS, cast_last) is None  # type: ignore[operator]
+    close((triton_kernels.rms_norm(x, w, EPS, cast_last),), (norm.rms_norm_reference(x, w, EPS, cast_last),))
+
+
+def test_rows_checks_refuse_what_the_kernels_cannot_serve(gen: torch.Generator) -> None:
+    """No Triton needed: the checks live in the op modules; the negative twins of the above."""
+    rms, add_, silu = (check_of(ROWS_OPS[n]) for n in ("rms_norm", "fused_add_rms_norm_", "silu_and_mul"))
+    x, w = rand(gen, 4, 64), rand(gen, 64)
+    five = rand(gen, 2, 3, 4, 5, 64).permute(3, 1, 0, 2, 4)  # four leading dims at independent strides
+    assert rms(five, w, EPS).startswith("more than 3 leading dims")  # type: ignore[operator]
+    assert rms(x.to(torch.float64), w, EPS).startswith("dtype float64")  # type: ignore[operator]
+    assert rms(x, rand(gen, 32), EPS) == "weight (32,) is not a contiguous [64] vector"  # type: ignore[operator]
+    assert rms(x.t().contiguous().t(), w, EPS) == "last dim not contiguous"  # type: ignore[operator]
+    assert add_(x, x, w, EPS) == "inputs share memory"  # type: ignore[operator]
+    assert add_(x, x.float(), w, EPS) == "residual torch.float32 != input torch.bfloat16"  # type: ignore[operator]
+    assert silu(rand(gen, 4, 63)) == "odd last dim 63"  # type: ignore[operator]
+    assert silu(rand(gen, 0, 64)) == "empty input"  # type: ignore[operator]
