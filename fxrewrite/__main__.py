@@ -31,7 +31,8 @@ def _load_real(args: argparse.Namespace) -> tuple[torch.nn.Module, object]:
     try:
         return models.load_smollm2(DTYPES[args.dtype], args.device, args.gguf)
     except models.MissingWeights as e:
-        raise SystemExit(f"error: {e}") from None
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -167,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen = sub.add_parser(
         "generate",
         help="greedy generation with eager and compiled, token for token, with step times",
-        description="Exit status: 0 the same tokens, 1 they differ, 2 bad arguments.",
+        description="Exit status: 0 the same tokens, 1 they differ, 2 bad arguments or no weights.",
     )
     gen.add_argument("--model", choices=REAL, default="smollm2")
     gen.add_argument("--tokens", type=int, default=32, help="new tokens at most (default 32)")
