@@ -138,6 +138,7 @@ def test_cli_generate_prints_both_texts_agreement_times_and_report(
     assert "tokens: the same 6" in out
     assert "prefill" in out and "first step" in out
     assert "fused ops: fused_add_rms_norm_ x4, rms_norm x1, rotary_embedding x2, silu_and_mul x2" in out
+    assert "notes: 4 (not shown)" in out and "note: merged" not in out  # one per merged GEMM: --notes
 
 
 def test_cli_generate_without_weights_says_what_is_missing(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
