@@ -141,12 +141,12 @@ def _model_options(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fxrewrite.models import FAMILIES, REAL
+    from fxrewrite.models import MODELS, REAL
 
     parser = argparse.ArgumentParser(prog="python -m fxrewrite", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("report", help="compile a built-in model and print what was fused and why not")
-    rep.add_argument("--model", choices=FAMILIES + REAL, default="llama")
+    rep.add_argument("--model", choices=MODELS + REAL, default="llama")
     _model_options(rep)
     _real_options(rep)
     rep.add_argument("--dump", metavar="DIR", help="write NN.<pass>.before.py / .after.py graph dumps here")
@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Exit status: 0 no rule moves the output past --tol, 1 a culprit was found, "
         "2 bad arguments.",
     )
-    bis.add_argument("--model", default="llama", help=f"built-in ({', '.join(FAMILIES)}) or pkg.module:factory "
+    bis.add_argument("--model", default="llama", help=f"built-in ({', '.join(MODELS)}) or pkg.module:factory "
                      "returning (model, inputs)")  # fmt: skip
     bis.add_argument("--rules", action="append", default=[], metavar="PKG.MODULE:RULES",
                      help="user rules, after the defaults (repeatable)")  # fmt: skip

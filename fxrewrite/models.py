@@ -17,9 +17,13 @@ import torch
 log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "phi3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
+"""Mixture-of-experts decoders: Mixtral (renormalized top-k), Qwen2-MoE (a shared expert beside
+the routed ones), OLMoE (top-k weights as the softmax gives them)."""
+MODELS = FAMILIES + MOE_FAMILIES
 REAL = ("smollm2",)
 # Config fields a family needs at these tiny widths (token ids inside the vocabulary).
-_EXTRA: dict[str, dict[str, Any]] = {"phi3": {"pad_token_id": 0}, "olmo2": {"eos_token_id": 0}}
+_EXTRA: dict[str, dict[str, Any]] = {"phi3": {"pad_token_id": 0}, "olmo2": {"eos_token_id": 0}, "olmoe": {"eos_token_id": 0}}
 
 
 def _configs() -> dict[str, Callable[..., Any]]:
@@ -35,6 +39,9 @@ def _configs() -> dict[str, Callable[..., Any]]:
         "gemma": tf.GemmaConfig,
         "olmo2": tf.Olmo2Config,  # RMSNorm scaled in float32, rounded once; post-norms; q/k norms
         "phi3": tf.Phi3Config,  # q/k/v and gate/up already merged in the checkpoint's layout
+        "mixtral": tf.MixtralConfig,
+        "qwen2_moe": tf.Qwen2MoeConfig,
+        "olmoe": tf.OlmoeConfig,
     }
 
 
@@ -49,7 +56,25 @@ def _model_classes() -> dict[str, Any]:
         "gemma": tf.GemmaModel,
         "olmo2": tf.Olmo2Model,
         "phi3": tf.Phi3Model,
+        "mixtral": tf.MixtralModel,
+        "qwen2_moe": tf.Qwen2MoeModel,
+        "olmoe": tf.OlmoeModel,
     }
+
+
+def _moe_options(family: str, hidden: int, intermediate: int, experts: int, top_k: int,
+                 experts_implementation: str | None) -> dict[str, Any]:  # fmt: skip
+    """The config fields of an MoE family: ``experts`` experts of width ``intermediate``, each
+    token routed to ``top_k``; Qwen2-MoE adds a shared expert of twice that width."""
+    if family not in MOE_FAMILIES:
+        return {}
+    options: dict[str, Any] = {"num_experts_per_tok": top_k, "experts_implementation": experts_implementation}
+    if family == "mixtral":
+        return {**options, "num_local_experts": experts}
+    if family == "qwen2_moe":
+        options.update(moe_intermediate_size=intermediate, shared_expert_intermediate_size=2 * intermediate,
+                       decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    return {**options, "num_experts": experts}
 
 
 def build(
@@ -62,15 +87,23 @@ def build(
     vocab: int = 128,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    experts: int = 8,
+    top_k: int = 2,
+    experts_implementation: str | None = None,
     causal_lm: bool = False,
 ) -> torch.nn.Module:
     """A ``transformers`` decoder of ``family`` with random weights, in eval mode: without LM head,
-    or with one (``causal_lm``: ``AutoModelForCausalLM``, which returns logits and can generate)."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model {family!r}; choose from {', '.join(FAMILIES)}")
+    or with one (``causal_lm``: ``AutoModelForCausalLM``, which returns logits and can generate).
+    MoE families (:data:`MOE_FAMILIES`): ``experts`` experts of width ``intermediate`` (default
+    ``hidden // 2``), ``top_k`` per token, run by ``experts_implementation`` (transformers'
+    default when None: ``grouped_mm``)."""
+    if family not in MODELS:
+        raise ValueError(f"unknown model {family!r}; choose from {', '.join(MODELS)}")
+    moe = family in MOE_FAMILIES
+    intermediate = intermediate or (hidden // 2 if moe else 2 * hidden)
     cfg = _configs()[family](
         hidden_size=hidden,
-        intermediate_size=intermediate or 2 * hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -78,6 +111,7 @@ def build(
         vocab_size=vocab,
         max_position_embeddings=256,
         use_cache=False,
+        **_moe_options(family, hidden, intermediate, experts, top_k, experts_implementation),
         **_EXTRA.get(family, {}),
     )
     torch.manual_seed(seed)
