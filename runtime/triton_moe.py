@@ -248,16 +248,18 @@ def block_rows(pairs: int, experts: int) -> int:
 def _gemm_config(bm: int, n: int, active: int, sms: int, gated: bool) -> GemmConfig:
     """Memory-bound (``bm`` <= 32): the widest ``bn`` that still gives every SM a program over
     the active experts, deep k steps (a stage of the gated kernel holds gate and up tiles: half
-    as deep). Compute-bound: 64 or 128 columns (the gated kernel holds two accumulators). As
-    many stages (2 to 4) as fit ``SMEM_BUDGET``."""
+    as deep). Compute-bound: 64 or 128 columns (the gated kernel holds two accumulators), in L2
+    groups (the best of ``bench_moe.py --sweep`` at 4096 tokens on the H200). As many stages
+    (2 to 4) as fit ``SMEM_BUDGET``."""
     if bm <= 32:
         bn = next((bn for bn in (128, 64) if active * triton.cdiv(n, bn) >= sms), 32)
         bk = (64 if bn == 128 else 128) if gated else (128 if bn == 128 else 256)
         warps = 4
-    else:
-        bn, bk, warps = 64 if gated else 128, 64, 8 if bm == 128 else 4
+    else:  # 128 x 128 tiles at 128 rows; the gated GEMM's two accumulators then fill 8 warps, ungrouped
+        bn, bk, warps = 128 if bm == 128 or not gated else 64, 64, 8 if bm == 128 else 4
     stage = bk * (bm + bn * (2 if gated else 1)) * 2  # bytes of 16-bit tiles per stage
-    return GemmConfig(bn, bk, warps, max(2, min(4, SMEM_BUDGET // stage)), 0 if bm <= 32 else L2_GROUP)
+    group = 0 if bm <= 32 or (gated and bm == 128) else L2_GROUP
+    return GemmConfig(bn, bk, warps, max(2, min(4, SMEM_BUDGET // stage)), group)
 
 
 def config(tokens: int, top_k: int, experts: int, width: int, hidden: int, sms: int) -> MoeConfig:
