@@ -99,15 +99,17 @@ def _on_cuda(gm: fx.GraphModule) -> bool:
 def pipeline(config: Config, library: Sequence[Step] | None = None) -> list[Pass]:
     """The ordered passes for ``config``: canonicalize, the library's steps in its order
     (default ``fxrewrite.rewrites.PIPELINE``: merge_siblings, the rule groups of ``config.mode``,
-    fold_rotary), cleanup. ``config.rules`` takes the place of the library's rule groups (``[]``:
-    none of the library's steps run); ``config.extra_rules`` run after the last rule group."""
+    fold_rotary), cleanup. ``config.rules`` takes the place of the library's rule groups and
+    fusion passes (``[]``: none of the library's steps run); ``config.extra_rules`` run after the
+    last rule group."""
     steps: list[Step] = []
     user_at = 0  # where the user's rules go: after the last rule group
     if config.rules is None or config.rules:
         replaced = False
         for step in rewrites.PIPELINE if library is None else library:
             if isinstance(step, GraphPass):
-                if step.switch is None or getattr(config, step.switch):
+                switched_on = step.switch is None or getattr(config, step.switch)
+                if switched_on and not (step.fusion and config.rules is not None):
                     steps.append(step)
                 continue
             if config.rules is None and step.runs_in(config.mode):

@@ -395,13 +395,13 @@ def load_rules(spec: str) -> list[Rule]:
 
 
 def load_model(spec: str, **build: Any) -> tuple[Any, tuple[Any, ...]]:
-    """A built-in family name (``fxrewrite.models.FAMILIES``, built with ``build``) or
+    """A built-in family name (``fxrewrite.models.MODELS``, built with ``build``) or
     ``pkg.module:factory`` whose call returns ``(model, inputs)``."""
     from fxrewrite import models
 
     if ":" not in spec:
-        if spec not in models.FAMILIES:
-            raise BisectError(f"model {spec!r}: not a built-in ({', '.join(models.FAMILIES)}) nor 'pkg.module:factory'")
+        if spec not in models.MODELS:
+            raise BisectError(f"model {spec!r}: not a built-in ({', '.join(models.MODELS)}) nor 'pkg.module:factory'")
         tokens = build.pop("tokens", 8)
         model = models.build(spec, **build)
         return model, models.example_inputs(model, tokens=tokens)

@@ -23,14 +23,18 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
 * ``1 / sqrt(x)`` and ``reciprocal(sqrt(x))`` -> ``aten.rsqrt``; ``a / sqrt(x)`` -> ``a * rsqrt(x)``
   (equal up to rounding);
 * ``F.silu(x)`` and ``x * sigmoid(x)`` -> ``aten.silu``; ``F.gelu`` -> ``aten.gelu``;
+* ``x.index_select(d, i)`` / ``torch.index_select`` -> ``aten.index_select`` with a negative dim;
 * ``F.linear`` -> ``aten.linear``; ``x @ w.t()`` (``.T``, ``.mT``, ``transpose``, ``permute``; ``matmul``
   or ``mm``) of a matrix ``w`` -> ``aten.linear(x, w)``;
 * ``view`` and ``reshape`` -> ``aten.reshape`` when the input is contiguous (then both are views);
   a reshape to the same shape is removed;
 * ``x[..., a:b:s]``, ``chunk`` and ``split`` along one dim -> ``aten.slice.Tensor`` with a negative
   dim, start 0 for None and end ``sys.maxsize`` for "to the end"; full-range slices are removed;
-* reduction dims -> a list of negative ints; ``flatten`` -> ``aten.flatten.using_ints`` with
-  negative dims;
+* reduction dims -> a list of negative ints (``mean``, ``amax``, ``sum`` over dims);
+  ``flatten`` -> ``aten.flatten.using_ints`` with negative dims (removed when it keeps the shape);
+* ``F.softmax`` / ``torch.softmax`` / ``x.softmax`` -> ``aten.softmax.int(x, dim)`` with a negative
+  dim, its ``dtype=`` argument as a cast before it (what the argument means);
+  ``torch.topk`` / ``x.topk`` -> ``aten.topk`` with every argument bound (dim negative);
 * ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed; ``cat``
   drops operands empty along its dim (and a ``cat`` of one operand is that operand);
   ``permute`` of a ``transpose`` / ``permute`` becomes one permute, and the identity is removed;
@@ -45,6 +49,7 @@ patterns are written with negative dims.
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 from collections.abc import Callable
@@ -66,6 +71,8 @@ POW, RSQRT, SQRT, RECIP = A.pow.Tensor_Scalar, A.rsqrt.default, A.sqrt.default, 
 MEAN, SLICE, RESHAPE, LINEAR = A.mean.dim, A.slice.Tensor, A.reshape.default, A.linear.default
 SILU, GELU, SIGMOID, NEG = A.silu.default, A.gelu.default, A.sigmoid.default, A.neg.default
 CLAMP, AMAX, FLATTEN = A.clamp.default, A.amax.default, A.flatten.using_ints
+INDEX_SELECT = A.index_select.default
+SUM, SOFTMAX, TOPK = A.sum.dim_IntList, A.softmax.int, A.topk.default
 
 COMMUTATIVE = frozenset({ADD, MUL})
 # Canonical ops that may still become no-ops (after a rewrite changed an input's dtype or shape).
@@ -125,6 +132,8 @@ for _fn, _op in ((operator.add, ADD), (operator.sub, SUB), (operator.mul, MUL), 
     _BINARY[("call_function", _fn)] = _op
 
 
+_INDEX_SELECT = {("call_function", torch.index_select), ("call_method", "index_select")}
+
 _CLAMP = {("call_function", f) for f in (torch.clamp, torch.clip, torch.clamp_min, torch.clamp_max)} | {
     ("call_method", m) for m in ("clamp", "clip", "clamp_min", "clamp_max")
 }
@@ -170,6 +179,15 @@ def _empty_along(t: torch.Tensor | None, dim: int) -> bool:
         return False
     n = t.shape[dim]
     return isinstance(n, int) and n == 0
+
+
+def _same_promotion(node: fx.Node, operands: list[Any]) -> bool:
+    """Whether ``operands`` alone promote to the dtype ``node`` returns: an empty float32
+    operand makes ``cat([empty_f32, x_bf16])`` float32, and dropping it would change that."""
+    out, values = meta.tensor(node), [meta.tensor(t) for t in operands]
+    if out is None or any(v is None for v in values):
+        return False
+    return functools.reduce(torch.promote_types, [v.dtype for v in values]) == out.dtype
 
 
 class _Canon:
@@ -255,6 +273,12 @@ class _Canon:
             return self.reduce(node, MEAN)
         if key in (("call_function", torch.amax), ("call_method", "amax")):
             return self.reduce(node, AMAX)
+        if key in (("call_function", torch.sum), ("call_method", "sum")):
+            return self.reduce(node, SUM)
+        if key in (("call_function", F.softmax), ("call_function", torch.softmax), ("call_method", "softmax")):
+            return self.softmax(node)
+        if key in (("call_function", torch.topk), ("call_method", "topk")):
+            return self.topk(node)
         if key in _CLAMP:
             lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
             hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
@@ -263,6 +287,13 @@ class _Canon:
             if meta.is_tensor(lo) or meta.is_tensor(hi):
                 return None  # tensor bounds: clamp.Tensor, not a form rules use
             return self.set(node, CLAMP, (node.args[0], lo, hi))
+        if key in _INDEX_SELECT:  # an engine's cos/sin cache read at the positions
+            x = node.args[0]
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            index = node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
+            if not isinstance(dim, int) or "out" in node.kwargs:
+                return None  # a named dim, or an out= buffer: kept as written
+            return self.set(node, INDEX_SELECT, (x, self.neg_dim(x, dim), index))
         if key in (("call_function", F.gelu),):
             return self.set(node, GELU, (node.args[0],), {"approximate": node.kwargs.get("approximate", "none")})
         if key in (("call_function", F.linear), ("call_function", torch._C._nn.linear)):
@@ -275,6 +306,8 @@ class _Canon:
             x = node.args[0]
             start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
             end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+            if meta.same_shape(node, x):
+                return self.drop(node, x)  # flattening a 1-d tensor (an engine's positions)
             return self.set(node, FLATTEN, (x, self.neg_dim(x, start), self.neg_dim(x, end)))
         if key == ("call_method", "contiguous"):
             t = meta.tensor(node.args[0])
@@ -349,7 +382,8 @@ class _Canon:
             return None
         if op is DIV and a == 1:
             return None
-        args = (self.uncast(a, b), self.uncast(b, a))
+        first = self.uncast(a, b)
+        args = (first, self.uncast(b, first))  # x.float() + y.float(): promotion makes one cast, not both
         self.set(node, op, args)
         for old in {a, b} - set(args):
             if not old.users:  # a cast read nowhere else
@@ -380,7 +414,7 @@ class _Canon:
         if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int):
             return None
         keep = [t for t in tensors if not _empty_along(meta.tensor(t), dim)]
-        if len(keep) == len(tensors) or not keep:
+        if len(keep) == len(tensors) or not keep or not _same_promotion(node, keep):
             return None
         if len(keep) == 1 and meta.same_shape(node, keep[0]) and not any(meta.written_args(u) for u in node.users):
             return self.drop(node, keep[0])
@@ -445,6 +479,30 @@ class _Canon:
             return
         dims = [self.neg_dim(x, d) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
         self.set(node, op, (x, dims, keepdim))
+
+    def softmax(self, node: fx.Node) -> None:
+        """``softmax(x, dim, dtype=d)`` casts ``x`` to ``d`` first (so documented): the cast
+        becomes its own node, and a softmax in the input's dtype is the one form."""
+        x = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        at = 3 if node.target is F.softmax else 2  # F.softmax(input, dim, _stacklevel, dtype)
+        dtype = node.args[at] if len(node.args) > at else node.kwargs.get("dtype")
+        if not isinstance(dim, int) or not meta.is_tensor(x) or (dtype is not None and not isinstance(dtype, torch.dtype)):
+            return None  # softmax without a dim picks one by rank (deprecated): kept as written
+        if dtype is not None and self.dtype(x) != dtype:
+            x = self.new(node, CAST, (x, dtype))
+        self.set(node, SOFTMAX, (x, self.neg_dim(x, dim)))
+        return None
+
+    def topk(self, node: fx.Node) -> None:
+        x = node.args[0]
+        args = dict(zip(("self", "k", "dim", "largest", "sorted"), node.args))
+        args.update(node.kwargs)
+        if "out" in args or "k" not in args or not meta.is_tensor(x):
+            return None
+        dim = self.neg_dim(x, args.get("dim", -1))
+        self.set(node, TOPK, (x, args["k"], dim, args.get("largest", True), args.get("sorted", True)))
+        return None
 
     def to(self, node: fx.Node) -> None:
         x, rest = node.args[0], list(node.args[1:])

@@ -12,7 +12,9 @@ pattern node with a graph node:
 * a cast in the pattern pairs with nothing when the graph value already has that dtype (the
   canonicalizer removed the no-op cast), or when it is an operand of ``+ - * /`` that promotes
   it to that dtype anyway (the canonicalizer removed that cast too);
-* literals compare equal (``2 == 2.0``, lists element-wise).
+* literals compare equal (``2 == 2.0``, lists element-wise);
+* an output off the walk (one operation on values it paired, such as vLLM's cast of the residual
+  sum beside the norm that reads it) pairs with a graph reader of their graph nodes.
 
 A structural match is then checked: internal nodes used outside the match (containment), the
 rule's guard, and no output that another node reads before the match's end (which would need
@@ -265,6 +267,28 @@ class _Walker:
         for args in orders:
             yield from self.seq(pa + pk, args + gk, st, wheres)
 
+    def side(self, ps: list[fx.Node], st: _State) -> Iterator[_State]:
+        """Pair the pattern's outputs off the walk from the anchor: each is one operation on nodes
+        the walk paired, so its graph node reads theirs (a cast the graph elided is the node)."""
+        if not ps:
+            yield st
+            return
+        p = ps[0]
+        src = p.all_input_nodes[0]
+        g_src = st.binds.get(src.target) if src.op == "placeholder" else st.nodes.get(src)
+        if not isinstance(g_src, fx.Node):
+            self.fail(st, f"output `{p.name}` reads `{src.name}`, which is not a graph value here", None)
+            return
+        readers = [u for u in g_src.users if u.op == "call_function" and u.target == p.target and u not in st.owner]
+        paired = False
+        elided = self.elided_cast(p, g_src, st) if p.target is CAST else iter(())
+        for st1 in [*elided, *(st2 for g in readers for st2 in self.node(p, g, st))]:
+            paired = True
+            yield from self.side(ps[1:], st1)
+        if not paired:
+            self.fail(st, f"no reader of `{g_src.name}` computes the pattern's output `{p.name}` "
+                      f"(`{_target_name(p.target)}`)", g_src)  # fmt: skip
+
     def elided_cast(self, p: fx.Node, g: Any, st: _State, where: _Where = None) -> Iterator[_State]:
         """A pattern cast pairs with nothing when ``g`` already has the cast's dtype, or when
         ``g`` is an operand of ``+ - * /`` whose type promotion makes the cast anyway (the
@@ -299,7 +323,8 @@ def match_at(rule: Rule, anchor: fx.Node) -> Match | Failure:
     w = _Walker(rule)
     cr = w.cr
     st0 = _State({}, {}, {}, set())
-    for st in w.node(cr.anchor, anchor, st0):
+    walks = (st for st1 in w.node(cr.anchor, anchor, st0) for st in w.side(cr.side_outputs, st1))
+    for st in walks:
         m = Match(rule, anchor, st.nodes, st.binds, st.elided)
         why, at = _check(m)
         if why is None:

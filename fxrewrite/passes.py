@@ -68,12 +68,14 @@ class RuleGroup:
 class GraphPass:
     """A library's named pass that is a function of the graph, not rules:
     ``fn(gm, **{f: getattr(config, f) for f in options})``; ``switch``: a boolean ``Config``
-    field that turns it off."""
+    field that turns it off; ``fusion``: it fuses as the rule groups do (``fuse_moe``), so
+    ``Config.rules`` replaces it with them."""
 
     name: str
     fn: Callable[..., PassResult]
     options: tuple[str, ...] = ()
     switch: str | None = None
+    fusion: bool = False
 
     def bind(self, config: Config) -> Pass:
         """The ``Pass`` that runs ``fn`` with ``config``'s values of ``options``."""

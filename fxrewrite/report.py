@@ -157,8 +157,9 @@ class Report:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str)
 
-    def table(self) -> str:
-        """A plain-text report: passes, rules, near misses, rejected rewrites."""
+    def table(self, notes: bool = True) -> str:
+        """A plain-text report: passes, rules, near misses, rejected rewrites, and the passes'
+        notes (``notes=False``: only how many there are)."""
         out: list[str] = []
         for i, g in enumerate(self.graphs):
             out.append(f"graph {i}: {g.nodes_before} nodes -> {g.nodes_after} nodes, rewrite {g.rewrite_ms:.1f} ms")
@@ -182,8 +183,10 @@ class Report:
                 out.append("near misses: none")
             for r in g.rejected:
                 out.append(f"REJECTED {r.rule} at {r.site} ({r.source}): {r.reason}")
-            for note in g.notes:
-                out.append(f"note: {note}")
+            if notes:
+                out.extend(f"note: {note}" for note in g.notes)
+            elif g.notes:
+                out.append(f"notes: {len(g.notes)} (not shown)")
             if g.runtime:
                 out.append("runtime: " + ", ".join(f"{k}={v}" for k, v in g.runtime.items()))
         if self.providers:

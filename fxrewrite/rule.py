@@ -187,6 +187,9 @@ class CompiledRule:
     anchor: fx.Node
     outputs: list[fx.Node]
     op_count: int
+    # outputs off the walk from the anchor: one operation on values the walk pairs (vLLM's
+    # `residual = sum.to(dtype)` beside the norm that reads the sum)
+    side_outputs: list[fx.Node] = dataclasses.field(default_factory=list)
 
     @property
     def anchor_targets(self) -> set[Any]:
@@ -210,10 +213,13 @@ class CompiledRule:
         if not isinstance(anchor, fx.Node) or anchor.op != "call_function":
             raise RuleError(f"rule {rule.name!r}: the pattern's first output must be an operation, got {anchor}")
         ancestors = meta.ancestors(anchor)
-        for o in outputs[1:]:
-            if o not in ancestors:
+        side = [o for o in outputs[1:] if o not in ancestors]
+        for o in side:
+            if not (isinstance(o, fx.Node) and o.op == "call_function" and o.all_input_nodes
+                    and all(a in ancestors for a in o.all_input_nodes)):  # fmt: skip
                 raise RuleError(
-                    f"rule {rule.name!r}: pattern output {o} is not computed on the way to the first output {anchor}"
+                    f"rule {rule.name!r}: pattern output {o} is not computed on the way to the first output "
+                    f"{anchor}, nor by one operation on values that are"
                 )
         replacement = trace(rule.name, "replacement", rule.replacement, rule.scalars, params)
         _check_outputs(rule.name, "replacement", replacement, len(outputs))
@@ -227,7 +233,7 @@ class CompiledRule:
         if rule.via == "subgraph_rewriter" and rule.scalars:
             raise RuleError(f"rule {rule.name!r}: torch.fx.subgraph_rewriter rules cannot have scalar wildcards")
         ops = sum(1 for n in pattern.graph.nodes if n.op == "call_function")
-        return cls(pattern, replacement, inplace, params, anchor, outputs, ops)
+        return cls(pattern, replacement, inplace, params, anchor, outputs, ops, side)
 
 
 def trace(

@@ -56,7 +56,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -275,10 +275,17 @@ def extract(m: Match) -> tuple[fx.GraphModule, list[fx.Node]]:
     and anything else an internal node reads), in the order returned; it returns the values of
     the pattern's outputs.
     """
+    return extract_nodes(m.internal, [m.nodes[o] for o in m.rule.compiled.outputs])
+
+
+def extract_nodes(internal: Sequence[fx.Node], outputs: Sequence[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """``internal`` (graph nodes in graph order) copied into a standalone GraphModule whose
+    placeholders stand for the nodes they read from outside, in the order returned, and which
+    returns the values of ``outputs``. Graph passes that prove a region numerically use it too
+    (``rewrites/moe.py``)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs: list[fx.Node] = []
-    internal = m.internal
     inside = set(internal)
 
     def arg(n: fx.Node) -> fx.Node:
@@ -291,11 +298,7 @@ def extract(m: Match) -> tuple[fx.GraphModule, list[fx.Node]]:
 
     for n in internal:
         env[n] = graph.node_copy(n, arg)
-    outs = []
-    for o in m.rule.compiled.outputs:
-        g = m.nodes[o]
-        outs.append(env[g] if g in env else arg(g))
-    graph.output(tuple(outs))
+    graph.output(tuple(env[g] if g in env else arg(g) for g in outputs))
     return fx.GraphModule(torch.nn.Module(), graph), inputs
 
 
@@ -306,7 +309,7 @@ def _replacement(m: Match) -> fx.GraphModule:
     return cr.replacement
 
 
-def _run(gm: fx.GraphModule, args: Sequence[Any]) -> list[Any]:
+def run_graph(gm: fx.GraphModule, args: Sequence[Any]) -> list[Any]:
     """Run ``gm`` on clones: one clone per distinct tensor, so arguments bound to one graph node
     alias each other as they do in the graph (an in-place kernel sees the same aliasing)."""
     clones: dict[int, torch.Tensor] = {}
@@ -326,7 +329,7 @@ def check(m: Match, seed: int = 0) -> str | None:
         return f"verify: cannot check this site: {e}"
     where = _where(m, values)
     try:
-        expected = _run(sub, [values[n] for n in ext])
+        expected = run_graph(sub, [values[n] for n in ext])
     except Exception as e:  # noqa: BLE001 - any failure means the site is unchecked
         return f"verify: the matched subgraph fails on random inputs ({type(e).__name__}: {e}) on {where}"
     rep = _replacement(m)
@@ -336,18 +339,20 @@ def check(m: Match, seed: int = 0) -> str | None:
             b = m.bindings[p.target]
             args.append(values[b] if isinstance(b, fx.Node) else b)
     try:
-        got = _run(rep, args)
+        got = run_graph(rep, args)
     except Exception as e:  # noqa: BLE001 - the replacement is what we check
         return f"verify: the replacement raised {type(e).__name__}: {e} on {where}"
     if len(got) != len(expected):
         return f"verify: the replacement returns {len(got)} value(s), the subgraph {len(expected)} on {where}"
     exact: list[Any] | None = None
+
+    def exact_output(i: int) -> Any:
+        nonlocal exact
+        exact = run_float64(sub, [values[n] for n in ext]) if exact is None else exact
+        return exact[i] if i < len(exact) else None
+
     for i, (a, b) in enumerate(zip(got, expected)):
-        why = compare(a, b)
-        if why is not None and _low_precision(a, b):
-            exact = _run_float64(sub, [values[n] for n in ext]) if exact is None else exact
-            if exact and _no_less_accurate(a, b, exact[i]):
-                why = None
+        why = agrees(a, b, lambda i=i: exact_output(i))
         if why is None:
             continue
         out = f" in output {i}" if len(expected) > 1 else ""
@@ -367,12 +372,23 @@ def _low_precision(a: Any, b: Any) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.dtype in LOW_PRECISION
 
 
-def _run_float64(sub: fx.GraphModule, args: Sequence[Any]) -> list[Any]:
+def agrees(got: Any, want: Any, exact: Callable[[], Any]) -> str | None:
+    """None if ``got`` (the replacement's output) matches ``want`` (the replaced code's) within
+    the dtype's tolerance, or in bf16/fp16 is no less accurate than ``want`` against
+    ``exact()`` (the replaced code in float64: :func:`run_float64`; called only then); else the
+    reason."""
+    why = compare(got, want)
+    if why is not None and _low_precision(got, want) and _no_less_accurate(got, want, exact()):
+        return None
+    return why
+
+
+def run_float64(sub: fx.GraphModule, args: Sequence[Any]) -> list[Any]:
     """The matched subgraph on the same inputs upcast to float64 (its own casts still round);
     [] when it does not run so."""
     up = [a.double() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point else a for a in args]
     try:
-        return _run(sub, up)
+        return run_graph(sub, up)
     except Exception:  # noqa: BLE001 - no exact reference: the dtype tolerance decides
         return []
 

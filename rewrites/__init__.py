@@ -6,11 +6,13 @@ last rule group, cleanup last). Nothing registers itself at import time.
 """
 
 from fxrewrite.passes import GraphPass, RuleGroup, Step
-from fxrewrite.rewrites import activation, collective, linear, merge, norm, quant, rotary
+from fxrewrite.rewrites import activation, collective, linear, merge, moe, norm, quant, rotary
 
 PIPELINE: tuple[Step, ...] = (
     # one GEMM for linears that read the same input (Config.merge_siblings)
     GraphPass("merge_siblings", merge.merge_sibling_linears, switch="merge_siblings"),
+    # router + experts -> fxr.moe: before the activation rules, which would take the experts' SiLU-and-mul
+    GraphPass("fuse_moe", moe.fuse_moe, fusion=True),
     # all-reduce + add + norm (tensor parallel): first, or the add + norm rules would take its sites
     RuleGroup("fuse_collective", collective.RULES),
     RuleGroup("fuse_norm_quant", quant.NORM_RULES),
@@ -27,4 +29,4 @@ PIPELINE: tuple[Step, ...] = (
     GraphPass("fold_rotary", rotary.fold_rotary_tables, options=("max_positions",)),
 )
 
-__all__ = ["PIPELINE", "activation", "collective", "linear", "merge", "norm", "quant", "rotary"]
+__all__ = ["PIPELINE", "activation", "collective", "linear", "merge", "moe", "norm", "quant", "rotary"]

@@ -6,7 +6,9 @@
                                                   %up   = aten.slice(%y, -1, I, MAX)
 
 After this, the HF two-projection MLP ``down(silu(gate(x)) * up(x))`` has the slices that the
-SiLU-and-mul rule needs, and q/k/v projections run as one GEMM.
+SiLU-and-mul rule needs, and q/k/v projections run as one GEMM. A gate and up pair merges on its
+own (gate rows first) even where more linears read the same input (an MoE router and a shared
+expert's gate beside a shared expert): the other siblings form a GEMM of their own.
 
 Memory does not grow: the module's parameters are re-laid as views into the concatenated buffer
 (``param.data = merged[rows]``), so the module keeps working (eager calls, ``load_state_dict``
@@ -30,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from fxrewrite import meta
-from fxrewrite.canonicalize import LINEAR, SLICE
+from fxrewrite.canonicalize import GELU, LINEAR, MUL, SILU, SLICE
 from fxrewrite.report import PassResult, Site
 
 
@@ -92,15 +94,17 @@ def merge_sibling_linears(gm: fx.GraphModule) -> PassResult:
     result = PassResult()
     fake_mode = meta.fake_mode_of(gm.graph)
     groups: dict[tuple, list[fx.Node]] = defaultdict(list)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is LINEAR:
             key = _group_key(n)
             if key is not None:
                 groups[key].append(n)
     for key, lins in groups.items():
-        if len(lins) < 2:
-            continue
-        _merge(gm, lins, key[4], fake_mode, result)
+        pairs, rest = _gated_pairs(lins)
+        for group in [*pairs, rest]:
+            if len(group) >= 2:
+                _merge(gm, group, min(group, key=order.__getitem__), key[4], fake_mode, result)
     return result
 
 
@@ -111,12 +115,34 @@ def relaid(*params: torch.Tensor) -> torch.Tensor:
     return _merged(list(params))
 
 
-def _merge(gm: fx.GraphModule, lins: list[fx.Node], no_bias: bool, fake_mode: object, result: PassResult) -> None:
+def _gated_pairs(lins: list[fx.Node]) -> tuple[list[list[fx.Node]], list[fx.Node]]:
+    """The (gate, up) pairs among sibling linears, whose outputs meet in ``act(gate) * up``
+    (SiLU or GELU), and the other linears. A pair merges on its own, gate rows first, so that
+    the product reads the two halves of one GEMM: the form of the gated-activation rules. A
+    router or a gate scalar reading the same input (Qwen2-MoE's shared expert, its router and
+    its ``shared_expert_gate``) merges apart, not in between."""
+    pairs: list[list[fx.Node]] = []
+    paired: set[fx.Node] = set()
+    for gate in lins:
+        for act in gate.users:
+            if act.target not in (SILU, GELU) or len(act.users) != 1:
+                continue
+            mul = next(iter(act.users))
+            up = mul.args[1] if mul.args[0] is act else mul.args[0]
+            if mul.target is MUL and up in lins and up is not gate and not paired & {gate, up}:
+                pairs.append([gate, up])
+                paired |= {gate, up}
+    return pairs, [n for n in lins if n not in paired]
+
+
+def _merge(gm: fx.GraphModule, lins: list[fx.Node], first: fx.Node, no_bias: bool, fake_mode: object,
+           result: PassResult) -> None:  # fmt: skip
+    """One GEMM for ``lins`` (their rows in that order), placed where ``first`` (the earliest
+    of them in the graph) was."""
     weights = [_param(n.args[1]) for n in lins]
     merged_w = _merged(weights)  # type: ignore[arg-type]
     merged_b = None if no_bias else _merged([_param(n.args[2]) for n in lins])  # type: ignore[misc]
     index = sum(1 for name in gm.meta.get("fxr_constants", ()) if name.startswith("fxr_merged_") and not name.endswith("_bias"))
-    first = lins[0]
     graph = gm.graph
     with graph.inserting_before(first):
         w = meta.constant_node(gm, f"fxr_merged_{index}", merged_w, fake_mode, rebuild=(relaid, [n.args[1] for n in lins]))

@@ -81,6 +81,14 @@ def add_rms_norm_replacement(x, residual, weight, eps):
     return out[0], out[1]
 
 
+# the add in float32, as vLLM writes it: s = x.float() + residual.float(); norm(s); the new residual
+# is s cast back -> fxr.fused_add_rms_norm(x, residual, weight, eps). In float32 every cast is a
+# no-op and this is add_rms_norm's pattern, which comes first and takes those sites.
+def add_rms_norm_f32_sum_pattern(x, residual, weight, eps, dtype):
+    s = x.to(torch.float32) + residual.to(torch.float32)
+    return weight * _normed(s, eps).to(dtype), s.to(dtype)
+
+
 # (weight * norm(x.float())).to(dtype): scaled in float32, rounded once -> fxr.rms_norm(x, weight, eps, True)
 def rms_norm_cast_last_pattern(x, weight, eps, dtype):
     return (weight * _normed(x, eps)).to(dtype)
@@ -116,6 +124,12 @@ def gemma_add_rms_norm_pattern(x, residual, weight, eps, dtype):
     return (_normed(s, eps) * (1.0 + weight.to(torch.float32))).to(dtype), s
 
 
+# Gemma's, with the add in float32 -> fxr.gemma_fused_add_rms_norm(x, residual, weight, eps)
+def gemma_add_rms_norm_f32_sum_pattern(x, residual, weight, eps, dtype):
+    s = x.to(torch.float32) + residual.to(torch.float32)
+    return (_normed(s, eps) * (1.0 + weight.to(torch.float32))).to(dtype), s.to(dtype)
+
+
 def gemma_add_rms_norm_replacement(x, residual, weight, eps):
     out = torch.ops.fxr.gemma_fused_add_rms_norm(x, residual, weight, eps)
     return out[0], out[1]
@@ -145,6 +159,10 @@ ADD_RMS_NORM = Rule(
     inplace=InPlace(add_rms_norm_inplace, OVERWRITES),
 )  # fmt: skip
 
+ADD_RMS_NORM_F32_SUM = Rule(
+    "add_rms_norm_f32_sum", add_rms_norm_f32_sum_pattern, add_rms_norm_replacement, add_norm_guard, WILDCARDS,
+    inplace=InPlace(add_rms_norm_inplace, OVERWRITES),
+)  # fmt: skip
 RMS_NORM_CAST_LAST = Rule(
     "rms_norm_cast_last", rms_norm_cast_last_pattern, rms_norm_cast_last_replacement, cast_last_guard, WILDCARDS
 )
@@ -159,9 +177,15 @@ GEMMA_ADD_RMS_NORM = Rule(
     inplace=InPlace(gemma_add_rms_norm_inplace, OVERWRITES),
 )  # fmt: skip
 
+GEMMA_ADD_RMS_NORM_F32_SUM = Rule(
+    "gemma_add_rms_norm_f32_sum", gemma_add_rms_norm_f32_sum_pattern, gemma_add_rms_norm_replacement,
+    add_norm_guard, WILDCARDS, inplace=InPlace(gemma_add_rms_norm_inplace, OVERWRITES),
+)  # fmt: skip
+
 # add + norm first: it contains the plain norm, which would otherwise claim its sites. Gemma
 # before plain: in float32 (casts elided) the plain pattern also matches Gemma's norm, binding
 # `1 + w` as its weight; the Gemma op computes that in float32 in one kernel.
 RULES: list[Rule] = [
-    GEMMA_ADD_RMS_NORM, ADD_RMS_NORM, ADD_RMS_NORM_CAST_LAST, GEMMA_RMS_NORM, RMS_NORM, RMS_NORM_CAST_LAST,
+    GEMMA_ADD_RMS_NORM, GEMMA_ADD_RMS_NORM_F32_SUM, ADD_RMS_NORM, ADD_RMS_NORM_F32_SUM, ADD_RMS_NORM_CAST_LAST,
+    GEMMA_RMS_NORM, RMS_NORM, RMS_NORM_CAST_LAST,
 ]  # fmt: skip

@@ -297,7 +297,8 @@ class _Tables:
             if i is not None and isinstance(n.args[i], fx.Node) and n.args[i].op in ("placeholder", "get_attr"):
                 table = self._value(n.args[i], {})
                 if isinstance(table, torch.Tensor) and table.dim() >= 1:
-                    bounds.append(table.shape[0])
+                    along = n.args[1] if n.target is torch.ops.aten.index_select.default else 0  # its dim
+                    bounds.append(table.shape[along])
         return min(bounds) if bounds else default
 
     def _value(self, node: Any, env: dict[fx.Node, Any]) -> Any:

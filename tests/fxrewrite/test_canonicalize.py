@@ -157,6 +157,16 @@ def test_a_widening_cast_that_promotion_makes_anyway_is_removed() -> None:
     assert sorted(str(n.args[1]) for n in calls(r, CAST)) == ["torch.bfloat16", "torch.float32"]
 
 
+def test_of_two_widening_casts_one_stays() -> None:
+    """``x.float() + y.float()`` with both bfloat16 (vLLM's residual add): promotion makes one
+    cast, not both; dropping both would add in bfloat16."""
+    bf = x2d(dtype=torch.bfloat16)
+    r = canon(lambda x, y: x.float() + y.float(), bf, x2d(dtype=torch.bfloat16),
+              expect={"prims.convert_element_type": 1, "aten.add": 1})  # fmt: skip
+    [cast] = calls(r, CAST)
+    assert calls(r, A.add.Tensor)[0].args == (placeholder(r, "x"), cast) and cast.args[0] is placeholder(r, "y")
+
+
 # -- elementwise forms ------------------------------------------------------------------------
 
 
@@ -247,6 +257,44 @@ def test_positive_reduction_dims_become_negative() -> None:
     assert [n.args[1] for n in calls(r, A.mean.dim)] == [[-2], [-3, -2], [-3]]
 
 
+def test_sum_over_dims_becomes_aten_sum_and_full_sums_stay() -> None:
+    r = canon(lambda x: (x.sum(-1, keepdim=True), torch.sum(x, dim=1), x.sum(), x.sum(-1, dtype=torch.float64)),
+              x2d(2, 4, 8), before={"method.sum": 3, "torch.sum": 1}, expect={"aten.sum": 2, "method.sum": 2})  # fmt: skip
+    assert [n.args[1:] for n in calls(r, A.sum.dim_IntList)] == [([-1], True), ([-2], False)]
+
+
+# -- routing: softmax and top-k ----------------------------------------------------------------
+
+
+def _softmaxes(x):
+    return (F.softmax(x, dim=-1), torch.softmax(x, 1), x.softmax(dim=-1), F.softmax(x, -1, dtype=torch.float32),
+            torch.softmax(x, -1, torch.float32), x.float().softmax(-1))  # fmt: skip
+
+
+def test_softmax_forms_become_aten_softmax_with_its_dtype_as_a_cast() -> None:
+    """``softmax(x, dtype=float32)`` casts ``x`` first (so documented): the same nodes as
+    ``softmax(x.float())``; the negative twins keep the input's dtype."""
+    r = canon(_softmaxes, x2d(dtype=torch.bfloat16), before={"torch.nn.functional.softmax": 2, "torch.softmax": 2},
+              expect={"aten.softmax": 6, "prims.convert_element_type": 3}, absent=["method", "torch"])  # fmt: skip
+    soft = calls(r, A.softmax.int)
+    assert [n.args[1:] for n in soft] == [(-1, None)] * 6
+    inputs = [n.args[0] for n in soft]
+    assert [i.target is CAST and i.args[1] is torch.float32 for i in inputs] == [False] * 3 + [True] * 3
+    assert [meta_dtype(n) for n in soft] == [torch.bfloat16] * 3 + [torch.float32] * 3
+
+
+def meta_dtype(n: fx.Node) -> torch.dtype:
+    return n.meta["example_value"].dtype
+
+
+def test_topk_forms_become_aten_topk_with_every_argument() -> None:
+    r = canon(lambda x: (torch.topk(x, 2), x.topk(2, dim=1), torch.topk(x, k=3, dim=-1, largest=False, sorted=False)),
+              x2d(), before={"torch.topk": 2, "method.topk": 1}, expect={"aten.topk": 3},
+              absent=["method", "torch"])  # fmt: skip
+    assert [n.args[1:] for n in calls(r, A.topk.default)] == [(2, -1, True, True), (2, -1, True, True),
+                                                              (3, -1, False, False)]  # fmt: skip
+
+
 # -- shapes and views -------------------------------------------------------------------------
 
 
@@ -294,6 +342,34 @@ def test_flatten_method_and_function_become_one_op_with_negative_dims() -> None:
     assert [tuple(n.args[1:]) for n in calls(r, A.flatten.using_ints)] == [(-2, -1), (-2, -1), (-3, -2)]
 
 
+def test_flatten_that_keeps_the_shape_is_removed() -> None:
+    r = canon(lambda p, x: (p.flatten() + 1, x.flatten() + 1), torch.arange(6), x2d(2, 3),
+              before={"method.flatten": 2}, expect={"aten.flatten": 1})  # fmt: skip
+    assert outputs(r)[0].args[0] is placeholder(r, "p"), "an engine's 1-d positions: nothing to flatten"
+    assert calls(r, A.flatten.using_ints)[0].args[0] is placeholder(r, "x"), "negative twin: 2-d is flattened"
+
+
+def test_index_select_method_and_function_become_aten_index_select() -> None:
+    cache, pos = x2d(16, 8), torch.tensor([3, 0, 7])
+    r = canon(lambda c, i: (c.index_select(0, i), torch.index_select(c, dim=1, index=i)), cache, pos,
+              before={"method.index_select": 1, "torch.index_select": 1}, expect={"aten.index_select": 2},
+              absent=["method.index_select", "torch.index_select"])  # fmt: skip
+    assert [n.args[1] for n in calls(r, A.index_select.default)] == [-2, -1]
+
+
+def _cat_with_empty(x):
+    empty = x[..., 16:]  # the pass-through part of a rotary that rotates the whole head
+    return torch.cat((x * 2, empty), dim=-1), torch.cat((x, empty, x + 1), dim=-1), torch.cat((x, x), dim=-1)
+
+
+def test_cat_drops_operands_empty_along_its_dim() -> None:
+    r = canon(Merged(_cat_with_empty), x2d(2, 3, 8), before={"torch.cat": 3}, expect={"torch.cat": 2})
+    first, second, third = outputs(r)
+    assert first.target is A.mul.Tensor, "a cat of one non-empty tensor is that tensor"
+    assert len(second.args[0]) == 2, "the empty operand is dropped"
+    assert len(third.args[0]) == 2, "negative twin: nothing empty, nothing dropped"
+
+
 def test_contiguous_on_contiguous_is_removed() -> None:
     r = canon(lambda x: (x.contiguous() + 1, x.t().contiguous()), x2d(),
               before={"method.contiguous": 2}, expect={"method.contiguous": 1})  # fmt: skip
@@ -315,7 +391,9 @@ def _cache_cats(x):
     # a KV cache that starts as torch.tensor([]): cat skips the 1-D empty at any dim
     first = torch.cat([x.new_zeros(0), x * 5], dim=-2)
     rows = torch.cat([x.new_zeros(0, 8), x * 6], dim=0)
-    return first, rows
+    # negative twin: the empty float32 operand makes the result float32; dropping it would not
+    promoted = torch.cat([x.new_zeros(0, 8), x.to(torch.bfloat16) * 7], dim=0)
+    return first, rows, promoted
 
 
 def test_cat_drops_operands_empty_along_its_dim() -> None:
@@ -325,7 +403,8 @@ def test_cat_drops_operands_empty_along_its_dim() -> None:
 
 
 def test_cat_drops_the_legacy_empty_operand_at_any_dim() -> None:
-    canon(_cache_cats, x2d(4, 8), before={"torch.cat": 2}, expect={"torch.cat": 0}, dynamic=False)
+    r = canon(_cache_cats, x2d(4, 8), before={"torch.cat": 3}, expect={"torch.cat": 1}, dynamic=False)
+    assert outputs(r)[2].meta["example_value"].dtype == torch.float32
 
 
 def test_expand_to_the_same_shape_is_removed() -> None:

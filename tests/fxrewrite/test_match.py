@@ -136,6 +136,20 @@ RELU_SUB = Rule("relu_sub", relu_sub, _relu_then("sub"))
 ADD_RELU = Rule("add_relu", add_then_relu, add_relu_replacement)
 ADD_RELU_INPLACE = Rule("add_relu", add_then_relu, add_relu_replacement, inplace=InPlace(add_relu_inplace, ("x",)))
 ADD_RELU_BOTH = Rule("add_relu_both", add_relu_and_sum, add_relu_both_replacement)
+
+
+# relu(s) and -s: the second output is off the walk back from relu, one operation on the sum
+def add_relu_and_neg_sum(x, y):
+    s = x + y
+    return torch.relu(s), -s
+
+
+def add_relu_both_neg_replacement(x, y):
+    out = torch.ops.fxrtest.add_relu_both(x, y)
+    return out[0], -out[1]
+
+
+ADD_RELU_NEG = Rule("add_relu_neg", add_relu_and_neg_sum, add_relu_both_neg_replacement)
 RMS = Rule("rms", rms, rms_replacement, scalars={"eps": EPS})
 RMS_CASTS = Rule("rms_casts", rms_with_casts, rms_replacement, casts_back, {"eps": EPS, "dtype": Scalar(torch.dtype)})
 
@@ -232,6 +246,27 @@ def test_several_outputs_both_used_downstream() -> None:
     r = check_rewrite(f, t(), t(), rules=[ADD_RELU_BOTH], expect={"fxrtest.add_relu_both": 1, "aten.mul": 2},
                       absent=["aten.add", "aten.relu"])  # fmt: skip
     assert r.report.rules() == {"add_relu_both": 1}
+
+
+def test_an_output_off_the_walk_pairs_with_a_reader_of_a_matched_node() -> None:
+    def f(a, b):
+        s = a + b
+        n = -s  # computed before the relu, as vLLM casts the residual sum before its norm
+        return torch.relu(s) * 2, n * 3
+
+    r = check_rewrite(f, t(), t(), rules=[ADD_RELU_NEG], expect={"fxrtest.add_relu_both": 1, "aten.neg": 1},
+                      absent=["aten.add", "aten.relu"])  # fmt: skip
+    assert r.report.rules() == {"add_relu_neg": 1}
+
+
+def test_an_output_off_the_walk_that_nothing_computes_is_a_near_miss() -> None:
+    def f(a, b):
+        s = a + b
+        return torch.relu(s) * 2, torch.exp(s)  # the sum's other reader is not the pattern's neg
+
+    r = check_rewrite(f, t(), t(), rules=[ADD_RELU_NEG], expect={"aten.add": 1, "aten.relu": 1})
+    [miss] = r.report.near_misses
+    assert miss.reason.startswith("no reader of `s` computes the pattern's output"), miss.reason
 
 
 def _unrelated_outputs(x, y):
@@ -429,7 +464,8 @@ def test_a_pattern_upcast_pairs_with_nothing_where_promotion_makes_it(x_dtype: t
     ("replacement", "why"),
     [(lambda x: torch.relu(x).to(torch.float64), "is torch.float64, the pattern's torch.float32"),
      (lambda x: torch.sum(torch.relu(x), -1), "replacement output shape (s77,) != pattern's (s77, s27)"),
-     (lambda x: torch.relu(x).sum(-1), "has no fake value")],
+     # a method canonicalize leaves as written: its node gets no fake value (sum now gets one)
+     (lambda x: torch.relu(x).prod(-1), "has no fake value")],
     ids=["dtype", "shape", "unknown"],
 )  # fmt: skip
 def test_replacement_with_other_dtype_or_shape_is_rejected(replacement: Any, why: str) -> None:

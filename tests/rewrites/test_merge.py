@@ -158,3 +158,47 @@ def test_mixed_bias_merges_only_the_linears_alike() -> None:
     r = check(model, torch.randn(4, 64), expect={"silu_and_mul": 1})
     assert [s.module for s in sites(r, "merge_siblings")] == ["q_proj + v_proj", GATE_UP]
     assert r.counts()["aten.linear"] == 5
+
+
+class SharedExpert(torch.nn.Module):
+    """Qwen2-MoE's shared expert beside its router: four linears read the same input."""
+
+    def __init__(self, hidden: int = 64, inter: int = 96, experts: int = 8, up_first: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.shared_gate = torch.nn.Linear(hidden, 1, bias=False)
+        self.up_first = up_first
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.up_first:  # the product spelled up * act(gate), up computed first
+            up = self.up_proj(x)
+            h = up * F.silu(self.gate_proj(x))
+        else:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        return torch.sigmoid(self.shared_gate(x)) * self.down_proj(h), self.router(x)
+
+
+@pytest.mark.parametrize("up_first", [False, True], ids=["gate-first", "up-first"])
+def test_gate_up_pair_merges_apart_from_other_siblings_gate_rows_first(up_first: bool) -> None:
+    """A router and a gate scalar reading the shared expert's input merge with each other, not
+    in between gate and up: the pair stays the two halves SiLU-and-mul fuses, gate first
+    whatever order the code computes them in."""
+    model = SharedExpert(up_first=up_first)
+    r = check(model, torch.randn(4, 64), expect={"silu_and_mul": 1})
+    assert [s.module for s in sites(r, "merge_siblings")] == ["gate_proj + up_proj", "shared_gate + router"]
+    assert r.counts()["aten.linear"] == 3  # gate_up, router + shared_gate, down
+    assert not r.report.near_misses
+
+
+def test_siblings_without_a_gated_product_stay_one_group() -> None:
+    """Negative twin: silu(a) + b is no gated pair; the three linears merge as one GEMM."""
+
+    class NotGated(SharedExpert):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return F.silu(self.gate_proj(x)) + self.up_proj(x), self.router(x)
+
+    r = check(NotGated(), torch.randn(4, 64), expect={})
+    assert [s.module for s in sites(r, "merge_siblings")] == ["gate_proj + up_proj + router"]

@@ -468,8 +468,9 @@ def test_add_rms_norm_cast_last_in_place(dtype: torch.dtype) -> None:
 
 
 def test_rule_order_puts_add_norm_before_norm_and_gemma_before_plain() -> None:
-    assert norm.RULES == [norm.GEMMA_ADD_RMS_NORM, norm.ADD_RMS_NORM, norm.ADD_RMS_NORM_CAST_LAST,
-                          norm.GEMMA_RMS_NORM, norm.RMS_NORM, norm.RMS_NORM_CAST_LAST]  # fmt: skip
+    assert norm.RULES == [norm.GEMMA_ADD_RMS_NORM, norm.GEMMA_ADD_RMS_NORM_F32_SUM, norm.ADD_RMS_NORM,
+                          norm.ADD_RMS_NORM_F32_SUM, norm.ADD_RMS_NORM_CAST_LAST, norm.GEMMA_RMS_NORM,
+                          norm.RMS_NORM, norm.RMS_NORM_CAST_LAST]  # fmt: skip
     assert norm.ADD_RMS_NORM.inplace is not None and norm.ADD_RMS_NORM.inplace.overwrites == ("x", "residual")
 
 

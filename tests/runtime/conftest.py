@@ -48,15 +48,26 @@ def _round_as_gpu(data: np.ndarray, src: object, dst: object, rounding_mode: obj
     return bits.reshape(data.shape)
 
 
-@pytest.fixture(scope="module")
-def triton_kernels() -> Iterator[types.ModuleType]:
-    """``fxrewrite.runtime.triton_kernels`` with its kernels interpreted (tests/conftest.py sets
-    ``TRITON_INTERPRET=1`` where there is no CUDA) and GPU rounding in the interpreter's casts.
-    Skipped without Triton, and where the kernels are compiled (CUDA: the GPU tests run them)."""
-    module = pytest.importorskip(providers.TRITON_MODULE, reason="triton is not installed")
+def _interpreted(module_name: str, kernel: str) -> Iterator[types.ModuleType]:
+    """``module_name`` with its kernels interpreted (tests/conftest.py sets ``TRITON_INTERPRET=1``
+    where there is no CUDA) and GPU rounding in the interpreter's casts. Skipped without Triton,
+    and where the kernels are compiled (CUDA: the GPU tests run them)."""
+    module = pytest.importorskip(module_name, reason="triton is not installed")
     interpreter = importlib.import_module("triton.runtime.interpreter")
-    if not isinstance(module._rms_norm_quant_kernel, interpreter.InterpretedFunction):
-        pytest.skip("Triton kernels are compiled here, not interpreted: tests/runtime/test_ops_gpu.py runs them")
+    if not isinstance(getattr(module, kernel), interpreter.InterpretedFunction):
+        pytest.skip("Triton kernels are compiled here, not interpreted: the GPU tests run them")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(interpreter, "_convert_float", _round_as_gpu)
         yield module
+
+
+@pytest.fixture(scope="module")
+def triton_kernels() -> Iterator[types.ModuleType]:
+    """``fxrewrite.runtime.triton_kernels`` interpreted (tests/runtime/test_ops_gpu.py runs it compiled)."""
+    yield from _interpreted(providers.TRITON_MODULE, "_rms_norm_quant_kernel")
+
+
+@pytest.fixture(scope="module")
+def triton_moe() -> Iterator[types.ModuleType]:
+    """``fxrewrite.runtime.triton_moe`` interpreted (tests/runtime/test_moe_gpu.py runs it compiled)."""
+    yield from _interpreted("fxrewrite.runtime.triton_moe", "_moe_gemm_kernel")

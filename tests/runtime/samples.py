@@ -6,6 +6,7 @@ import functools
 import inspect
 from typing import Any
 
+import moe_samples
 import rotary_samples
 import torch
 
@@ -20,8 +21,9 @@ def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.bfloat16)
 
 def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> list[Any]:
     """Arguments of ``op`` on CPU: ``x`` (and ``residual``) of ``shape``, a [hidden] weight, eps
-    1e-6, a static FP8 scale 0.02, GELU's tanh approximation, the norms' ``cast_last`` order, the default process group's name, rotary arguments from
-    :mod:`rotary_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias."""
+    1e-6, a static FP8 scale 0.02, GELU's tanh approximation, the norms' ``cast_last`` order, the
+    default process group's name, rotary arguments from :mod:`rotary_samples`, MoE arguments from
+    :mod:`moe_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias."""
     values = {
         "weight": lambda: rand(gen, shape[-1], dtype=dtype) * 0.5,
         "w": lambda: rand(gen, shape[-1], shape[-1], dtype=dtype) * shape[-1] ** -0.5,
@@ -35,5 +37,7 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
     }
     for name in rotary_samples.NAMES:
         values[name] = functools.partial(rotary_samples.rotary_arg, name, shape, dtype, gen)
+    for name in moe_samples.NAMES:
+        values[name] = functools.partial(moe_samples.moe_arg, name, shape, dtype, gen)
     names = inspect.signature(op.reference).parameters
     return [rand(gen, *shape, dtype=dtype) if name in ("x", "residual") else values[name]() for name in names]

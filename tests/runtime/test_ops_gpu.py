@@ -15,16 +15,15 @@ Each case forces one provider, runs ``torch.ops.fxr.<op>`` on CUDA tensors and c
 from __future__ import annotations
 
 import inspect
-import zlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from helpers.gpu import fresh_counts, gen  # noqa: F401  (pytest fixtures of this module)
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import activation, collective, norm, quant, rotary
+from fxrewrite.runtime.ops import activation, collective, moe, norm, quant, rotary
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -38,22 +37,10 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 # (tokens, hidden): hidden 4096 over token counts, then odd sizes: hidden 33 (vectors of 1),
 # 3420 (Qwen2.5-VL MLP half: not 16-byte rows), 5120.
 # Ops whose arguments are [tokens, hidden] activations; the rotary ops (q/k per head, a cache)
-# have tests/runtime/test_rotary_gpu.py, the all-reduce ops (a process group) test_collective_ops.py.
-GENERIC = [op for op in ops.DEFS if op not in rotary.DEFS + collective.DEFS]
+# have tests/runtime/test_rotary_gpu.py, the all-reduce ops (a process group) test_collective_ops.py,
+# fxr.moe (routing and stacked experts) test_moe_gpu.py.
+GENERIC = [op for op in ops.DEFS if op not in rotary.DEFS + collective.DEFS + moe.DEFS]
 SHAPES = [(1, 4096), (7, 4096), (64, 4096), (513, 4096), (4096, 4096), (3, 33), (5, 3420), (2, 5120)]
-
-
-@pytest.fixture(autouse=True)
-def fresh_counts() -> Iterator[None]:
-    providers.reset_counts()
-    yield
-    providers.configure(None)
-    providers.reset_counts()
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    return torch.Generator(device="cuda").manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def force(provider: str) -> None:
@@ -285,7 +272,7 @@ def test_dynamic_quant_zero_rows(provider: str) -> None:
         assert torch.equal(s, floor)
 
 
-TRITON_OPS = [op for op in ops.DEFS if any(k.provider == "triton" for k in op.kernels)]
+TRITON_OPS = [op for op in GENERIC if any(k.provider == "triton" for k in op.kernels)]
 
 
 @pytest.mark.parametrize("hidden", [14336, 28672, 32769])

@@ -407,7 +407,7 @@ def assert_served_close(got: Any, want: Any) -> None:
         torch.testing.assert_close(got[i].float(), want[i].float(), rtol=2e-2, atol=2e-2)
 
 
-INTERPRETER_BF16_DOT = ("linear", "linear_silu_and_mul")  # Triton kernels built on tl.dot
+INTERPRETER_BF16_DOT = ("linear", "linear_silu_and_mul", "moe")  # Triton kernels built on tl.dot
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 256), (2, 3, 128)])
@@ -476,7 +476,7 @@ def test_dynamic_quant_zero_rows_get_the_floor_scale(both_libraries: providers._
 def test_preload_imports_every_kernel_module(registry: providers._Registry) -> None:
     install(registry, sgl_kernel=lib("sgl_kernel"), flashinfer=None, flashinfer__norm=None, flashinfer__activation=None,
             flashinfer__rope=None, flashinfer__comm=None)  # fmt: skip
-    install(registry, **{providers.TRITON_MODULE: None})
+    install(registry, **{providers.TRITON_MODULE: None, "fxrewrite.runtime.triton_moe": None})
     assert providers.preload() == {
         "flashinfer": False,
         "flashinfer.activation": False,
@@ -484,6 +484,7 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
         "flashinfer.norm": False,
         "flashinfer.rope": False,
         "fxrewrite.runtime.triton_kernels": False,
+        "fxrewrite.runtime.triton_moe": False,
         "sgl_kernel": True,
     }
 

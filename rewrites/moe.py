@@ -1,0 +1,475 @@
+"""Mixture-of-experts blocks become one ``fxr.moe`` call: the router's softmax and top-k, the
+experts and the weighted sum over each token's experts.
+
+    %probs = aten.softmax.int(%logits_f32, -1)               %moe = fxr.moe(%x, %logits, None, None,
+    %topk = aten.topk(%probs, 2, -1, True, True)      ->                   %gate_up_proj, %down_proj,
+    ... renormalize, sort / gather, grouped_mm or bmm,                     2, True, "silu")
+    silu(gate) * up, down GEMM, * weights, scatter, sum ...
+
+Why a graph pass and not a rule: transformers 5 runs an experts module through
+``use_experts_implementation``, and each implementation spells the same function differently:
+``batched_mm`` gathers each pair's weights and calls ``bmm``; ``grouped_mm`` sorts the pairs by
+expert, counts them with ``histc`` and calls ``grouped_mm`` (bf16) or its own custom op (other
+dtypes), then undoes the sort with an in-place ``setitem``; 5.17 adds sentinel masks and an
+in-place ``clamp_`` that 5.24 dropped. The eager loop (``for expert in expert_hit``) does not
+compile under ``fullgraph=True`` (it iterates over a data-dependent ``nonzero``). A pattern per
+spelling would enumerate versions; instead the pass binds the block by its interface and proves
+its function:
+
+1. **Routing** (from each ``aten.topk`` over the last dim): softmax, then top-k, then an
+   optional renormalization (a division by the values' own sum, in place or not) and casts; or
+   top-k of the logits, then softmax (the same weights as softmax, top-k, renormalize). Then the
+   op takes the logits. Any other scoring (sigmoid, biased selection) binds as given routing:
+   the op takes the weights and ids the experts read, and the router stays as written.
+2. **Experts**: walking forward from the routing in graph order, the first floating ``[T, H]``
+   value that depends on the ids, the weights and two 3-D weights read from graph inputs is the
+   block's output (followed through casts and reshapes that keep ``[T, H]``). Walking back from
+   it, the block is every node up to the routing, the two weights, scalars and the first
+   ``[T, H]`` value that does not depend on the routing: the hidden states.
+3. **Guards**: the block reads nothing else, nothing outside it reads a value inside it, it
+   mutates none of its inputs, it holds one activation (SiLU or GELU), and the weights are laid
+   out as ``[E, 2I, H]`` (gate rows, then up rows) and ``[E, H, I]``.
+4. **Proof**: the block, copied into a standalone graph, and ``fxr.moe``'s reference run on
+   fresh random hidden states and routing (the model's own expert weights, random ones where
+   these are all zero or not parameters) and must agree within the dtype's tolerance
+   (:func:`fxrewrite.verify.agrees`). Always, whatever ``Config.verify`` says: the structure
+   binds the interface, the numbers prove the function (which half is the gate, that the
+   weights multiply the down projection once). Verdicts are cached per block signature, so a
+   model's identical layers are checked once.
+
+A block that nearly fused (routing and experts' weights found) and failed a guard or the proof
+is a near miss with the reason. Shared experts (Qwen2-MoE) are plain MLPs beside the block and
+fuse as any MLP does; this pass runs before the activation rules, which would otherwise take
+the experts' SiLU-and-mul.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
+from fxrewrite import meta
+from fxrewrite.canonicalize import CAST, DIV, GELU, PERMUTE, RESHAPE, SILU, SOFTMAX, SUM, TOPK
+from fxrewrite.report import NearMiss, PassResult, Site
+from fxrewrite.runtime.ops.moe import moe_reference
+from fxrewrite.verify import agrees, extract_nodes, run_float64
+
+RULE = "moe"
+MAX_BLOCK_NODES = 400
+"""Most nodes a block may hold (the backward walk gives up beyond: it left the block)."""
+MAX_VERDICTS = 256
+
+# Ops that pass a [T, H] output on unchanged but for dtype and layout (a top-1 block's sum over
+# its one slot included): the block's output is followed through them.
+_PASS_THROUGH = frozenset({CAST, RESHAPE, SUM, torch.ops.aten.squeeze.dim, torch.ops.aten.unsqueeze.default})
+_PASS_THROUGH_METHODS = frozenset({"view", "reshape", "squeeze", "unsqueeze", "contiguous"})
+# Views that lead from a 3-D weight graph input to the GEMM that reads it.
+_WEIGHT_VIEWS = frozenset({PERMUTE, torch.ops.aten.transpose.int})
+_WEIGHT_VIEW_METHODS = frozenset({"transpose", "permute", "t", "contiguous"})
+_DIVIDES = frozenset({DIV, operator.truediv, operator.itruediv})
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How a block is routed. ``logits`` set: the op routes (``renormalize`` as bound); else the
+    op reads ``weights`` and ``ids``, the values the experts read."""
+
+    topk: fx.Node
+    ids: fx.Node
+    weights: fx.Node
+    top_k: int
+    logits: fx.Node | None = None
+    renormalize: bool = False
+    scores: tuple[fx.Node, ...] = ()  # between the logits and the top-k: softmax, casts
+
+
+    @property
+    def inputs(self) -> tuple[fx.Node, ...]:
+        return (self.logits,) if self.logits is not None else (self.weights, self.ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A bound MoE block: its nodes in graph order (``output`` last) and the op's arguments."""
+
+    routing: Routing
+    nodes: list[fx.Node]
+    output: fx.Node
+    x: fx.Node
+    w_gate_up: fx.Node
+    w_down: fx.Node
+    activation: str
+
+    def args(self) -> tuple[Any, ...]:
+        r = self.routing
+        given = (None, r.weights, r.ids) if r.logits is None else (r.logits, None, None)
+        return (self.x, *given, self.w_gate_up, self.w_down, r.top_k, r.renormalize, self.activation)
+
+
+class _Miss(Exception):
+    """The block cannot fuse; ``at`` is the node the reason is about."""
+
+    def __init__(self, reason: str, at: fx.Node) -> None:
+        super().__init__(reason)
+        self.reason, self.at = reason, at
+
+
+# --------------------------------------------------------------------------- the pass
+
+
+def fuse_moe(gm: fx.GraphModule) -> PassResult:
+    """Replace every MoE block of ``gm`` by ``fxr.moe`` (see the module docstring)."""
+    result = PassResult()
+    fake_mode = meta.fake_mode_of(gm.graph)
+    _number(gm.graph)
+    for topk in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is TOPK]:
+        if topk.graph is None:
+            continue  # erased with an earlier block
+        miss: _Miss | None = None
+        for routing in _routings(topk):
+            try:
+                block = _bind(gm, routing)
+                if block is None:
+                    break  # no experts here: not a MoE block
+                _prove(gm, block)
+            except _Miss as e:
+                miss = miss or e  # the first reading's reason: the richer routing
+                continue
+            _replace(gm.graph, block, fake_mode, result)
+            miss = None
+            break
+        if miss is not None:
+            result.near_misses.append(NearMiss(RULE, topk.name, meta.source_line(topk), miss.at.name, miss.reason))
+    return result
+
+
+def _number(graph: fx.Graph) -> None:
+    for i, n in enumerate(graph.nodes):
+        n.meta["_fxr_moe_pos"] = i
+
+
+def _pos(n: fx.Node) -> int:
+    return n.meta["_fxr_moe_pos"]
+
+
+# --------------------------------------------------------------------------- routing
+
+
+def _routings(topk: fx.Node) -> list[Routing]:
+    """The readings of ``topk`` as a router, the richest first: from the logits (softmax then
+    top-k, or top-k then softmax), then as given weights and ids."""
+    scores, k, dim, largest = topk.args[:4]
+    picks = {u.args[1]: u for u in topk.users if u.target is operator.getitem}
+    if not isinstance(k, int) or dim != -1 or largest is not True or set(picks) != {0, 1}:
+        return []
+    values, ids = picks[0], picks[1]
+    chain, renormalized, softmaxed = _weights_chain(values)
+    weights = chain[-1] if chain else values
+    readings = []
+    if scores.target is SOFTMAX and scores.args[1] == -1 and not softmaxed:
+        between = [scores]
+        while between[-1].args[0].target is CAST and len(between[-1].args[0].users) == 1:
+            between.append(between[-1].args[0])
+        logits = between[-1].args[0]
+        readings.append(Routing(topk, ids, weights, k, logits, renormalized, tuple(between)))
+    elif softmaxed and meta.is_tensor(scores) and scores.target is not SOFTMAX:
+        readings.append(Routing(topk, ids, weights, k, scores, True))
+    readings.append(Routing(topk, ids, weights, k))
+    return readings
+
+
+def _weights_chain(values: fx.Node) -> tuple[list[fx.Node], bool, bool]:
+    """The nodes that turn top-k ``values`` into the weights the experts read: casts, one
+    softmax, renormalizations ``v / v.sum(-1, keepdim=True)`` (``/=`` too); and whether it
+    renormalizes, whether it holds the softmax."""
+    chain: list[fx.Node] = []
+    renormalized = softmaxed = False
+    node = values
+    while True:
+        users = list(node.users)
+        if len(users) == 2:
+            total = next((u for u in users if u.target is SUM and u.args[1:3] == ([-1], True)), None)
+            div = next((u for u in users if u is not total and _is_divide(u) and u.args[:2] == (node, total)), None)
+            if total is None or div is None or list(total.users) != [div]:
+                break
+            chain += [total, div]
+            node, renormalized = div, True
+        elif len(users) == 1 and users[0].target is CAST and users[0].args[1].is_floating_point:
+            chain.append(users[0])
+            node = users[0]
+        elif len(users) == 1 and users[0].target is SOFTMAX and users[0].args[1] == -1 and not softmaxed:
+            chain.append(users[0])
+            node, softmaxed = users[0], True
+        else:
+            break
+    return chain, renormalized, softmaxed
+
+
+def _is_divide(n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in _DIVIDES) or (n.op == "call_method" and n.target == "div_")
+
+
+# --------------------------------------------------------------------------- experts
+
+
+def _bind(gm: fx.GraphModule, routing: Routing) -> Block | None:
+    """The block ``routing`` feeds, checked against the guards; None when no experts read it."""
+    t = meta.tensor(routing.ids)
+    if t is None or t.dim() != 2:
+        return None
+    tokens = t.shape[0]
+    output, weights = _find_output(routing, tokens)
+    if output is None:
+        return None
+    w_gate_up, w_down = _roles(weights, output)
+    hidden_size = meta.tensor(w_down).shape[1]
+    nodes, reads = _walk_back(output, routing, tokens, hidden_size)
+    stops = set(routing.inputs)
+    missing = [n for n in routing.inputs if n not in reads]
+    if missing:
+        raise _Miss(f"the experts do not read the routing's `{missing[0].name}`", missing[0])
+    hidden = [n for n in reads if n not in stops and _rows(n, tokens, hidden_size)]
+    if len(hidden) != 1:
+        raise _Miss(f"the experts read {len(hidden)} [T, {hidden_size}] values from before the router, "
+                    "not one (the hidden states)", output)  # fmt: skip
+    others = [n for n in reads if _tensors(n) and n not in stops and n not in (hidden[0], w_gate_up, w_down)]
+    if others:
+        names = ", ".join(f"`{n.name}`" for n in others[:3])
+        raise _Miss(f"the experts also read {names}, not hidden states, routing or expert weights", others[0])
+    inside = set(nodes)
+    for n in nodes:
+        outside = [u for u in n.users if u not in inside] if n is not output else []
+        if outside:
+            raise _Miss(f"`{n.name}` is read outside the MoE block by `{outside[0].name}`", n)
+        target = _mutated(n)
+        if target is not None and target not in inside:
+            raise _Miss(f"`{n.name}` overwrites the block's input `{target.name}` in place", n)
+    acts = [n for n in nodes if n.target in (SILU, GELU)]
+    if len(acts) != 1:
+        raise _Miss(f"the experts hold {len(acts)} activations (SiLU or GELU), fxr.moe one", output)
+    approximate = acts[0].kwargs.get("approximate", "none")
+    activation = "silu" if acts[0].target is SILU else "gelu_tanh" if approximate == "tanh" else "gelu"
+    x = meta.tensor(hidden[0])
+    if meta.tensor(output).dtype != x.dtype:
+        raise _Miss(f"the block returns {meta.tensor(output).dtype}, its input is {x.dtype}", output)
+    return Block(routing, nodes, output, hidden[0], w_gate_up, w_down, activation)
+
+
+def _find_output(routing: Routing, tokens: Any) -> tuple[fx.Node | None, tuple[fx.Node, ...]]:
+    """The first floating ``[T, *]`` value after the routing that depends on its ids and weights
+    and on two 3-D weight inputs, followed through pass-through ops; and those weights."""
+    seeds = {routing.ids: (True, False, frozenset()), routing.weights: (False, True, frozenset())}
+    deps: dict[fx.Node, tuple[bool, bool, frozenset[fx.Node]]] = dict(seeds)
+    node = routing.topk.next
+    while node.op != "output":
+        ins = [deps[a] for a in node.all_input_nodes if a in deps]
+        if ins and node not in deps:
+            weights = frozenset().union(*(d[2] for d in ins), filter(None, map(_weight_input, node.all_input_nodes)))
+            if len(weights) > 2:
+                return None, ()  # the walk reached the next block's experts
+            deps[node] = (any(d[0] for d in ins), any(d[1] for d in ins), weights)
+            if deps[node][:2] == (True, True) and len(weights) == 2 and _rows(node, tokens):
+                return _follow(node, tokens), tuple(sorted(weights, key=_pos))
+        node = node.next
+    return None, ()
+
+
+def _weight_input(n: fx.Node) -> fx.Node | None:
+    """The 3-D floating graph input (parameter) that ``n`` is, or a view of, else None."""
+    while n.op == "call_function" and n.target in _WEIGHT_VIEWS or n.op == "call_method" and n.target in _WEIGHT_VIEW_METHODS:
+        n = n.args[0]
+    t = meta.tensor(n)
+    ok = n.op in ("placeholder", "get_attr") and t is not None and t.dim() == 3 and t.dtype.is_floating_point
+    return n if ok else None
+
+
+def _rows(n: fx.Node, tokens: Any, width: Any = None) -> bool:
+    """``n`` is a floating ``[T, *]`` value (``[T, width]`` when given)."""
+    t = meta.tensor(n)
+    return (t is not None and t.dim() == 2 and t.dtype.is_floating_point and meta.dim_key(t.shape[0]) == meta.dim_key(tokens)
+            and (width is None or meta.dim_key(t.shape[1]) == meta.dim_key(width)))  # fmt: skip
+
+
+def _follow(n: fx.Node, tokens: Any) -> fx.Node:
+    """The last ``[T, *]`` value on the chain of single readers of ``n`` through pass-through ops
+    (the sum's cast back to the input dtype; a top-1 block's view and sum over its one slot)."""
+    best = n
+    while len(n.users) == 1:
+        u = next(iter(n.users))
+        passes = (u.op == "call_function" and u.target in _PASS_THROUGH) or (
+            u.op == "call_method" and u.target in _PASS_THROUGH_METHODS)  # fmt: skip
+        if not passes or sum(1 for a in u.all_input_nodes if meta.is_tensor(a)) != 1:
+            break
+        n = u
+        best = n if _rows(n, tokens) else best
+    return best
+
+
+def _walk_back(output: fx.Node, routing: Routing, tokens: Any, hidden_size: Any) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The block's nodes (graph order) and what it reads: back from ``output`` to the routing's
+    inputs, graph inputs, scalars, and ``[T, H]`` values computed before the router (the hidden
+    states: nothing before the router can depend on the routing)."""
+    stops, router, start = set(routing.inputs), set(routing.scores), _pos(routing.topk)
+    nodes: set[fx.Node] = set()
+    reads: list[fx.Node] = []
+    stack = [output]
+    while stack:
+        n = stack.pop()
+        if n in nodes or n in reads:
+            continue
+        computes = _tensors(n) or _mutated(n) is not None
+        before = n not in router and _pos(n) < start and _rows(n, tokens, hidden_size)
+        if n in stops or n.op in ("placeholder", "get_attr") or not computes or before:
+            reads.append(n)
+            continue
+        nodes.add(n)
+        if len(nodes) > MAX_BLOCK_NODES:
+            raise _Miss(f"the experts' block grows past {MAX_BLOCK_NODES} nodes", output)
+        stack.extend(n.all_input_nodes)
+        stack.extend(u for u in n.users if _mutated(u) is n)  # writes into it (``inv[perm] = arange``)
+    return sorted(nodes, key=_pos), reads
+
+
+def _roles(weights: Sequence[fx.Node], output: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(gate_up [E, 2I, H], down [E, H, I]) among the two weights, or a miss naming the layout."""
+    for a, b in (weights, tuple(reversed(weights))):
+        (e, i2, h), down = (tuple(map(meta.dim_key, meta.tensor(w).shape)) for w in (a, b))
+        if isinstance(i2, int) and i2 % 2 == 0 and down == (e, h, i2 // 2):
+            return a, b
+    shapes = " and ".join(str(tuple(meta.tensor(w).shape)) for w in weights)
+    raise _Miss(f"expert weights {shapes} are not [E, 2I, H] and [E, H, I] (transposed or interleaved storage)",
+                output)  # fmt: skip
+
+
+def _tensors(n: fx.Node) -> bool:
+    """``n`` computes a tensor, or several (``topk``, ``sort``)."""
+    v = meta.value(n)
+    return isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v))
+
+
+def _mutated(n: fx.Node) -> fx.Node | None:
+    """The input ``n`` overwrites in place, if any: ``x.op_()``, ``x[i] = v``, ``x /= y``, a mutable ATen op."""
+    first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if n.op == "call_method" and n.target.endswith("_"):
+        return first
+    if n.op == "call_function" and n.target in (operator.setitem, operator.itruediv, operator.iadd,
+                                                operator.isub, operator.imul):  # fmt: skip
+        return first
+    schema = getattr(n.target, "_schema", None)
+    return first if schema is not None and schema.is_mutable else None
+
+
+# --------------------------------------------------------------------------- proof
+
+
+_VERDICTS: collections.OrderedDict[tuple[Any, ...], str | None] = collections.OrderedDict()
+
+
+def _prove(gm: fx.GraphModule, block: Block) -> None:
+    """Run the block and ``fxr.moe``'s reference on the same fresh inputs; a miss unless they
+    agree (one verdict per block signature)."""
+    key = _signature(block)
+    if key not in _VERDICTS:
+        _VERDICTS[key] = _check(gm, block)
+        if len(_VERDICTS) > MAX_VERDICTS:
+            _VERDICTS.popitem(last=False)
+    verdict = _VERDICTS[key]
+    if verdict is not None:
+        raise _Miss(verdict, block.output)
+
+
+def _signature(block: Block) -> tuple[Any, ...]:
+    """What a verdict depends on: the block's ops and literal arguments, with its own nodes by
+    index and its inputs by dtype, device and (hinted) shape; the op's arguments likewise."""
+    index = {n: i for i, n in enumerate(block.nodes)}
+
+    def norm(a: Any) -> Any:
+        if isinstance(a, (list, tuple)):
+            return tuple(norm(x) for x in a)
+        if isinstance(a, dict):
+            return tuple((k, norm(v)) for k, v in a.items())
+        if not isinstance(a, fx.Node):
+            return repr(a)
+        if a in index:
+            return ("node", index[a])
+        t = meta.tensor(a)
+        if t is None:
+            return ("scalar", repr(meta.hint(meta.value(a))))
+        return ("input", t.dtype, t.device.type, tuple(repr(meta.hint(d)) for d in t.shape))
+
+    return tuple((n.op, str(n.target), norm(n.args), norm(n.kwargs)) for n in block.nodes), norm(block.args())
+
+
+def _check(gm: fx.GraphModule, block: Block) -> str | None:
+    sub, inputs = extract_nodes(block.nodes, [block.output])
+    gen = torch.Generator().manual_seed(0)
+    values = [_sample(gm, n, block, gen) for n in inputs]
+    with torch.no_grad():  # the block mutates none of its inputs (checked): run it on them
+        want = sub(*values)[0]
+        got = moe_reference(*[values[inputs.index(a)] if isinstance(a, fx.Node) else a for a in block.args()])
+    why = agrees(got, want, lambda: (run_float64(sub, values) or [None])[0])
+    return None if why is None else f"the block does not compute fxr.moe{_describe(block)}: {why}"
+
+
+def _describe(block: Block) -> str:
+    r = block.routing
+    routing = "logits" if r.logits is not None else "given weights"
+    return f"({routing}, top_k={r.top_k}, renormalize={r.renormalize}, {block.activation})"
+
+
+def _sample(gm: fx.GraphModule, n: fx.Node, block: Block, gen: torch.Generator) -> Any:
+    """A value for the block's input ``n``: the model's expert weights (random where all zero or
+    not parameters), random hidden states, routing of distinct experts per token, hints for sizes."""
+    t = meta.tensor(n)
+    if t is None:
+        return meta.hint(meta.value(n))
+    shape = tuple(int(meta.hint(d)) for d in t.shape)
+    device = t.device if t.device.type != "meta" else torch.device("cpu")
+    if n in (block.w_gate_up, block.w_down):
+        real = n.meta.get("fxr_param") if n.op == "placeholder" else getattr(gm, str(n.target), None)
+        if isinstance(real, torch.Tensor) and bool(real.detach().ne(0).any()):
+            return real.detach()
+        return (torch.randn(shape, generator=gen) / shape[-1] ** 0.5).to(t.dtype).to(device)
+    r = block.routing
+    experts = meta.tensor(block.w_gate_up).shape[0]
+    order = torch.rand((shape[0], int(meta.hint(experts))), generator=gen).argsort(dim=-1)
+    if n is r.logits:  # distinct per row, exactly representable: ties would leave top-k to chance
+        return (order.float() * 2.0 ** -max(0, (order.shape[-1] // 8).bit_length())).to(t.dtype).to(device)
+    if n is r.ids:
+        return order[:, : shape[-1]].to(t.dtype).to(device)
+    if n is r.weights:
+        return (torch.rand(shape, generator=gen) + 0.1).to(t.dtype).to(device)
+    return torch.randn(shape, generator=gen).to(t.dtype).to(device)
+
+
+# --------------------------------------------------------------------------- replace
+
+
+def _replace(graph: fx.Graph, block: Block, fake_mode: Any, result: PassResult) -> None:
+    with graph.inserting_before(block.output):
+        node = graph.call_function(torch.ops.fxr.moe.default, block.args())
+    meta.copy_provenance(block.routing.topk, node)
+    node.meta["fxr_rule"] = RULE
+    node.meta["_fxr_moe_pos"] = _pos(block.output)
+    meta.propagate(node, fake_mode)
+    block.output.replace_all_uses_with(node)
+    for n in reversed(block.nodes):
+        graph.erase_node(n)
+    result.matches += 1
+    module = _common_module(block.routing.topk, block.output)
+    result.sites.append(Site(RULE, node.name, meta.source_line(block.routing.topk), module,
+                             note=_describe(block).strip("()")))  # fmt: skip
+
+
+def _common_module(a: fx.Node, b: fx.Node) -> str:
+    """The innermost module both nodes ran in (the MoE block around its router and experts)."""
+    sa, sb = a.meta.get("nn_module_stack") or {}, b.meta.get("nn_module_stack") or {}
+    common = [v for k, v in sa.items() if k in sb]
+    return str(common[-1][0]).removeprefix("L['self'].") if common else ""
