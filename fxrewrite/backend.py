@@ -21,12 +21,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxrewrite import rewrites
+from fxrewrite import meta, rewrites
+from fxrewrite.cache import CompileCache
 from fxrewrite.canonicalize import canonicalize
 from fxrewrite.config import Config
 from fxrewrite.passes import GraphPass, Pass, PassManager, RuleGroup, Step, prepare_dump_dir
 from fxrewrite.report import PassResult, Report
-from fxrewrite.rewrite import apply_rules, dead_code
+from fxrewrite.rewrite import apply_rules, dead_code, graph_calls
 from fxrewrite.rule import Rule
 from fxrewrite.runtime import providers, unguarded
 from fxrewrite.runtime.cudagraph import build_runner
@@ -83,7 +84,16 @@ def _apply(
     def verify(m: Any) -> str | None:
         return next((why for f in filters if (why := f(m)) is not None), None)
 
-    return apply_rules(gm, rules, near_miss_min, verify if filters else None, _prebuild())
+    return apply_rules(gm, rules, near_miss_min, verify if filters else None, _prebuild() if _on_cuda(gm) else None)
+
+
+def _on_cuda(gm: fx.GraphModule) -> bool:
+    """Whether an input of ``gm`` lives on a CUDA device: only there are kernels built ahead
+    (elsewhere the prescan would be a second matching pass for nothing). Read once per graph."""
+    if "fxr_on_cuda" not in gm.meta:
+        gm.meta["fxr_on_cuda"] = any(isinstance(v := meta.value(n), torch.Tensor) and v.device.type == "cuda"
+                                     for n in gm.graph.find_nodes(op="placeholder"))  # fmt: skip
+    return gm.meta["fxr_on_cuda"]
 
 
 def pipeline(config: Config, library: Sequence[Step] | None = None) -> list[Pass]:
@@ -177,9 +187,23 @@ class Backend:
             # (it copies this instance attribute onto its wrapper of the backend)
             self.backend_ctx_ctor = _SpecializeFloats
         self._warned_floats = False
+        self._cache = self._open_cache()
         self.graphs: list[fx.GraphModule] = []
         self.runners: list[Any] = []
         self.report = Report()
+
+    def _open_cache(self) -> CompileCache | None:
+        """The compile cache of ``config.cache_dir`` when ``config.cache`` is on; off, with a
+        warning, when its directory cannot be written."""
+        if not self.config.cache:
+            return None
+        cache = CompileCache(self.config.cache_dir)
+        try:
+            cache.prepare()
+        except OSError as e:
+            log.warning("fxrewrite compile cache off: cannot write %s: %s", self.config.cache_dir, e.strerror or e)
+            return None
+        return cache
 
     def _check_rules(self) -> None:
         """Trace every rule now, so a broken rule fails at construction with its name."""
@@ -199,8 +223,18 @@ class Backend:
                 node.meta["fxr_buffer"] = value  # module state (a buffer): tables may fold from it
             elif _lifted(node):  # a Python scalar, not a one-element input such as one token's positions
                 node.meta["fxr_real"] = value.detach().clone()  # its compile-time value (see meta.constant)
-        pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs), lint=self.config.lint)
-        graph_report = pm.run(gm)
+        cached = self._cache.graph(gm, example_inputs, self.config) if self._cache is not None else None
+        graph_report = cached.load() if cached is not None and not self.config.dump_dir else None
+        if graph_report is not None:  # a hit: the rewritten graph is in gm, no pass runs
+            if _on_cuda(gm) and (note := _prebuild()(graph_calls(gm, _prebuild().wants))):
+                graph_report.notes.append(note)
+        else:
+            pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs), lint=self.config.lint)
+            graph_report = pm.run(gm)
+            if cached is not None:
+                cached.store(graph_report)
+        if self._cache is not None:
+            self.report.cache = dataclasses.asdict(self._cache.stats)
         self.graphs.append(gm)
         self.report.graphs.append(graph_report)
         runner: Any = gm

@@ -204,7 +204,13 @@ class _Canon:
         args, kwargs = bind_schema(target, args, kwargs or {})
         if node.op == "call_function" and node.target is target and node.args == args and node.kwargs == kwargs:
             return
-        node.op, node.target, node.args, node.kwargs = "call_function", target, args, kwargs
+        # each attribute set on a node updates the graph's lookup table: set only what changes
+        if node.op != "call_function":
+            node.op = "call_function"
+        node.target = target
+        node.args = args
+        if kwargs or node.kwargs:
+            node.kwargs = kwargs
         self.changed += 1
 
     def drop(self, node: fx.Node, replacement: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -23,6 +24,11 @@ def default_capture_sizes(max_size: int) -> tuple[int, ...]:
     sizes += list(range(8, min(max_size, 256) + 1, 8))
     sizes += list(range(272, max_size + 1, 16))
     return tuple(sizes)
+
+
+def _default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/fxrewrite``, or ``~/.cache/fxrewrite``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fxrewrite"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +63,11 @@ class Config:
     max_positions:   rows of the RoPE cos/sin cache folded from tables the model computes (from
                      ``inv_freq``); positions must stay below it. Tables the model indexes (an
                      engine's cache) keep their own row count.
+    cache:           keep rewritten graphs on disk and load them in later processes instead of
+                     running the passes (:mod:`fxrewrite.cache`); on unless False or env
+                     FXREWRITE_CACHE=0. Not read while ``dump_dir`` is set (dumps need the passes).
+    cache_dir:       where (env FXREWRITE_CACHE_DIR; default ``~/.cache/fxrewrite``); Triton's
+                     cache goes to ``<cache_dir>/triton`` unless TRITON_CACHE_DIR is set.
     """
 
     rules: Sequence[Any] | None = None
@@ -76,6 +87,8 @@ class Config:
     progress: bool = True
     specialize_floats: bool = True
     max_positions: int = 32768
+    cache: bool | None = None
+    cache_dir: str | None = None
 
     def resolved(self) -> Config:
         """Fill unset fields from the environment and defaults."""
@@ -85,6 +98,8 @@ class Config:
             dump_dir=self.dump_dir if self.dump_dir is not None else env.get("FXREWRITE_DUMP_DIR") or None,
             verify=self.verify if self.verify is not None else env.get("FXREWRITE_VERIFY", "1") not in ("", "0"),
             provider=self.provider if self.provider is not None else env.get("FXREWRITE_PROVIDER") or None,
+            cache=self.cache if self.cache is not None else env.get("FXREWRITE_CACHE", "1") not in ("", "0"),
+            cache_dir=self.cache_dir or env.get("FXREWRITE_CACHE_DIR") or str(_default_cache_dir()),
             capture_sizes=tuple(self.capture_sizes)
             if self.capture_sizes is not None
             else default_capture_sizes(self.max_capture_size),

@@ -79,14 +79,10 @@ class Failure:
     progress: float
 
 
-def _position(n: fx.Node) -> int:
+def _position(n: fx.Node) -> float:
+    """The node's place in graph order, numbered by the pass (``rewrite.Anchors``): matching
+    and in-place checks compare positions."""
     return n.meta["_fxr_pos"]
-
-
-def number_nodes(graph: fx.Graph) -> None:
-    """Record each node's position; matching and in-place checks compare positions."""
-    for i, n in enumerate(graph.nodes):
-        n.meta["_fxr_pos"] = i * 4
 
 
 def _describe(v: Any) -> str:
@@ -111,6 +107,17 @@ def _arg_names(target: Any, n: int) -> list[str]:
     schema = getattr(target, "_schema", None)
     names = [a.name for a in schema.arguments if not a.kwarg_only] if schema is not None else []
     return [names[i] if i < len(names) else f"arg{i}" for i in range(n)]
+
+
+def _pattern_arguments(p: fx.Node) -> tuple[tuple[str, ...], tuple[str, ...], frozenset[str]]:
+    """A pattern node's argument names (positional, then its keywords sorted) and keywords,
+    worked out once per pattern node (kept in its meta): the walker asks at every graph node
+    it pairs."""
+    found = p.meta.get("_fxr_arguments")
+    if found is None:
+        keywords = tuple(sorted(p.kwargs))
+        found = p.meta["_fxr_arguments"] = (tuple(_arg_names(p.target, len(p.args))) + keywords, keywords, frozenset(keywords))
+    return found
 
 
 def _arg(where: Any) -> str:
@@ -241,8 +248,9 @@ class _Walker:
         if g in st.owner:
             self.fail(st, f"{_describe(g)} already paired with pattern node {st.owner[g].name}", g)
             return
-        if set(p.kwargs) != set(g.kwargs):
-            self.fail(st, f"`{g.name}`: keyword arguments {sorted(g.kwargs)} != {sorted(p.kwargs)}", g)
+        names, keywords, keyword_set = _pattern_arguments(p)
+        if keyword_set != g.kwargs.keys():
+            self.fail(st, f"`{g.name}`: keyword arguments {sorted(g.kwargs)} != {list(keywords)}", g)
             return
         st = st.copy()
         st.nodes[p], st.owner[g] = g, p
@@ -253,9 +261,9 @@ class _Walker:
         orders = [ga]
         if p.target in COMMUTATIVE and len(ga) == 2:
             orders.append([ga[1], ga[0]])
-        pk = [p.kwargs[k] for k in sorted(p.kwargs)]
-        gk = [g.kwargs[k] for k in sorted(p.kwargs)]
-        wheres: list[_Where] = [(g, n) for n in _arg_names(p.target, len(pa)) + sorted(p.kwargs)]
+        pk = [p.kwargs[k] for k in keywords]
+        gk = [g.kwargs[k] for k in keywords]
+        wheres: list[_Where] = [(g, n) for n in names]
         for args in orders:
             yield from self.seq(pa + pk, args + gk, st, wheres)
 

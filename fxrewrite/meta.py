@@ -12,12 +12,13 @@ import logging
 import operator
 import re
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
+from torch.utils.weak import WeakIdKeyDictionary
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +132,19 @@ def dim_key(d: Any) -> Any:
     return d.node.expr if isinstance(d, torch.SymInt) else d
 
 
+# A fake tensor's part of a signature, per tensor: propagated values are shared between nodes.
+_TENSOR_SIGNATURES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def _signature(a: Any) -> Any:
     if isinstance(a, fx.Node):
         v = value(a)
         if isinstance(v, torch.Tensor):
-            return ("T", v.dtype, v.device, tuple(map(dim_key, v.shape)), tuple(map(dim_key, v.stride())))
+            sig = _TENSOR_SIGNATURES.get(v)
+            if sig is None:
+                sig = ("T", v.dtype, v.device, tuple(map(dim_key, v.shape)), tuple(map(dim_key, v.stride())))
+                _TENSOR_SIGNATURES[v] = sig
+            return sig
         if isinstance(v, torch.SymFloat):
             return ("S", "SymFloat")  # a float never decides a shape
         if isinstance(v, (torch.SymInt, torch.SymBool)):
@@ -320,19 +329,68 @@ def constant(node: fx.Node) -> float | int | None:
     return None
 
 
-def constant_node(gm: fx.GraphModule, name: str, value: torch.Tensor, fake_mode: Any) -> fx.Node:
+STATE_KEYS = ("fxr_param", "fxr_buffer", "fxr_real")  # a placeholder's compile-time value (backend)
+
+
+def is_state(node: fx.Node) -> bool:
+    """Whether ``node`` is a placeholder holding module state (a parameter, a buffer, a lifted
+    Python float) whose compile-time value the backend recorded."""
+    return any(k in node.meta for k in STATE_KEYS)
+
+
+def real(node: fx.Node) -> Any:
+    """The compile-time value of a placeholder holding module state, else None. A pass whose
+    result depends on such a value reads it here: the read is recorded (:func:`reads`), and the
+    compile cache serves the rewritten graph only to a graph whose values read are equal."""
+    for key in STATE_KEYS:
+        if key in node.meta:
+            reads(node.graph).add(node.name)
+            return node.meta[key]
+    return None
+
+
+def attribute(gm: fx.GraphModule, target: str) -> Any:
+    """``gm``'s attribute ``target`` (``"a.b"``), the read recorded as :func:`real`'s are."""
+    reads(gm.graph).add(f"attr:{target}")
+    return functools.reduce(getattr, target.split("."), gm)
+
+
+def reads(graph: fx.Graph) -> set[str]:
+    """The real values read so far while rewriting ``graph``: placeholder names, and
+    ``attr:<target>`` for attributes of its module (empty for a graph without a module)."""
+    gm = graph.owning_module
+    return gm.meta.setdefault("fxr_reads", set()) if gm is not None else set()
+
+
+# How a constant a pass registered can be made again from the graph's inputs, by name:
+# ``fn(*[value of each input])``. ``constant_node(..., rebuild=(fn, inputs))`` records it in
+# ``gm.meta["fxr_constants"]``; the compile cache calls it instead of storing the tensor.
+Rebuild = tuple[Callable[..., torch.Tensor], Sequence[fx.Node]]
+
+
+def constant_node(gm: fx.GraphModule, name: str, value: torch.Tensor, fake_mode: Any,
+                  rebuild: Rebuild | None = None) -> fx.Node:  # fmt: skip
     """A ``get_attr`` node (at the graph's insert point) reading ``value``, registered on ``gm`` as
-    the non-persistent buffer ``name``, with a fake value (one per shape, shared by all users)."""
+    the non-persistent buffer ``name``, with a fake value (one per shape, shared by all users).
+    ``rebuild``: how to make ``value`` again from placeholders (a view of parameters, say);
+    without it the compile cache stores the tensor itself."""
     if not hasattr(gm, name):
         gm.register_buffer(name, value, persistent=False)
+    recipes = gm.meta.setdefault("fxr_constants", {})
+    recipes[name] = None if rebuild is None else (rebuild[0], [n.name for n in rebuild[1]])
     node = gm.graph.get_attr(name)
     if fake_mode is not None:
-        key = (value.dtype, value.device, tuple(value.shape))
-        fakes = _CONSTANT_FAKES.setdefault(fake_mode, {})
-        if key not in fakes:
-            fakes[key] = fake_mode.from_tensor(value, static_shapes=True)
-        node.meta["example_value"] = fakes[key]
+        node.meta["example_value"] = constant_fake(value, fake_mode)
     return node
+
+
+def constant_fake(value: torch.Tensor, fake_mode: Any) -> torch.Tensor:
+    """The fake tensor of a constant, one per dtype, device and shape in ``fake_mode``."""
+    key = (value.dtype, value.device, tuple(value.shape))
+    fakes = _CONSTANT_FAKES.setdefault(fake_mode, {})
+    if key not in fakes:
+        fakes[key] = fake_mode.from_tensor(value, static_shapes=True)
+    return fakes[key]
 
 
 _CONSTANT_FAKES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], torch.Tensor]] = weakref.WeakKeyDictionary()

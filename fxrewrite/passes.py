@@ -23,12 +23,14 @@ reads); ``fxrewrite.backend.pipeline`` turns them into ``Pass`` objects for a ``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Union
 
@@ -101,6 +103,23 @@ def prepare_dump_dir(path: str) -> Path:
     return d
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while the passes run, on again after (if it was).
+    The passes allocate many small objects (nodes, fake values), and every so many allocations
+    the collector walks the whole heap: Dynamo's, the model's and the graph's objects. On a
+    128-layer Llama every second rewrite paid a full collection of 1.2-1.5 s, more than the
+    rewrite itself (bench/RESULTS.md, issue 23). What the passes leave in cycles is collected
+    at the next collection after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class PassManager:
     """Runs passes in order; see the module docstring."""
 
@@ -113,6 +132,10 @@ class PassManager:
         self.graph_id = graph_id
 
     def run(self, gm: fx.GraphModule) -> GraphReport:
+        with _collector_paused():
+            return self._run(gm)
+
+    def _run(self, gm: fx.GraphModule) -> GraphReport:
         report = GraphReport(nodes_before=len(gm.graph.nodes))
         start = time.perf_counter()
         for i, p in enumerate(self.passes):

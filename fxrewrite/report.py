@@ -106,6 +106,7 @@ class Report:
     graphs: list[GraphReport] = dataclasses.field(default_factory=list)
     providers: dict[str, Any] = dataclasses.field(default_factory=dict)  # the model's calls
     verification_providers: dict[str, Any] = dataclasses.field(default_factory=dict)  # verify's own
+    cache: dict[str, Any] = dataclasses.field(default_factory=dict)  # the compile cache's CacheStats
 
     @property
     def sites(self) -> list[Site]:
@@ -150,6 +151,7 @@ class Report:
             "runtime": [g.runtime for g in self.graphs if g.runtime],
             "providers": self.providers,
             "verification_providers": self.verification_providers,
+            "cache": self.cache,
         }
 
     def to_json(self) -> str:
@@ -192,7 +194,20 @@ class Report:
         if self.verification_providers:
             out.append("providers of verification's own calls (not the model's): "
                        + json.dumps(self.verification_providers, default=str))
+        out += self.cache_lines()
         return "\n".join(out)
+
+    def cache_lines(self) -> list[str]:
+        """``cache hit: N graphs, saved X s``, and what was stored or not (empty with the
+        cache off)."""
+        c = self.cache
+        if not c:
+            return []
+        lines = [f"cache hit: {c['hits']} graphs, saved {c['saved_s']:.2f} s"] if c["hits"] else []
+        if c["stored"] or c["misses"]:
+            lines.append(f"cache miss: {c['misses']} graphs, stored {c['stored']}")
+        lines += [f"cache: not stored ({n}x): {why}" for why, n in c["not_stored"].items()]
+        return lines
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:

@@ -26,7 +26,7 @@ which is verification's)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch.fx as fx
@@ -34,7 +34,7 @@ from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
 from fxrewrite import meta
 from fxrewrite.canonicalize import CAST, noop_source
-from fxrewrite.match import Failure, Match, inplace_blocker, match_at, number_nodes
+from fxrewrite.match import Failure, Match, inplace_blocker, match_at
 from fxrewrite.report import NearMiss, PassResult, Rejected, Site
 from fxrewrite.rule import Bindings, Rule
 
@@ -70,23 +70,19 @@ def apply_rules(
             result.notes.append(note)
     erased: set[fx.Node] = set()
     misses: list[tuple[fx.Node, NearMiss]] = []
-    present: set[Any] | None = None
+    index: Anchors | None = None
     for rule in rules:
-        if rule.requires:
-            if present is None:
-                present = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-            if present.isdisjoint(rule.requires):
-                continue
+        if rule.requires and (index := index or Anchors(gm.graph)).absent(rule.requires):
+            continue
         if rule.via == "subgraph_rewriter":
             _apply_subgraph_rewriter(gm, rule, result, fake_mode)
+            index = None  # its nodes are neither numbered nor indexed
             continue
         cr = rule.compiled
-        number_nodes(gm.graph)
-        targets = cr.anchor_targets
-        anchors = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
+        index = index or Anchors(gm.graph)
         prune = _shallow_progress(cr.anchor) / max(cr.op_count, 1) < near_miss_min  # pruned: no near miss
         rule_misses: dict[fx.Node, NearMiss] = {}
-        for anchor in anchors:
+        for anchor in index.get(cr.anchor_targets):
             if anchor in erased or (prune and not _may_match(cr.anchor, anchor)):
                 continue
             found = match_at(rule, anchor)
@@ -97,7 +93,7 @@ def apply_rules(
                 continue
             refusal = verify(found) if verify is not None else None
             if refusal is None:
-                refusal = _replace(gm.graph, found, fake_mode, result, erased)
+                refusal = _replace(gm.graph, found, fake_mode, result, erased, index)
             if refusal is not None:
                 result.rejected.append(Rejected(rule.name, anchor.name, meta.source_line(anchor), refusal))
         # One site, one miss: an attempt at a node whose consumer is an anchor that nearly matched
@@ -109,6 +105,45 @@ def apply_rules(
     return result
 
 
+class Anchors:
+    """A rules pass's index of its graph's call nodes by target, in graph order, made in one scan
+    that also numbers every node (``meta["_fxr_pos"]``): each rule takes its anchors from it instead
+    of scanning the graph. Nodes a replacement inserts are numbered between their neighbours
+    and added (:meth:`add`), so a later rule of the pass may anchor on them."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.by_target: dict[Any, list[fx.Node]] = {}
+        for i, n in enumerate(graph.nodes):
+            n.meta["_fxr_pos"] = i * 4
+            if n.op == "call_function":
+                self.by_target.setdefault(n.target, []).append(n)
+        self.unsorted: set[Any] = set()
+
+    def absent(self, targets: Iterable[Any]) -> bool:
+        """No node calls any of ``targets``."""
+        return not any(self.by_target.get(t) for t in targets)
+
+    def get(self, targets: Collection[Any]) -> list[fx.Node]:
+        """The nodes calling ``targets``, in graph order (erased ones included: callers skip them)."""
+        found: list[fx.Node] = []
+        for t in targets:
+            nodes = self.by_target.get(t, [])
+            if t in self.unsorted:
+                nodes.sort(key=_pos)
+                self.unsorted.discard(t)
+            found += nodes
+        return sorted(found, key=_pos) if len(targets) > 1 else found
+
+    def add(self, n: fx.Node) -> None:
+        if n.op == "call_function":
+            self.by_target.setdefault(n.target, []).append(n)
+            self.unsorted.add(n.target)
+
+
+def _pos(n: fx.Node) -> float:
+    return n.meta["_fxr_pos"]
+
+
 def planned_calls(gm: fx.GraphModule, rules: Sequence[Rule], wants: Callable[[Any], bool]) -> list[Call]:
     """The calls to targets ``wants`` accepts that the replacements of ``rules`` would make, from
     one scan that applies nothing (a node an earlier match consumed is not matched again): the
@@ -118,6 +153,7 @@ def planned_calls(gm: fx.GraphModule, rules: Sequence[Rule], wants: Callable[[An
     exist once an earlier replacement is in place."""
     calls: list[Call] = []
     consumed: set[fx.Node] = set()
+    index: Anchors | None = None
     for rule in rules:
         if rule.via == "subgraph_rewriter":
             continue
@@ -125,8 +161,8 @@ def planned_calls(gm: fx.GraphModule, rules: Sequence[Rule], wants: Callable[[An
         bodies = [b for b in (cr.replacement, cr.inplace) if b is not None]
         if not any(n.op == "call_function" and wants(n.target) for b in bodies for n in b.graph.nodes):
             continue
-        number_nodes(gm.graph)
-        for anchor in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in cr.anchor_targets]:
+        index = index or Anchors(gm.graph)  # nothing is applied: one numbering serves every rule
+        for anchor in index.get(cr.anchor_targets):
             found = None if anchor in consumed else match_at(rule, anchor)
             if not isinstance(found, Match) or consumed.intersection(found.internal):
                 continue
@@ -141,6 +177,20 @@ def planned_calls(gm: fx.GraphModule, rules: Sequence[Rule], wants: Callable[[An
                 if all(v is not None or not isinstance(bound[a], fx.Node) for a, v in values.items()):
                     calls.append((n.target, fx.node.map_arg(n.args, values.__getitem__),
                                   fx.node.map_arg(n.kwargs, values.__getitem__)))
+    return calls
+
+
+def graph_calls(gm: fx.GraphModule, wants: Callable[[Any], bool]) -> list[Call]:
+    """The calls ``gm`` makes to targets ``wants`` accepts, graph values as their fake values at
+    the hints, as :func:`planned_calls` gives them: what a graph loaded from the compile cache
+    builds ahead, with no rule to scan."""
+    calls: list[Call] = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not wants(n.target):
+            continue
+        values = {a: meta.example(meta.value(a)) for a in n.all_input_nodes}
+        if all(v is not None for v in values.values()):
+            calls.append((n.target, fx.node.map_arg(n.args, values.__getitem__), fx.node.map_arg(n.kwargs, values.__getitem__)))
     return calls
 
 
@@ -167,7 +217,8 @@ def _may_match(p: fx.Node, g: fx.Node) -> bool:
     return not want or any(a.op == "call_function" and a.target in want for a in g.all_input_nodes)
 
 
-def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, erased: set[fx.Node]) -> str | None:
+def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, erased: set[fx.Node],
+             index: Anchors) -> str | None:  # fmt: skip
     """Insert the replacement before the anchor and remove the match; None, or why it was refused."""
     cr = m.rule.compiled
     blocker = inplace_blocker(m)
@@ -194,11 +245,13 @@ def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, eras
                     continue
                 env[rn] = n
                 new.append(n)
-    # Number the new nodes between the anchor and whatever precedes it (positions are 4 apart
-    # and each anchor is replaced once), so a later anchor may match through them.
+    # Number the new nodes between the anchor and the node before them, so a later anchor may
+    # match through them (or on them).
     end = m.anchor.meta["_fxr_pos"]
+    prev = new[0].prev if new else None
+    start = prev.meta["_fxr_pos"] if prev is not None and prev.op != "root" else end - 4
     for i, n in enumerate(new):
-        n.meta["_fxr_pos"] = end - 1 + (i + 1) / (len(new) + 1)
+        n.meta["_fxr_pos"] = start + (end - start) * (i + 1) / (len(new) + 1)
     olds = [m.nodes[o] for o in cr.outputs]
     why = _meta_mismatch(olds, outs)
     if why is not None:
@@ -207,6 +260,8 @@ def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, eras
         return why
     for old, out in zip(olds, outs):
         old.replace_all_uses_with(out)
+    for n in new:
+        index.add(n)
     for n in reversed(m.internal):
         if not n.users:
             graph.erase_node(n)
@@ -268,9 +323,14 @@ def _apply_subgraph_rewriter(gm: fx.GraphModule, rule: Rule, result: PassResult,
 
 
 def dead_code(gm: fx.GraphModule) -> int:
-    """Remove nodes nobody reads (pure ops only: an in-place write stays, :func:`meta.is_impure`);
-    returns how many."""
-    before = len(gm.graph.nodes)
-    gm.graph.eliminate_dead_code(is_impure_node=meta.is_impure)
-    return before - len(gm.graph.nodes)
+    """Remove nodes nobody reads (pure ops only: an in-place write stays, :func:`meta.is_impure`),
+    last first so that their inputs may follow; returns how many. ``Graph.eliminate_dead_code``
+    does the same after linting the graph and asking every node whether it is pure; here only
+    nodes without users are asked."""
+    removed = 0
+    for node in reversed(gm.graph.nodes):
+        if not node.users and not meta.is_impure(node):
+            gm.graph.erase_node(node)
+            removed += 1
+    return removed
 

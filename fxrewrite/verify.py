@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fxrewrite import meta
 from fxrewrite.match import Match, inplace_blocker
@@ -170,13 +171,19 @@ def _concrete_shape(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(shape), tuple(stride)
 
 
+_DESCRIBED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def _describe_value(v: Any) -> Any:
     """The part of a bound value a verdict depends on."""
     if isinstance(v, fx.Node):
         mv = meta.value(v)
         if isinstance(mv, torch.Tensor):
-            shape, stride = _concrete_shape(mv)
-            return ("tensor", shape, stride, mv.dtype, _device(mv).type)
+            desc = _DESCRIBED.get(mv)  # fake values are shared between nodes: described once
+            if desc is None:
+                shape, stride = _concrete_shape(mv)
+                desc = _DESCRIBED[mv] = ("tensor", shape, stride, mv.dtype, _device(mv).type)
+            return desc
         if isinstance(mv, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             return ("symbolic", type(mv).__name__, meta.hint(mv))
         if isinstance(mv, (int, float, bool)):

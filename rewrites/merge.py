@@ -108,6 +108,13 @@ def merge_sibling_linears(gm: fx.GraphModule) -> PassResult:
     return result
 
 
+def relaid(*params: torch.Tensor) -> torch.Tensor:
+    """``params`` laid end to end in one buffer, which they become views of (see the module
+    docstring): how the compile cache makes a merged weight again from a new process's
+    parameters."""
+    return _merged(list(params))
+
+
 def _gated_pairs(lins: list[fx.Node]) -> tuple[list[list[fx.Node]], list[fx.Node]]:
     """The (gate, up) pairs among sibling linears, whose outputs meet in ``act(gate) * up``
     (SiLU or GELU), and the other linears. A pair merges on its own, gate rows first, so that
@@ -135,12 +142,15 @@ def _merge(gm: fx.GraphModule, lins: list[fx.Node], first: fx.Node, no_bias: boo
     weights = [_param(n.args[1]) for n in lins]
     merged_w = _merged(weights)  # type: ignore[arg-type]
     merged_b = None if no_bias else _merged([_param(n.args[2]) for n in lins])  # type: ignore[misc]
-    index = sum(1 for name, _ in gm.named_buffers() if name.startswith("fxr_merged_") and not name.endswith("_bias"))
+    index = sum(1 for name in gm.meta.get("fxr_constants", ()) if name.startswith("fxr_merged_") and not name.endswith("_bias"))
     graph = gm.graph
     with graph.inserting_before(first):
-        args = [first.args[0], meta.constant_node(gm, f"fxr_merged_{index}", merged_w, fake_mode)]
+        w = meta.constant_node(gm, f"fxr_merged_{index}", merged_w, fake_mode, rebuild=(relaid, [n.args[1] for n in lins]))
+        args = [first.args[0], w]
         if merged_b is not None:
-            args.append(meta.constant_node(gm, f"fxr_merged_{index}_bias", merged_b, fake_mode))
+            b = meta.constant_node(gm, f"fxr_merged_{index}_bias", merged_b, fake_mode,
+                                   rebuild=(relaid, [n.args[2] for n in lins]))  # fmt: skip
+            args.append(b)
         y = graph.call_function(LINEAR, tuple(args) + ((None,) if merged_b is None else ()))
         meta.copy_provenance(first, y)
         meta.propagate(y, fake_mode)

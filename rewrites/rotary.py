@@ -253,14 +253,6 @@ class _NotFoldable(Exception):
     """The tables of a rotation cannot be folded; the message says why."""
 
 
-def _real(node: fx.Node) -> Any:
-    """The compile-time value of a placeholder that holds module state, else None."""
-    for key in ("fxr_param", "fxr_buffer", "fxr_real"):
-        if key in node.meta:
-            return node.meta[key]
-    return None
-
-
 class _Tables:
     """Where a rotation's ``cos`` and ``sin`` come from: one positions tensor and constants."""
 
@@ -270,7 +262,7 @@ class _Tables:
         const: dict[fx.Node, bool] = {}
         for n in nodes:
             if n.op == "placeholder":
-                const[n] = _real(n) is not None  # module state, not an input
+                const[n] = meta.is_state(n)  # module state, not an input
             else:  # a factory (``arange(T)``) makes positions, not a constant
                 const[n] = n.op == "get_attr" or bool(n.all_input_nodes) and all(const[a] for a in n.all_input_nodes)
         if const[cos] and const[sin]:
@@ -315,9 +307,9 @@ class _Tables:
         if node in env:
             return env[node]
         if node.op == "placeholder":
-            return _real(node)
+            return meta.real(node)  # read: the compile cache keys on its value
         if node.op == "get_attr":
-            return functools.reduce(getattr, node.target.split("."), self.gm)
+            return meta.attribute(self.gm, node.target)
         raise _NotFoldable(f"`{node.name}` is not computed from positions and constants")
 
     def evaluate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,6 +426,8 @@ class _Folder:
         self.gm, self.graph, self.max_positions = gm, gm.graph, max_positions
         self.fake_mode = meta.fake_mode_of(gm.graph)
         self.caches: dict[tuple[Any, ...], fx.Node] = {}
+        self.unfoldable: dict[tuple[Any, ...], str] = {}  # why the tables of a source did not fold
+        self._order: dict[fx.Node, int] | None = None  # graph order, made again after a fold adds nodes
         self.flat: dict[fx.Node, fx.Node] = {}
 
     def node(self, target: Any, *args: Any, like: fx.Node) -> fx.Node:
@@ -448,11 +442,18 @@ class _Folder:
         # Layers that each reshape the model's tables (HF's per-layer ``cos.unsqueeze(1)``) read
         # the same values: evaluate the tables once per source, not once per layer.
         key = (_source(cos), _source(sin), interleaved, full)
+        if key in self.unfoldable:  # every layer reading these tables fails alike
+            raise _NotFoldable(self.unfoldable[key])
         if key not in self.caches:
-            order = {node: i for i, node in enumerate(self.graph.nodes)}  # folds so far added nodes
-            tables = _Tables(self.gm, key[0], key[1], order)
-            width = meta.tensor(cos).shape[-1]
-            value = build_cache(tables, width, full, interleaved, self.max_positions, meta.tensor(x).device)
+            if self._order is None:
+                self._order = {node: i for i, node in enumerate(self.graph.nodes)}
+            try:
+                tables = _Tables(self.gm, key[0], key[1], self._order)
+                width = meta.tensor(cos).shape[-1]
+                value = build_cache(tables, width, full, interleaved, self.max_positions, meta.tensor(x).device)
+            except _NotFoldable as e:
+                self.unfoldable[key] = str(e)
+                raise
             self.caches[key] = self._constant(value, tables.positions)
         return self.caches[key]
 
@@ -513,6 +514,7 @@ class _Folder:
         replaced.replace_all_uses_with(out)
         for old in reversed(chain):
             self.graph.erase_node(old)
+        self._order = None  # nodes were added
 
 
 def fold_rotary_tables(gm: fx.GraphModule, max_positions: int = 32768) -> PassResult:

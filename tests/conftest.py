@@ -14,6 +14,10 @@ import os
 import pytest
 import torch
 
+# The compile cache stays off in the suite (tests patch rules and kernels in place, which no cache
+# key can see) except where a test turns it on with a directory of its own (tests/fxrewrite/test_cache.py).
+os.environ.setdefault("FXREWRITE_CACHE", "0")
+
 if not torch.cuda.is_available():
     # Without CUDA, Triton kernels run only interpreted, on CPU tensors. The flag must be set
     # before Triton is imported: its own library functions (tl.sum, tl.max) are decorated then.

@@ -13,7 +13,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_e2e.py"
 
 def test_full_graph_rows_of_fxrewrite_and_the_twin(tmp_path: Path) -> None:
     out = tmp_path / "e2e.md"
-    argv = ["--shape", "tiny", "--device", "cpu", "--systems", "fxrewrite-full,fused-full,fxrewrite-full-ug", "--budget-s", "300",
+    argv = ["--shape", "tiny", "--device", "cpu", "--systems", "fxrewrite-full,fused-full,fxrewrite-full-ug,full-norewrite,fxrewrite-full-warm",
+            "--budget-s", "400",
             "--target-s", "0.02", "--warmup", "2", "--paired", "fxrewrite-full,fused-full", "--rounds", "2",
             "--out", str(out)]  # fmt: skip
     # a process of its own: the script sets process-wide state (grad mode, Dynamo and Inductor config)
@@ -21,7 +22,8 @@ def test_full_graph_rows_of_fxrewrite_and_the_twin(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     text = out.read_text()
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
-    for system in ("fxrewrite full", "hand-fused full", "fxrewrite full, unguarded"):
+    for system in ("fxrewrite full", "hand-fused full", "fxrewrite full, unguarded", "full, no rewrites",
+                   "fxrewrite full, cache warm"):
         cells = [c.strip() for c in rows[system].split("|")[2:-1]]
         assert len(cells) == 8 and all(re.fullmatch(r"\d+\.\d+", c) for c in cells[:5]), rows[system]
         assert float(cells[7]) < 1e-3  # float32 on CPU: the rewritten graph computes what eager does
@@ -34,3 +36,8 @@ def test_full_graph_rows_of_fxrewrite_and_the_twin(tmp_path: Path) -> None:
     assert "fused: fused_add_rms_norm_ x4, linear x6, linear_silu_and_mul x2, rms_norm x1, rotary_embedding x2" in text
     # the unguarded row ran every column's steps after the first through Backend.unguarded
     assert "- fxrewrite full, unguarded: unguarded: 5 step shapes called without Dynamo" in text
+    # the restart found every graph "fxrewrite full" stored, and the first calls are compared
+    assert "- fxrewrite full: cache miss: 3 graphs, stored 3" in text
+    assert re.search(r"- fxrewrite full, cache warm: cache hit: 3 graphs, saved [\d.]+ s", text)
+    for what, goal in (("fxrewrite full / full, no rewrites", "1.25"), ("fxrewrite full, cache warm / full, no rewrites", "1.05")):
+        assert re.search(rf"- first call, {re.escape(what)}: [\d.]+ \(goal <= {goal}\)", text), what
