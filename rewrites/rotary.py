@@ -246,15 +246,17 @@ PERMUTE = torch.ops.aten.permute.default
 SYM_SIZE = torch.ops.aten.sym_size.int
 
 
-def _gather(n: fx.Node) -> tuple[Any, Any, int] | None:
+def _gather(n: fx.Node) -> tuple[Any, Any, int | None] | None:
     """``(table, index, dim)`` of a node that reads ``table`` at integer indices along ``dim``
-    (``table[index]``, ``index_select``, ``embedding``), else None. ``operator.getitem`` gathers
-    only with a tensor in its index: ``inv_freq[None, :, None]`` is a view of the table."""
+    (``table[index]``, ``index_select``, ``embedding``; dim None where the indexing does not say
+    which), else None. ``operator.getitem`` gathers only with a tensor in its index:
+    ``inv_freq[None, :, None]`` is a view of the table."""
     if n.op != "call_function":
         return None
     a = n.args
-    if n.target is torch.ops.aten.index_select.default:
-        return a[0], a[2], a[1]
+    if n.target is torch.ops.aten.index_select.default:  # canonical graphs count dims from the end
+        t = meta.tensor(a[0])
+        return a[0], a[2], None if t is None else a[1] % max(t.dim(), 1)
     if n.target is torch.ops.aten.embedding.default:
         return a[0], a[1], 0
     if n.target is torch.nn.functional.embedding:
@@ -268,7 +270,7 @@ def _gather(n: fx.Node) -> tuple[Any, Any, int] | None:
         if not tensors:
             return None
         if len(tensors) > 1 or any(i != slice(None) for i in index[: tensors[0]]):
-            return a[0], index[tensors[0]], -1  # a tensor index after None or Ellipsis: dim unknown
+            return a[0], index[tensors[0]], None  # a tensor index after None or Ellipsis
         return a[0], index[tensors[0]], tensors[0]
     return None
 
@@ -327,7 +329,7 @@ class _Tables:
             if not (isinstance(table, fx.Node) and table.op in ("placeholder", "get_attr")):
                 continue  # a table computed from the positions themselves: checked when evaluated
             value = self._value(table, {})
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and dim >= 0:
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and dim is not None:
                 bounds.append(value.shape[dim])
         return min(bounds) if bounds else default
 
@@ -353,7 +355,7 @@ class _Tables:
             return
         table, index, dim = g
         t, i = self._value(table, env), self._value(index, env)
-        if dim < 0:
+        if dim is None:
             raise _NotFoldable(f"`{n.name}` indexes its table at the positions along an unknown dim")
         if not (isinstance(t, torch.Tensor) and isinstance(i, torch.Tensor)) or i.dtype not in (torch.int32, torch.int64):
             raise _NotFoldable(f"`{n.name}` reads at the positions, not with integer indices")
