@@ -24,8 +24,10 @@ k rotations of a layer into one ``fxr.rotary_embedding``::
     %k_embed = fxr.apply_rotary(%k, %cos, %sin, ..)
 
 ``P``: the rows of a table the positions index (an engine's cache), else
-``Config.max_positions``. Positions at or past ``P`` are out of range for the kernels, as for any
-engine's cache. Where the tables cannot be folded, ``fxr.apply_rotary`` stays (the torch reference
+``Config.max_positions``; a constant indexed without the positions (``inv_freq[None, :, None]``)
+bounds nothing. Every gather at the positions is checked to stay inside its table for positions
+``0 .. P-1`` before it runs (else no fold: out of range, a GPU gather asserts or reads past the
+table). Positions at or past ``P`` are out of range for the kernels, as for any engine's cache. Where the tables cannot be folded, ``fxr.apply_rotary`` stays (the torch reference
 serves it) and the report says why.
 """
 
@@ -242,11 +244,35 @@ ROTARY = torch.ops.fxr.rotary_embedding.default
 RESHAPE = torch.ops.aten.reshape.default
 PERMUTE = torch.ops.aten.permute.default
 SYM_SIZE = torch.ops.aten.sym_size.int
-# Ops that read a constant table at positions: their table's rows bound the positions.
-GATHERS = {
-    torch.ops.aten.index.Tensor: 0, torch.ops.aten.embedding.default: 0, torch.ops.aten.index_select.default: 0,
-    operator.getitem: 0, torch.nn.functional.embedding: 1,
-}  # fmt: skip
+
+
+def _gather(n: fx.Node) -> tuple[Any, Any, int | None] | None:
+    """``(table, index, dim)`` of a node that reads ``table`` at integer indices along ``dim``
+    (``table[index]``, ``index_select``, ``embedding``; dim None where the indexing does not say
+    which), else None. ``operator.getitem`` gathers only with a tensor in its index:
+    ``inv_freq[None, :, None]`` is a view of the table."""
+    if n.op != "call_function":
+        return None
+    a = n.args
+    if n.target is torch.ops.aten.index_select.default:  # canonical graphs count dims from the end
+        t = meta.tensor(a[0])
+        return a[0], a[2], None if t is None else a[1] % max(t.dim(), 1)
+    if n.target is torch.ops.aten.embedding.default:
+        return a[0], a[1], 0
+    if n.target is torch.nn.functional.embedding:
+        return a[1], a[0], 0
+    if n.target is torch.ops.aten.index.Tensor:  # None entries: whole dims before the index
+        at = next((d for d, i in enumerate(a[1]) if i is not None), None)
+        return None if at is None else (a[0], a[1][at], at)
+    if n.target is operator.getitem and isinstance(a[0], fx.Node) and meta.tensor(a[0]) is not None:
+        index = a[1] if isinstance(a[1], tuple) else (a[1],)
+        tensors = [d for d, i in enumerate(index) if isinstance(i, fx.Node)]
+        if not tensors:
+            return None
+        if len(tensors) > 1 or any(i != slice(None) for i in index[: tensors[0]]):
+            return a[0], index[tensors[0]], None  # a tensor index after None or Ellipsis
+        return a[0], index[tensors[0]], tensors[0]
+    return None
 
 
 class _NotFoldable(Exception):
@@ -273,6 +299,7 @@ class _Tables:
             raise _NotFoldable(f"cos/sin depend on more than one integer positions tensor: inputs {leaves}")
         between = meta.ancestors(*self.targets, stop=self.positions)
         self.nodes = [n for n in nodes if n in between]  # recomputed for other positions, in order
+        self.depends = {self.positions} | {n for n in self.nodes if not const[n]}  # the positions flow into them
 
     def _dominates(self, v: fx.Node, const: dict[fx.Node, bool]) -> bool:
         t = meta.tensor(v)
@@ -290,16 +317,24 @@ class _Tables:
         return True
 
     def rows(self, default: int) -> int:
-        """How many positions the tables cover: the rows of a constant table the positions index."""
+        """How many positions the tables cover: the rows of a constant table the positions
+        index (an engine's cache), else ``default``. Only a gather whose index depends on the
+        positions bounds them; one of a constant index (``inv_freq[None, :, None]``) does not."""
         bounds = []
         for n in self.nodes:
-            i = GATHERS.get(n.target) if n.op == "call_function" else None
-            if i is not None and isinstance(n.args[i], fx.Node) and n.args[i].op in ("placeholder", "get_attr"):
-                table = self._value(n.args[i], {})
-                if isinstance(table, torch.Tensor) and table.dim() >= 1:
-                    along = n.args[1] if n.target is torch.ops.aten.index_select.default else 0  # its dim
-                    bounds.append(table.shape[along])
+            g = _gather(n)
+            if g is None or not self._reads_positions(g[1]):
+                continue
+            table, _, dim = g
+            if not (isinstance(table, fx.Node) and table.op in ("placeholder", "get_attr")):
+                continue  # a table computed from the positions themselves: checked when evaluated
+            value = self._value(table, {})
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and dim is not None:
+                bounds.append(value.shape[dim])
         return min(bounds) if bounds else default
+
+    def _reads_positions(self, index: Any) -> bool:
+        return isinstance(index, fx.Node) and index in self.depends
 
     def _value(self, node: Any, env: dict[fx.Node, Any]) -> Any:
         if not isinstance(node, fx.Node):
@@ -311,6 +346,22 @@ class _Tables:
         if node.op == "get_attr":
             return meta.attribute(self.gm, node.target)
         raise _NotFoldable(f"`{node.name}` is not computed from positions and constants")
+
+    def _check_in_range(self, n: fx.Node, env: dict[fx.Node, Any]) -> None:
+        """A gather at the positions reads inside its table: checked on the host before it runs
+        (out of range, a CUDA gather would assert on the device or read past the table)."""
+        g = _gather(n)
+        if g is None or not self._reads_positions(g[1]):
+            return
+        table, index, dim = g
+        t, i = self._value(table, env), self._value(index, env)
+        if dim is None:
+            raise _NotFoldable(f"`{n.name}` indexes its table at the positions along an unknown dim")
+        if not (isinstance(t, torch.Tensor) and isinstance(i, torch.Tensor)) or i.dtype not in (torch.int32, torch.int64):
+            raise _NotFoldable(f"`{n.name}` reads at the positions, not with integer indices")
+        if i.numel() and not (0 <= int(i.min()) and int(i.max()) < t.shape[dim]):
+            raise _NotFoldable(f"positions 0..P-1 read `{n.name}` at {int(i.min())}..{int(i.max())}, "
+                               f"outside its table's {t.shape[dim]} rows")  # fmt: skip
 
     def evaluate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for these positions (shaped as the graph's positions), on the real buffers."""
@@ -324,6 +375,7 @@ class _Tables:
                 if n.op not in ("call_function", "call_method"):
                     continue  # placeholders and get_attr: read by _value
                 args, kwargs = arg(n.args), arg(n.kwargs)
+                self._check_in_range(n, env)
                 if n.op == "call_method":
                     env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
                 else:

@@ -149,6 +149,27 @@ def test_engine_cache_indexed_by_positions(dtype: torch.dtype, dynamic: bool) ->
     assert torch.equal(r.graph.fxr_rotary_cache_0, model.cos_sin_cache), "the engine's own cache, its own rows"
 
 
+class MatmulRope(HFRope):
+    """transformers <= 5.17 Llama: ``inv_freq[None, :, None]`` (a view of the buffer, indexed
+    without a tensor) times the positions as a batched matmul."""
+
+    def tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self.inv_freq[None, :, None].expand(position_ids.shape[0], -1, 1).float()
+        freqs = (inv @ position_ids[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+@DYNAMIC
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_indexing_inv_freq_does_not_bound_the_positions(dtype: torch.dtype, dynamic: bool) -> None:
+    """``inv_freq[None, :, None]`` reads a constant, not a table at the positions: the cache keeps
+    ``max_positions`` rows, not ``len(inv_freq)`` (8 here; the positions go up to 49)."""
+    r = check(MatmulRope(), *qk(dtype=dtype), expect=PAIR, dynamic=dynamic)
+    assert r.graph.fxr_rotary_cache_0.shape == (Config().max_positions, HEAD_DIM)
+    assert reasons(r, "rotary_embedding") == []
+
+
 @DYNAMIC
 def test_one_token_positions_fold(dynamic: bool) -> None:
     """A decode step of one token: ``positions`` is a one-element tensor, an input all the same
@@ -248,6 +269,25 @@ def test_tables_that_are_not_per_position_do_not_fold() -> None:
 
     r = check(Running(), *qk(), expect={"apply_rotary": 2})
     assert all("not per-position" in why for why in reasons(r, "rotary_embedding"))
+
+
+def test_rows_read_past_the_cache_do_not_fold() -> None:
+    """Twin of the engine's cache: the mean of rows ``positions`` and ``positions + 1``, a
+    per-position table whose position P-1 would read past the table's P rows. The fold refuses
+    and says why (evaluated on a GPU, a gather out of range asserts on the device)."""
+
+    class Neighbours(EngineRope):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            rows = (self.cos_sin_cache[positions] + self.cos_sin_cache[positions + 1]) / 2
+            cos, sin = rows.chunk(2, dim=-1)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q = self.rotate(q.view(q.shape[0], -1, HEAD_DIM), cos, sin)
+            return q.flatten(1), self.rotate(k.view(k.shape[0], -1, HEAD_DIM), cos, sin).flatten(1)
+
+    r = check(Neighbours(positions=64), *qk(batch=None), expect={"apply_rotary": 2})
+    why = reasons(r, "rotary_embedding")
+    assert len(why) == 2 and all(w.startswith("positions 0..P-1 read `") and w.endswith(
+        "` at 1..64, outside its table's 64 rows") for w in why), why
 
 
 def test_rotation_read_elsewhere_does_not_pair_across_it() -> None:
