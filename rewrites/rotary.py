@@ -27,8 +27,9 @@ k rotations of a layer into one ``fxr.rotary_embedding``::
 ``Config.max_positions``; a constant indexed without the positions (``inv_freq[None, :, None]``)
 bounds nothing. Every gather at the positions is checked to stay inside its table for positions
 ``0 .. P-1`` before it runs (else no fold: out of range, a GPU gather asserts or reads past the
-table). Positions at or past ``P`` are out of range for the kernels, as for any engine's cache. Where the tables cannot be folded, ``fxr.apply_rotary`` stays (the torch reference
-serves it) and the report says why.
+table). Positions at or past ``P`` are out of range for the kernels, as for any engine's cache.
+Where the tables cannot be folded, ``fxr.apply_rotary`` stays (the torch reference serves it) and
+the report says why.
 """
 
 from __future__ import annotations
