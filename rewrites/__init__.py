@@ -6,7 +6,7 @@ last rule group, cleanup last). Nothing registers itself at import time.
 """
 
 from fxrewrite.passes import GraphPass, RuleGroup, Step
-from fxrewrite.rewrites import activation, collective, linear, merge, moe, norm, quant, rotary
+from fxrewrite.rewrites import activation, collective, linear, merge, moe, norm, quant, rotary, rotary_tables
 
 PIPELINE: tuple[Step, ...] = (
     # one GEMM for linears that read the same input (Config.merge_siblings)
@@ -26,7 +26,7 @@ PIPELINE: tuple[Step, ...] = (
     # pattern holds a linear.
     RuleGroup("select_gemm", linear.RULES, modes=("piecewise", "full")),
     # the cos/sin tables of the rotations fuse_rotary found, evaluated once (a no-op without them)
-    GraphPass("fold_rotary", rotary.fold_rotary_tables, options=("max_positions",)),
+    GraphPass("fold_rotary", rotary_tables.fold_rotary_tables, options=("max_positions",)),
 )
 
-__all__ = ["PIPELINE", "activation", "collective", "linear", "merge", "moe", "norm", "quant", "rotary"]
+__all__ = ["PIPELINE", "activation", "collective", "linear", "merge", "moe", "norm", "quant", "rotary", "rotary_tables"]

@@ -2,8 +2,8 @@
 
 Two stages, two kinds of op. Model code computes cos and sin tables and rotates q and k with
 them; the rules (``rewrites/rotary.py``) first turn the rotation into ``fxr::apply_rotary``, which
-takes the tables as the model computed them, then fold the tables into one float32
-``cos_sin_cache`` indexed by position and call the kernels' op::
+takes the tables as the model computed them, then ``rewrites/rotary_tables.py`` folds the tables
+into one float32 ``cos_sin_cache`` indexed by position and calls the kernels' op::
 
     # before (HF Llama, per layer, for q and for k)        # after (one op per layer)
     x1, x2 = q[..., :64], q[..., 64:]                       q, k = fxr.rotary_embedding(
@@ -166,7 +166,7 @@ ROTARY_Q_KERNELS = (Kernel("flashinfer", flashinfer_rotary_q, _check_q, module=_
 
 DEFS: tuple[OpDef, ...] = (
     # The rotation with the model's own tables: what the rules produce first; folded into the
-    # cache-indexed ops below where the tables are functions of positions (rewrites/rotary.py).
+    # cache-indexed ops below where the tables are functions of positions (rewrites/rotary_tables.py).
     OpDef("apply_rotary", apply_rotary_reference, _apply_rotary_fake),
     OpDef("rotary_embedding", rotary_embedding_reference, _rotary_fake, ROTARY_KERNELS),
     OpDef("rotary_embedding_q", rotary_embedding_q_reference, _rotary_q_fake, ROTARY_Q_KERNELS),

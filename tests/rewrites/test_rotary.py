@@ -1,4 +1,4 @@
-"""Rotary embedding rules and the folding of their tables (rewrites/rotary.py).
+"""Rotary embedding rules and the folding of their tables (rewrites/rotary.py, rotary_tables.py).
 
 Each positive case is model code as authors write it (HF rotate_half with tables computed from
 ``inv_freq``, an engine's cache indexed by positions, GPT-J pairs, partial rotary, q alone) in the

@@ -1,0 +1,396 @@
+"""Folding the cos/sin tables of the rotations into a cache indexed by position (``fold_rotary``).
+
+The rules of ``rotary.py`` leave ``fxr.apply_rotary(x, cos, sin, ..)``; :func:`fold_rotary_tables`
+looks at where ``cos`` and ``sin`` come from. When both are functions of one integer tensor (the
+positions) and of constants (an ``inv_freq`` buffer, a cos/sin cache buffer, a scaling factor), it
+evaluates them once at compile time, on the real buffers, for every position ``0 .. P-1``: that is
+the ``cos_sin_cache`` the kernels index. The table is checked, not assumed: evaluated again on
+shuffled positions it must shuffle the same way (a per-position table), and full-width HF tables
+must repeat their halves (or pairs) exactly.
+The rotation then becomes ``fxr.rotary_embedding_q(positions, x3, cache)`` on an ``[N, heads,
+head_dim]`` view of ``x`` (``[B, H, T, D]``, ``[B, T, H, D]`` and ``[T, H*D]``-as-``[T, H, D]``
+layouts are recognised from how the tables broadcast), and :func:`pair_rotaries` merges the q and
+k rotations of a layer into one ``fxr.rotary_embedding``::
+
+    %cos = ... inv_freq, positions ...                    %cache = get_attr[fxr_rotary_cache_0]
+    %q_embed = fxr.apply_rotary(%q, %cos, %sin, ..)  ->   %qk = fxr.rotary_embedding(%pos, %q3, %k3, %cache, True)
+    %k_embed = fxr.apply_rotary(%k, %cos, %sin, ..)
+
+``P``: the rows of a table the positions index (an engine's cache), else
+``Config.max_positions``; a constant indexed without the positions (``inv_freq[None, :, None]``)
+bounds nothing. Every gather at the positions is checked to stay inside its table for positions
+``0 .. P-1`` before it runs (else no fold: out of range, a GPU gather asserts or reads past the
+table). Positions at or past ``P`` are out of range for the kernels, as for any engine's cache.
+Where the tables cannot be folded, ``fxr.apply_rotary`` stays (the torch reference serves it) and
+the report says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
+from fxrewrite import meta
+from fxrewrite.canonicalize import CAST
+from fxrewrite.meta import dim_key
+from fxrewrite.report import NearMiss, PassResult
+from fxrewrite.rewrites.rotary import ROTARY_Q, pair_rotaries
+
+APPLY = torch.ops.fxr.apply_rotary.default
+RESHAPE = torch.ops.aten.reshape.default
+PERMUTE = torch.ops.aten.permute.default
+SYM_SIZE = torch.ops.aten.sym_size.int
+
+
+def _gather(n: fx.Node) -> tuple[Any, Any, int | None] | None:
+    """``(table, index, dim)`` of a node that reads ``table`` at integer indices along ``dim``
+    (``table[index]``, ``index_select``, ``embedding``; dim None where the indexing does not say
+    which), else None. ``operator.getitem`` gathers only with a tensor in its index:
+    ``inv_freq[None, :, None]`` is a view of the table."""
+    if n.op != "call_function":
+        return None
+    a = n.args
+    if n.target is torch.ops.aten.index_select.default:  # canonical graphs count dims from the end
+        t = meta.tensor(a[0])
+        return a[0], a[2], None if t is None else a[1] % max(t.dim(), 1)
+    if n.target is torch.ops.aten.embedding.default:
+        return a[0], a[1], 0
+    if n.target is torch.nn.functional.embedding:
+        return a[1], a[0], 0
+    if n.target is torch.ops.aten.index.Tensor:  # None entries: whole dims before the index
+        at = next((d for d, i in enumerate(a[1]) if i is not None), None)
+        return None if at is None else (a[0], a[1][at], at)
+    if n.target is operator.getitem and isinstance(a[0], fx.Node) and meta.tensor(a[0]) is not None:
+        index = a[1] if isinstance(a[1], tuple) else (a[1],)
+        tensors = [d for d, i in enumerate(index) if isinstance(i, fx.Node)]
+        if not tensors:
+            return None
+        if len(tensors) > 1 or any(i != slice(None) for i in index[: tensors[0]]):
+            return a[0], index[tensors[0]], None  # a tensor index after None or Ellipsis
+        return a[0], index[tensors[0]], tensors[0]
+    return None
+
+
+class _NotFoldable(Exception):
+    """The tables of a rotation cannot be folded; the message says why."""
+
+
+class _Tables:
+    """Where a rotation's ``cos`` and ``sin`` come from: one positions tensor and constants."""
+
+    def __init__(self, gm: fx.GraphModule, cos: fx.Node, sin: fx.Node, order: dict[fx.Node, int]) -> None:
+        self.gm, self.targets = gm, (cos, sin)
+        nodes = sorted(meta.ancestors(cos, sin), key=order.__getitem__)
+        const: dict[fx.Node, bool] = {}
+        for n in nodes:
+            if n.op == "placeholder":
+                const[n] = meta.is_state(n)  # module state, not an input
+            else:  # a factory (``arange(T)``) makes positions, not a constant
+                const[n] = n.op == "get_attr" or bool(n.all_input_nodes) and all(const[a] for a in n.all_input_nodes)
+        if const[cos] and const[sin]:
+            raise _NotFoldable("cos and sin do not depend on positions")
+        self.positions = next((n for n in reversed(nodes) if not const[n] and self._dominates(n, const)), None)
+        if self.positions is None:
+            leaves = sorted({n.name for n in nodes if n.op == "placeholder" and not const[n]})
+            raise _NotFoldable(f"cos/sin depend on more than one integer positions tensor: inputs {leaves}")
+        between = meta.ancestors(*self.targets, stop=self.positions)
+        self.nodes = [n for n in nodes if n in between]  # recomputed for other positions, in order
+        self.depends = {self.positions} | {n for n in self.nodes if not const[n]}  # the positions flow into them
+
+    def _dominates(self, v: fx.Node, const: dict[fx.Node, bool]) -> bool:
+        t = meta.tensor(v)
+        if t is None or t.dtype not in (torch.int32, torch.int64):
+            return False
+        seen, stack = {v}, list(self.targets)
+        while stack:
+            n = stack.pop()
+            if n in seen or const[n]:
+                continue
+            seen.add(n)
+            if n.op == "placeholder" or not n.all_input_nodes:
+                return False  # an input, or a factory, reached around v
+            stack.extend(n.all_input_nodes)
+        return True
+
+    def rows(self, default: int) -> int:
+        """How many positions the tables cover: the rows of a constant table the positions
+        index (an engine's cache), else ``default``. Only a gather whose index depends on the
+        positions bounds them; one of a constant index (``inv_freq[None, :, None]``) does not."""
+        bounds = []
+        for n in self.nodes:
+            g = _gather(n)
+            if g is None or not self._reads_positions(g[1]):
+                continue
+            table, _, dim = g
+            if not (isinstance(table, fx.Node) and table.op in ("placeholder", "get_attr")):
+                continue  # a table computed from the positions themselves: checked when evaluated
+            value = self._value(table, {})
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and dim is not None:
+                bounds.append(value.shape[dim])
+        return min(bounds) if bounds else default
+
+    def _reads_positions(self, index: Any) -> bool:
+        return isinstance(index, fx.Node) and index in self.depends
+
+    def _value(self, node: Any, env: dict[fx.Node, Any]) -> Any:
+        if not isinstance(node, fx.Node):
+            return node
+        if node in env:
+            return env[node]
+        if node.op == "placeholder":
+            return meta.real(node)  # read: the compile cache keys on its value
+        if node.op == "get_attr":
+            return meta.attribute(self.gm, node.target)
+        raise _NotFoldable(f"`{node.name}` is not computed from positions and constants")
+
+    def _check_in_range(self, n: fx.Node, env: dict[fx.Node, Any]) -> None:
+        """A gather at the positions reads inside its table: checked on the host before it runs
+        (out of range, a CUDA gather would assert on the device or read past the table)."""
+        g = _gather(n)
+        if g is None or not self._reads_positions(g[1]):
+            return
+        table, index, dim = g
+        t, i = self._value(table, env), self._value(index, env)
+        if dim is None:
+            raise _NotFoldable(f"`{n.name}` indexes its table at the positions along an unknown dim")
+        if not (isinstance(t, torch.Tensor) and isinstance(i, torch.Tensor)) or i.dtype not in (torch.int32, torch.int64):
+            raise _NotFoldable(f"`{n.name}` reads at the positions, not with integer indices")
+        if i.numel() and not (0 <= int(i.min()) and int(i.max()) < t.shape[dim]):
+            raise _NotFoldable(f"positions 0..P-1 read `{n.name}` at {int(i.min())}..{int(i.max())}, "
+                               f"outside its table's {t.shape[dim]} rows")  # fmt: skip
+
+    def evaluate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions (shaped as the graph's positions), on the real buffers."""
+        env: dict[fx.Node, Any] = {self.positions: positions}
+
+        def arg(a: Any) -> Any:
+            return fx.node.map_aggregate(a, lambda v: self._value(v, env))
+
+        try:
+            for n in self.nodes:
+                if n.op not in ("call_function", "call_method"):
+                    continue  # placeholders and get_attr: read by _value
+                args, kwargs = arg(n.args), arg(n.kwargs)
+                self._check_in_range(n, env)
+                if n.op == "call_method":
+                    env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+                else:
+                    env[n] = n.target(*args, **kwargs)
+        except _NotFoldable:
+            raise
+        except Exception as e:  # noqa: BLE001 - shapes baked into the graph, say; reported
+            raise _NotFoldable(f"evaluating the tables for other positions failed at `{n.name}`: {type(e).__name__}: {e}") from e
+        return env[self.targets[0]], env[self.targets[1]]
+
+
+# Ops that only reshape their input (every element keeps its value): the table behind them is the same.
+RESHAPES = {"unsqueeze", "view", "reshape", "expand", "squeeze", torch.ops.aten.unsqueeze.default,
+            torch.ops.aten.reshape.default, torch.ops.aten.expand.default, torch.ops.aten.squeeze.dim}  # fmt: skip
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """``node`` with reshapes of one input peeled off."""
+    while node.op in ("call_function", "call_method") and node.target in RESHAPES and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _position_axes(t: torch.Tensor) -> list[int]:
+    """The dims of the graph's positions ``t`` that other positions may run along: its last dim
+    that is not 1 (the tokens); for one token (every dim 1, a decode step) each dim, last first,
+    since only the tables' own code tells which dim is the tokens' and which broadcast."""
+    varying = [i for i, s in enumerate(t.shape) if dim_key(s) != 1]
+    return varying[-1:] if varying else list(reversed(range(t.dim())))
+
+
+def _positions_like(t: torch.Tensor, values: torch.Tensor, at: int) -> torch.Tensor:
+    """``values`` (1-D) shaped as the graph's positions ``t``, along its dim ``at``."""
+    shape = [1] * t.dim()
+    shape[at] = values.numel()
+    return values.to(t.dtype).view(shape)
+
+
+def _evaluate_along(tables: _Tables, t: torch.Tensor, values: torch.Tensor) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The tables for ``values`` along the first of :func:`_position_axes` they evaluate along,
+    and that dim. ``position_ids[..., None] * inv_freq`` of a ``[1, 1]`` decode step evaluates
+    along dim 0 or 1, not along the last (it would broadcast the positions against the
+    frequencies)."""
+    if t.dim() == 0:
+        raise _NotFoldable("the positions are a 0-d tensor")
+    *first, last = _position_axes(t)
+    for at in first:
+        with contextlib.suppress(_NotFoldable):
+            return at, tables.evaluate(_positions_like(t, values, at))
+    return last, tables.evaluate(_positions_like(t, values, last))
+
+
+def _half_of(table: torch.Tensor, interleaved: bool, what: str) -> torch.Tensor:
+    """The half-width angles of a full-width HF table, whose halves (or pairs) must repeat."""
+    a, b = (table[:, 0::2], table[:, 1::2]) if interleaved else table.chunk(2, dim=-1)
+    if not torch.equal(a, b):
+        raise _NotFoldable(f"the {'pairs' if interleaved else 'halves'} of {what} differ: not rotary tables")
+    return a
+
+
+CHECKED_POSITIONS = 1024  # positions re-evaluated, shuffled, to check the tables are per position
+
+
+def build_cache(tables: _Tables, width: int, full: bool, interleaved: bool, max_positions: int, device: Any) -> torch.Tensor:
+    """``[P, R]`` float32 ``cat(cos, sin)`` of the half-width angles per position, checked."""
+    p = tables.rows(max_positions)
+    pos_t = meta.tensor(tables.positions)
+    arange = torch.arange(p, device=device)
+    # the check: shuffled positions (a random sample of them) must read the same rows
+    sample = torch.randperm(p, generator=torch.Generator().manual_seed(0))[:CHECKED_POSITIONS].to(device)
+    at, tables_p = _evaluate_along(tables, pos_t, arange)
+    cos, sin = (v.reshape(p, -1) for v in tables_p)
+    cos_p, sin_p = (v.reshape(len(sample), -1) for v in tables.evaluate(_positions_like(pos_t, sample, at)))
+    if cos.shape[-1] != width:
+        raise _NotFoldable(f"tables evaluate to {cos.shape[-1]} features per position, expected {width}")
+    if not (torch.equal(cos_p, cos[sample]) and torch.equal(sin_p, sin[sample])):
+        raise _NotFoldable("cos/sin are not per-position tables (shuffled positions do not shuffle them)")
+    if full:
+        cos, sin = _half_of(cos, interleaved, "cos"), _half_of(sin, interleaved, "sin")
+    return torch.cat((cos, sin), dim=-1).float().contiguous()
+
+
+def _layout(x: torch.Tensor, cos: torch.Tensor) -> tuple[list[int], list[int]]:
+    """x's token dims (tables vary along them) and head dims (tables broadcast), last dim apart."""
+    cshape = [1] * (x.dim() - cos.dim()) + list(cos.shape)
+    tokens, heads = [], []
+    for d in range(x.dim() - 1):
+        if dim_key(cshape[d]) == 1 and dim_key(x.shape[d]) != 1:
+            heads.append(d)
+        else:
+            tokens.append(d)
+    return tokens, heads
+
+
+class _Folder:
+    """One pass of :func:`fold_rotary_tables` over a graph."""
+
+    def __init__(self, gm: fx.GraphModule, max_positions: int) -> None:
+        self.gm, self.graph, self.max_positions = gm, gm.graph, max_positions
+        self.fake_mode = meta.fake_mode_of(gm.graph)
+        self.caches: dict[tuple[Any, ...], fx.Node] = {}
+        self.unfoldable: dict[tuple[Any, ...], str] = {}  # why the tables of a source did not fold
+        self._order: dict[fx.Node, int] | None = None  # graph order, made again after a fold adds nodes
+        self.flat: dict[fx.Node, fx.Node] = {}
+
+    def node(self, target: Any, *args: Any, like: fx.Node) -> fx.Node:
+        n = self.graph.call_function(target, args)
+        n.meta["fxr_rule"] = "rotary_embedding"
+        meta.copy_provenance(like, n)
+        meta.propagate(n, self.fake_mode)
+        return n
+
+    def cache(self, n: fx.Node) -> fx.Node:
+        x, cos, sin, interleaved, full = n.args
+        # Layers that each reshape the model's tables (HF's per-layer ``cos.unsqueeze(1)``) read
+        # the same values: evaluate the tables once per source, not once per layer.
+        key = (_source(cos), _source(sin), interleaved, full)
+        if key in self.unfoldable:  # every layer reading these tables fails alike
+            raise _NotFoldable(self.unfoldable[key])
+        if key not in self.caches:
+            if self._order is None:
+                self._order = {node: i for i, node in enumerate(self.graph.nodes)}
+            try:
+                tables = _Tables(self.gm, key[0], key[1], self._order)
+                width = meta.tensor(cos).shape[-1]
+                value = build_cache(tables, width, full, interleaved, self.max_positions, meta.tensor(x).device)
+            except _NotFoldable as e:
+                self.unfoldable[key] = str(e)
+                raise
+            self.caches[key] = self._constant(value, tables.positions)
+        return self.caches[key]
+
+    def _constant(self, value: torch.Tensor, positions: fx.Node) -> fx.Node:
+        """One get_attr per distinct table and positions: layers that each compute the same
+        tables (an engine's per-layer ``cos.unsqueeze(1)``) share one cache, and can pair."""
+        for node in self.caches.values():
+            old = getattr(self.gm, node.target)
+            if node.meta["fxr_positions"] is positions and old.shape == value.shape and torch.equal(old, value):
+                return node
+        first = next(n for n in self.graph.nodes if n.op != "placeholder")
+        with self.graph.inserting_before(first):
+            node = meta.constant_node(self.gm, f"fxr_rotary_cache_{len(set(self.caches.values()))}", value, self.fake_mode)
+        node.meta["fxr_positions"] = positions
+        return node
+
+    def positions(self, pos: fx.Node) -> fx.Node:
+        """The positions as one flat vector, made once per positions node."""
+        if pos not in self.flat:
+            with self.graph.inserting_after(pos):
+                self.flat[pos] = self.node(RESHAPE, pos, [-1], like=pos)
+        return self.flat[pos]
+
+    def fold(self, n: fx.Node) -> None:
+        x, cos, sin, interleaved, full = n.args
+        xt, ct = meta.tensor(x), meta.tensor(cos)
+        if xt is None or ct is None:
+            raise _NotFoldable("no shape information")
+        tokens, heads = _layout(xt, ct)
+        # The kernel's [N, heads, head_dim] view: heads and head size become static (a symbolic
+        # one, as when q is a graph input under dynamic=True, is specialized with a guard).
+        heads_n = int(functools.reduce(operator.mul, (xt.shape[d] for d in heads), 1))
+        head_dim = int(xt.shape[-1])
+        cache = self.cache(n)
+        pos = cache.meta["fxr_positions"]
+        pos_sizes = [dim_key(s) for s in meta.tensor(pos).shape if dim_key(s) != 1]
+        tok_sizes = [dim_key(xt.shape[d]) for d in tokens if dim_key(xt.shape[d]) != 1]
+        if pos_sizes != tok_sizes:
+            raise _NotFoldable(f"positions {tuple(meta.tensor(pos).shape)} do not line up with the token dims of x {tuple(xt.shape)}")
+        perm = tokens + heads + [xt.dim() - 1]
+        # The upcast forms end in casts (float32, then back): the kernel writes x's dtype at once.
+        chain = [n]
+        while len(chain[-1].users) == 1 and next(iter(chain[-1].users)).target is CAST:
+            chain.append(next(iter(chain[-1].users)))
+        while len(chain) > 1 and meta.tensor(chain[-1]).dtype != xt.dtype:
+            chain.pop()
+        replaced, out_dtype = chain[-1], meta.tensor(chain[-1]).dtype
+        with self.graph.inserting_before(n):
+            xp = x if perm == sorted(perm) else self.node(PERMUTE, x, perm, like=n)
+            x3 = self.node(RESHAPE, xp, [-1, heads_n, head_dim], like=n)
+            r = self.node(ROTARY_Q, self.positions(pos), x3, cache, not interleaved, like=n)
+            sizes = [s if isinstance(s, int) else self.node(SYM_SIZE, xp, i, like=n) for i, s in enumerate(meta.tensor(xp).shape)]
+            out = self.node(RESHAPE, r, sizes, like=n)
+            if perm != sorted(perm):
+                out = self.node(PERMUTE, out, [perm.index(d) for d in range(len(perm))], like=n)
+            if out_dtype != xt.dtype:
+                out = self.node(CAST, out, out_dtype, like=n)
+        replaced.replace_all_uses_with(out)
+        for old in reversed(chain):
+            self.graph.erase_node(old)
+        self._order = None  # nodes were added
+
+
+def fold_rotary_tables(gm: fx.GraphModule, max_positions: int = 32768) -> PassResult:
+    """Turn each ``fxr.apply_rotary`` whose tables fold into ``fxr.rotary_embedding_q``, then pair
+    the q and k rotations of each layer (:func:`pair_rotaries`); see the module docstring."""
+    result = PassResult()
+    folder = _Folder(gm, max_positions)
+    for n in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is APPLY]:
+        if _unread(n):  # a rotation nobody reads (k of a q-only model): never pair it in
+            continue
+        try:
+            folder.fold(n)
+        except _NotFoldable as e:
+            result.near_misses.append(NearMiss("rotary_embedding", n.name, meta.source_line(n), n.args[1].name, str(e)))
+            continue
+        result.matches += 1
+    pair_rotaries(gm, result)
+    return result
+
+
+def _unread(n: fx.Node) -> bool:
+    """Erase ``n`` and the casts after it when nothing else reads them; whether it did."""
+    if not all(u.target is CAST and _unread(u) for u in list(n.users)):
+        return False
+    n.graph.erase_node(n)
+    return True
