@@ -15,6 +15,10 @@
    routing weight, stored per pair in float32.
 5. ``_moe_sum_kernel``: each token's top-k pair rows summed in float32 (slot order), rounded once.
 
+At prefill sizes (128-row blocks) on Hopper the GEMMs read both operands through TMA
+(``_moe_gemm_tma_kernel``): ``_gather_kernel`` first copies x's rows into sorted order, and the
+gated GEMM stores h in that order for the down GEMM (six launches).
+
 At decode sizes an expert's pairs fit one block: each active expert's weights are read once,
 by the programs of its block; blocks beyond the last expert's end return at once (the grid is
 sized for the most blocks T tokens can need, so a CUDA graph replays it for any routing).
@@ -42,12 +46,20 @@ from torch import Tensor
 
 from fxrewrite.runtime.ops import moe as moe_ops
 
+try:  # host-side TMA descriptors (Triton 3.4+)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer kernel serves every size
+    TensorDescriptor = None
+
 ACT_IDS = {name: i for i, name in enumerate(moe_ops.ACTIVATIONS)}  # "silu" 0, "gelu" 1, "gelu_tanh" 2
 ONE_HOT_ELEMENTS = 16384
 """Largest pairs x experts one-hot a program of routing or alignment holds (sets its chunk of tokens)."""
 SUM_BLOCK = 1024
+GATHER_BLOCK = 256
 SMEM_BUDGET = 160 * 1024
 """Shared memory a GEMM program's pipeline stages may take (an H100/H200 SM has 228 KB)."""
+SMEM_TMA = 200 * 1024
+"""The same for the TMA kernel: its 4 stages of 48 KB, with room for its barriers (227 KB a block)."""
 L2_GROUP = 8
 """Blocks of sorted rows whose GEMM programs run together over every output tile (compute-bound
 sizes): a group is about one expert's rows at prefill sizes, so its weights stream once."""
@@ -147,29 +159,59 @@ def _activation(gate, ACT: tl.constexpr):
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, ends_ptr, totals_ptr, weights_ptr, N, K, E,
-                     a_stride, w_stride_e, w_stride_n, out_stride, n_blocks, group,
-                     A_ROW_DIV: tl.constexpr, E_BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-                     WEIGHTED: tl.constexpr):  # fmt: skip
-    """Program (b, n): block b's ``BM`` sorted rows, all pairs of one expert, times that expert's
-    weight rows ``n*BN ..`` (and with ``GATED`` the up rows ``N + n*BN ..``). A row of ``a`` is
-    ``pair // A_ROW_DIV`` (x: the pair's token; h: the pair itself); the output row is the pair.
+def _block_of(pid, n_blocks, group, N, ends_ptr, totals_ptr, E, E_BLOCK: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr):  # fmt: skip
+    """Program ``pid`` of a GEMM: (block b, output tile n, the block's expert, its valid rows).
     Programs run ``group`` blocks at a time over every n (blocks fastest), so the blocks of one
     expert and its weight tiles are read from L2 while they are hot; ``group = n_blocks`` is
-    blocks fastest over the whole grid (decode: every active expert's tile n at once)."""
-    pid = tl.program_id(0)
+    blocks fastest over the whole grid (decode: every active expert's tile n at once). The expert
+    is E for blocks past the last expert's end."""
     per_group = group * tl.cdiv(N, BN)
     first = (pid // per_group) * group
     rows_in_group = tl.minimum(n_blocks - first, group)
     b = first + (pid % per_group) % rows_in_group
     n_tile = (pid % per_group) // rows_in_group
+    expert, valid = _expert_of(b, ends_ptr, totals_ptr, E, E_BLOCK, BM)
+    return b, n_tile, expert, valid
+
+
+@triton.jit
+def _expert_of(b, ends_ptr, totals_ptr, E, E_BLOCK: tl.constexpr, BM: tl.constexpr):
+    """Block b's expert (E past the last expert's end) and how many of its ``BM`` rows are pairs."""
     e = tl.arange(0, E_BLOCK)
     ends = tl.load(ends_ptr + e, mask=e < E, other=2147483647)
     expert = tl.sum((ends <= b * BM).to(tl.int32), axis=0)
+    start = tl.sum(tl.where(e == expert - 1, ends, 0), axis=0)
+    valid = tl.load(totals_ptr + expert, mask=expert < E, other=0) - (b * BM - start)
+    return expert, valid
+
+
+@triton.jit
+def _epilogue(acc, acc_up, weights_ptr, pair, mmask, dtype: tl.constexpr, GATED: tl.constexpr,
+              ACT: tl.constexpr, WEIGHTED: tl.constexpr):  # fmt: skip
+    """The reference's roundings: GEMM outputs in ``dtype``; gated: ``act(gate) * up`` in
+    ``dtype``; weighted: times the pair's float32 routing weight."""
+    y = acc.to(dtype).to(tl.float32)
+    if GATED:
+        y = _activation(y, ACT).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    if WEIGHTED:
+        y = y * tl.load(weights_ptr + pair, mask=mmask, other=0.0)[:, None]
+    return y
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, ends_ptr, totals_ptr, weights_ptr, N, K, E,
+                     a_stride, w_stride_e, w_stride_n, out_stride, n_blocks, group,
+                     A_ROW_DIV: tl.constexpr, E_BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+                     WEIGHTED: tl.constexpr):  # fmt: skip
+    """Program (b, n) (:func:`_block_of`): block b's ``BM`` sorted rows, all pairs of one expert,
+    times that expert's weight rows ``n*BN ..`` (and with ``GATED`` the up rows ``N + n*BN ..``).
+    A row of ``a`` is ``pair // A_ROW_DIV`` (x: the pair's token; h: the pair itself); the output
+    row is the pair."""
+    b, n_tile, expert, valid = _block_of(tl.program_id(0), n_blocks, group, N, ends_ptr, totals_ptr, E, E_BLOCK,
+                                         BM, BN)  # fmt: skip
     if expert < E:
-        start = tl.sum(tl.where(e == expert - 1, ends, 0), axis=0)
-        valid = tl.load(totals_ptr + expert) - (b * BM - start)
         m = tl.arange(0, BM)
         mmask = m < valid
         pair = tl.load(rows_ptr + b * BM + m, mask=mmask, other=0).to(tl.int64)
@@ -178,8 +220,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, ends_ptr, totals_ptr, weig
         nmask = cols < N
         w_rows = w_ptr + expert.to(tl.int64) * w_stride_e + cols.to(tl.int64) * w_stride_n
         acc = tl.zeros([BM, BN], tl.float32)
-        if GATED:
-            acc_up = tl.zeros([BM, BN], tl.float32)
+        acc_up = acc
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
             a_mask, w_mask = mmask[:, None], nmask[:, None]
@@ -191,14 +232,63 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, ends_ptr, totals_ptr, weig
             if GATED:
                 u = tl.load(w_rows[:, None] + N * w_stride_n + ks[None, :], mask=w_mask, other=0.0)
                 acc_up += tl.dot(a, tl.trans(u))
-        dtype = a_ptr.dtype.element_ty
-        y = acc.to(dtype).to(tl.float32)
-        if GATED:
-            y = _activation(y, ACT).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
-        if WEIGHTED:
-            y = y * tl.load(weights_ptr + pair, mask=mmask, other=0.0)[:, None]
+        y = _epilogue(acc, acc_up, weights_ptr, pair, mmask, a_ptr.dtype.element_ty, GATED, ACT, WEIGHTED)
         out = out_ptr + pair[:, None] * out_stride + cols[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _gather_kernel(x_ptr, x_stride, out_ptr, rows_ptr, ends_ptr, totals_ptr, H, E, TOP_K: tl.constexpr,
+                   E_BLOCK: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr):  # fmt: skip
+    """Program (b, c): block b's rows of x in sorted order, columns ``c*BH ..``; a padding row of
+    an expert's last block gets zeros (its GEMM rows are then zeros, never stored)."""
+    b = tl.program_id(0)
+    expert, valid = _expert_of(b, ends_ptr, totals_ptr, E, E_BLOCK, BM)
+    if expert < E:
+        m = tl.arange(0, BM)
+        mmask = m < valid
+        pair = tl.load(rows_ptr + b * BM + m, mask=mmask, other=0).to(tl.int64)
+        cols = tl.program_id(1) * BH + tl.arange(0, BH)
+        cmask = (cols < H)[None, :]
+        v = tl.load(x_ptr + (pair // TOP_K)[:, None] * x_stride + cols[None, :], mask=mmask[:, None] & cmask, other=0.0)
+        tl.store(out_ptr + (b * BM + m).to(tl.int64)[:, None] * H + cols[None, :], v, mask=cmask)
+
+
+@triton.jit
+def _moe_gemm_tma_kernel(a_desc, w_desc, out_ptr, rows_ptr, ends_ptr, totals_ptr, weights_ptr, N, K, E,
+                         out_stride, n_blocks, group, E_BLOCK: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+                         WEIGHTED: tl.constexpr):  # fmt: skip
+    """The GEMMs of prefill sizes with both operands through TMA (Hopper's tensor memory
+    accelerator; out-of-range reads are zeros): ``a`` in sorted order (x gathered by
+    :func:`_gather_kernel`; h as the gated GEMM stores it), ``w`` every expert's rows stacked
+    ``[E * rows, K]``. The gated GEMM stores its rows in sorted order, padding rows included
+    (zeros); the down GEMM stores each pair's row. A weight tile that runs past an expert's rows
+    reads the next one's: those columns are never stored."""
+    b, n_tile, expert, valid = _block_of(tl.program_id(0), n_blocks, group, N, ends_ptr, totals_ptr, E, E_BLOCK,
+                                         BM, BN)  # fmt: skip
+    if expert < E:
+        m = tl.arange(0, BM)
+        mmask = m < valid
+        w_row = expert * (2 * N if GATED else N) + n_tile * BN
+        acc = tl.zeros([BM, BN], tl.float32)
+        acc_up = acc
+        for k0 in range(0, K, BK):
+            a = a_desc.load([b * BM, k0])
+            acc += tl.dot(a, tl.trans(w_desc.load([w_row, k0])))
+            if GATED:
+                acc_up += tl.dot(a, tl.trans(w_desc.load([w_row + N, k0])))
+        cols = n_tile * BN + tl.arange(0, BN)
+        nmask = (cols < N)[None, :]
+        if GATED:
+            y = _epilogue(acc, acc_up, weights_ptr, m, mmask, out_ptr.dtype.element_ty, GATED, ACT, WEIGHTED)
+            out = out_ptr + (b * BM + m).to(tl.int64)[:, None] * out_stride + cols[None, :]
+            tl.store(out, y.to(out_ptr.dtype.element_ty), mask=nmask)
+        else:
+            pair = tl.load(rows_ptr + b * BM + m, mask=mmask, other=0).to(tl.int64)
+            y = _epilogue(acc, acc_up, weights_ptr, pair, mmask, a_desc.dtype, GATED, ACT, WEIGHTED)
+            out = out_ptr + pair[:, None] * out_stride + cols[None, :]
+            tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask)
 
 
 @triton.jit
@@ -236,6 +326,7 @@ class MoeConfig:
     bm: int
     gate_up: GemmConfig
     down: GemmConfig
+    tma: bool = False  # operands through TMA (x gathered into sorted order first), where :func:`tma_ready`
 
 
 def block_rows(pairs: int, experts: int) -> int:
@@ -245,12 +336,15 @@ def block_rows(pairs: int, experts: int) -> int:
     return next((bm for bm in (16, 32, 64) if per_expert <= bm), 128)
 
 
-def _gemm_config(bm: int, n: int, active: int, sms: int, gated: bool) -> GemmConfig:
+def _gemm_config(bm: int, n: int, active: int, sms: int, gated: bool, tma: bool) -> GemmConfig:
     """Memory-bound (``bm`` <= 32): the widest ``bn`` that still gives every SM a program over
     the active experts, deep k steps (a stage of the gated kernel holds gate and up tiles: half
     as deep). Compute-bound: 64 or 128 columns (the gated kernel holds two accumulators), in L2
-    groups (the best of ``bench_moe.py --sweep`` at 4096 tokens on the H200). As many stages
-    (2 to 4) as fit ``SMEM_BUDGET``."""
+    groups, as many stages (2 to 4) as fit ``SMEM_BUDGET`` (the best of ``bench_moe.py --sweep`` at
+    4096 tokens on the H200); through TMA at 128 rows: 4 stages in L2 groups, the down GEMM 256
+    columns wide (the best of an H200 sweep at 4096 tokens, bench/RESULTS.md)."""
+    if tma and bm == 128:
+        return GemmConfig(128 if gated else 256, 64, 8, 4, L2_GROUP)
     if bm <= 32:
         bn = next((bn for bn in (128, 64) if active * triton.cdiv(n, bn) >= sms), 32)
         bk = (64 if bn == 128 else 128) if gated else (128 if bn == 128 else 256)
@@ -262,14 +356,28 @@ def _gemm_config(bm: int, n: int, active: int, sms: int, gated: bool) -> GemmCon
     return GemmConfig(bn, bk, warps, max(2, min(4, SMEM_BUDGET // stage)), group)
 
 
-def config(tokens: int, top_k: int, experts: int, width: int, hidden: int, sms: int) -> MoeConfig:
+def config(tokens: int, top_k: int, experts: int, width: int, hidden: int, sms: int, tma: bool = False) -> MoeConfig:
     """The launch configuration for ``tokens`` tokens of ``top_k`` experts each, ``experts``
-    experts of expert width ``width`` and hidden size ``hidden``, on a device of ``sms`` SMs
-    (heuristic; ``bench/bench_moe.py --sweep`` measures alternatives)."""
+    experts of expert width ``width`` and hidden size ``hidden``, on a device of ``sms`` SMs, with
+    ``tma`` where the operands allow it (:func:`tma_ready`): the TMA kernel serves 128-row blocks
+    (prefill sizes; at decode sizes it measured no faster). Heuristic; ``bench/bench_moe.py
+    --sweep`` measures alternatives."""
     pairs = tokens * top_k
     bm = block_rows(pairs, experts)
     active = min(experts, pairs)
-    return MoeConfig(bm, _gemm_config(bm, width, active, sms, True), _gemm_config(bm, hidden, active, sms, False))
+    gemms = (_gemm_config(bm, n, active, sms, gated, tma) for n, gated in ((width, True), (hidden, False)))
+    return MoeConfig(bm, *gemms, tma=tma and bm == 128)
+
+
+def tma_ready(x: Tensor, *weights: Tensor) -> bool:
+    """Whether the TMA kernel can read these operands: Triton's host descriptors, a Hopper or
+    later device for ``x`` (any CPU tensor: the interpreter), contiguous expert weights whose rows
+    (and so the sorted copies of x and h) are multiples of 16 bytes. x itself is read by pointers
+    (gathered)."""
+    if TensorDescriptor is None or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9):
+        return False
+    return all(w.is_contiguous() and w.shape[-1] * w.element_size() % 16 == 0 and w.data_ptr() % 16 == 0
+               for w in weights)  # fmt: skip
 
 
 @functools.cache
@@ -300,7 +408,8 @@ def moe(
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=dev)
     if tokens == 0:
         return out.view(x.shape)
-    cfg = cfg or config(tokens, top_k, experts, width, hidden, _sms(dev))
+    ready = tma_ready(xs, w_gate_up, w_down)
+    cfg = cfg or config(tokens, top_k, experts, width, hidden, _sms(dev), ready)
     e_block, k_block = triton.next_power_of_2(experts), triton.next_power_of_2(top_k)
     chunk = max(1, min(triton.next_power_of_2(tokens), ONE_HOT_ELEMENTS // (e_block * k_block)))
     chunks = triton.cdiv(tokens, chunk)
@@ -317,7 +426,8 @@ def moe(
     rows = torch.empty(blocks * bm, dtype=torch.int32, device=dev)
     ends = torch.empty(e_block, dtype=torch.int32, device=dev)
     totals = torch.empty(e_block, dtype=torch.int32, device=dev)
-    h = torch.empty((pairs, width), dtype=x.dtype, device=dev)
+    tma = cfg.tma and ready
+    h = torch.empty((blocks * bm if tma else pairs, width), dtype=x.dtype, device=dev)  # sorted rows with TMA
     part = torch.empty((pairs, hidden), dtype=torch.float32, device=dev)
     common = {"E_BLOCK": e_block, "BM": bm}
     with _device_of(x):
@@ -331,13 +441,38 @@ def moe(
             PAIRS_BLOCK=chunk * k_block,
             CHUNK_BLOCK=min(triton.next_power_of_2(chunks), max(1, ONE_HOT_ELEMENTS // e_block)), **common,
         )  # fmt: skip
-        for a, w, dst, g, gated in ((xs, w_gate_up, h, cfg.gate_up, True), (h, w_down, part, cfg.down, False)):
-            n, k = dst.shape[1], a.shape[1]
-            _moe_gemm_kernel[(blocks * triton.cdiv(n, g.bn),)](
-                a, w, dst, rows, ends, totals, weights, n, k, experts, a.stride(0), w.stride(0), w.stride(1),
-                dst.stride(0), blocks, min(g.group or blocks, blocks), A_ROW_DIV=top_k if gated else 1, BN=g.bn, BK=g.bk, EVEN_K=k % g.bk == 0,
-                GATED=gated, ACT=ACT_IDS[activation], WEIGHTED=not gated, num_warps=g.warps, num_stages=g.stages,
-                **common,
-            )  # fmt: skip
+        if tma:
+            _gemms_tma(xs, w_gate_up, w_down, h, part, rows, ends, totals, weights, cfg, top_k, activation, blocks)
+        else:
+            for a, w, dst, g, gated in ((xs, w_gate_up, h, cfg.gate_up, True), (h, w_down, part, cfg.down, False)):
+                n, k = dst.shape[1], a.shape[1]
+                _moe_gemm_kernel[(blocks * triton.cdiv(n, g.bn),)](
+                    a, w, dst, rows, ends, totals, weights, n, k, experts, a.stride(0), w.stride(0), w.stride(1),
+                    dst.stride(0), blocks, min(g.group or blocks, blocks), A_ROW_DIV=top_k if gated else 1, BN=g.bn,
+                    BK=g.bk, EVEN_K=k % g.bk == 0, GATED=gated, ACT=ACT_IDS[activation], WEIGHTED=not gated,
+                    num_warps=g.warps, num_stages=g.stages, **common,
+                )  # fmt: skip
         _moe_sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](part, out, hidden, K=top_k, BLOCK=SUM_BLOCK)
     return out.view(x.shape)
+
+
+def _gemms_tma(xs: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor, part: Tensor, rows: Tensor, ends: Tensor,
+               totals: Tensor, weights: Tensor, cfg: MoeConfig, top_k: int, activation: str, blocks: int) -> None:  # fmt: skip
+    """x gathered into sorted order, then both GEMMs of :func:`_moe_gemm_tma_kernel`: ``h`` in
+    sorted order, ``part`` per pair."""
+    experts, hidden, bm = w_gate_up.shape[0], xs.shape[1], cfg.bm
+    e_block = triton.next_power_of_2(experts)
+    x_sorted = torch.empty((blocks * bm, hidden), dtype=xs.dtype, device=xs.device)
+    _gather_kernel[(blocks, triton.cdiv(hidden, GATHER_BLOCK))](
+        xs, xs.stride(0), x_sorted, rows, ends, totals, hidden, experts, TOP_K=top_k, E_BLOCK=e_block, BM=bm,
+        BH=GATHER_BLOCK,
+    )  # fmt: skip
+    for a, w, dst, g, gated in ((x_sorted, w_gate_up, h, cfg.gate_up, True), (h, w_down, part, cfg.down, False)):
+        n = dst.shape[1]
+        a_desc = TensorDescriptor.from_tensor(a, [bm, g.bk])
+        w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [g.bn, g.bk])
+        _moe_gemm_tma_kernel[(blocks * triton.cdiv(n, g.bn),)](
+            a_desc, w_desc, dst, rows, ends, totals, weights, n, a.shape[1], experts, dst.stride(0), blocks,
+            min(g.group or blocks, blocks), E_BLOCK=e_block, BM=bm, BN=g.bn, BK=g.bk, GATED=gated,
+            ACT=ACT_IDS[activation], WEIGHTED=not gated, num_warps=g.warps, num_stages=g.stages,
+        )  # fmt: skip

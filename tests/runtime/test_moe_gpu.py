@@ -62,6 +62,19 @@ def test_experts_that_receive_no_token_are_never_read(gen: torch.Generator, toke
     check(args)
 
 
+def test_prefill_takes_the_tma_kernel_past_expert_rows_and_idle_experts(gen: torch.Generator) -> None:
+    """4096 pairs over 16 experts (128-row blocks: the TMA kernel) with hidden 200 and width 72
+    (weight tiles that run past an expert's rows, a k tail), experts 0 and 9 idle with NaN
+    weights that those tiles read and must never store."""
+    from fxrewrite.runtime import triton_moe
+
+    idle = [0, 9]
+    args = args_for(2048, 16, 2, gen, hidden=200, width=72, used=[e for e in range(16) if e not in idle])
+    args[4][idle], args[5][idle] = float("nan"), float("nan")  # type: ignore[index]
+    assert triton_moe.config(2048, 2, 16, 72, 200, 132, triton_moe.tma_ready(args[0], args[4], args[5])).tma  # type: ignore[arg-type]
+    check(args)
+
+
 @pytest.mark.parametrize("activation", moe.ACTIVATIONS)
 def test_activations_and_odd_widths(gen: torch.Generator, activation: str) -> None:
     """Hidden 200 and width 72: k loops with a masked last step in both GEMMs."""
@@ -81,11 +94,13 @@ def test_float32_falls_back_to_the_reference_with_the_reason(gen: torch.Generato
     assert providers.served()["moe"] == {"torch": 1, "fallbacks": {"triton: dtype float32 not bf16/fp16": 1}}
 
 
+@pytest.mark.parametrize(("tokens", "count"), [(8, 64), (1024, 8)], ids=["decode", "prefill-tma"])
 @pytest.mark.parametrize("how", ["logits", "given"])
-def test_cuda_graph_replays_other_routings(gen: torch.Generator, how: str) -> None:
-    """Captured once at 8 tokens, replayed with inputs that route to other experts (all tokens
-    to one expert, then spread): no host sync, a grid sized for any routing of 8 tokens."""
-    static = list(args_for(8, 64, 2, gen, how=how))
+def test_cuda_graph_replays_other_routings(gen: torch.Generator, how: str, tokens: int, count: int) -> None:
+    """Captured once, replayed with inputs that route to other experts (all tokens to two
+    experts, then spread): no host sync, a grid sized for any routing of that many tokens (at
+    1024 tokens of 8 experts through the TMA kernel, its descriptors captured with the graph)."""
+    static = list(args_for(tokens, count, 2, gen, how=how))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -94,8 +109,8 @@ def test_cuda_graph_replays_other_routings(gen: torch.Generator, how: str) -> No
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = torch.ops.fxr.moe(*static)
-    for used in ([3, 9], 64):
-        fresh = args_for(8, 64, 2, gen, how=how, used=used)
+    for used in ([3, 6], count):
+        fresh = args_for(tokens, count, 2, gen, how=how, used=used)
         if how == "logits" and isinstance(used, list):  # every token's two largest logits at experts 3 and 9
             fresh[1][:, used] = 100.0  # type: ignore[index]
         for dst, src in zip(static, fresh):

@@ -202,6 +202,53 @@ def test_kernel_runs_blocks_in_l2_groups(triton_moe: types.ModuleType, gen: torc
     assert_close(triton_moe.moe(*args, cfg=cfg), moe.moe_reference(*args))
 
 
+TMA_CASES = [  # tokens, experts, top_k, hidden, width, column tile, routing
+    (37, 8, 2, 48, 40, 16, "logits"),  # width 40: a weight tile runs past an expert's rows; hidden 48: a k tail
+    (20, 16, 8, 32, 24, 32, "given"),
+    (5, 4, 2, 32, 16, 32, "logits"),  # a column tile wider than the expert
+]
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-k{c[2]}-H{c[3]}-I{c[4]}-bn{c[5]}")
+def test_tma_kernel_against_the_reference(triton_moe: types.ModuleType, gen: torch.Generator, case: tuple) -> None:
+    """The prefill path (x gathered into sorted order, both GEMMs through TMA descriptors) at
+    16-row blocks: out-of-range reads are zeros, tiles past an expert's rows never stored."""
+    tokens, count, top_k, hidden, width, bn, how = case
+    x, logits, gate_up, down = sample(gen, tokens, count, width, hidden, F16)
+    given = (None, *routing(tokens, top_k, gen, count)) if how == "given" else (logits, None, None)
+    args = (x, *given, gate_up, down, top_k, True, "silu")
+    assert triton_moe.tma_ready(x, gate_up, down)
+    cfg = triton_moe.MoeConfig(16, triton_moe.GemmConfig(bn, 32, group=2), triton_moe.GemmConfig(bn, 16), tma=True)
+    assert_close(triton_moe.moe(*args, cfg=cfg), moe.moe_reference(*args))
+
+
+def test_tma_kernel_never_uses_the_rows_of_idle_experts(triton_moe: types.ModuleType, gen: torch.Generator) -> None:
+    """Tokens routed to 3 of 8 experts whose neighbours hold NaN weights: the tiles that run past
+    an expert's 40 rows read them, and those columns must never reach the output."""
+    x, _, gate_up, down = sample(gen, 19, 8, 40, 32, F16)
+    used = [1, 4, 6]
+    idle = [e for e in range(8) if e not in used]
+    gate_up[idle], down[idle] = float("nan"), float("nan")
+    args = (x, None, *routing(19, 2, gen, used), gate_up, down, 2, False, "silu")
+    cfg = triton_moe.MoeConfig(16, triton_moe.GemmConfig(32, 16), triton_moe.GemmConfig(32, 16), tma=True)
+    assert_close(triton_moe.moe(*args, cfg=cfg), moe.moe_reference(*args))
+
+
+def test_tma_needs_contiguous_weights_with_16_byte_rows(triton_moe: types.ModuleType, gen: torch.Generator) -> None:
+    """Weights TMA cannot describe as one [E * rows, K] matrix (experts' rows not adjacent: a
+    slice of a wider stack; rows of 40 bytes) take the pointer kernel, even when the configuration
+    asks for TMA, with the same result."""
+    x, logits, gate_up, down = sample(gen, 9, 4, 16, 32, F16)
+    assert triton_moe.tma_ready(x, gate_up, down) and triton_moe.tma_ready(x[:, ::2], gate_up, down)
+    strided = torch.cat([gate_up, gate_up[:, :8]], dim=1)[:, :32]
+    assert strided.stride(-1) == 1 and not strided.is_contiguous()
+    narrow = sample(gen, 9, 4, 16, 20, F16)
+    assert not triton_moe.tma_ready(x, strided, down) and not triton_moe.tma_ready(narrow[0], *narrow[2:])
+    cfg = triton_moe.MoeConfig(16, triton_moe.GemmConfig(16, 16), triton_moe.GemmConfig(16, 16), tma=True)
+    for args in ((x, logits, None, None, strided, down, 2, True, "silu"), (*narrow[:2], None, None, *narrow[2:], 2, True, "silu")):
+        assert_close(triton_moe.moe(*args, cfg=cfg), moe.moe_reference(*args))
+
+
 def test_kernel_reads_logits_in_place_from_a_wider_projection(triton_moe: types.ModuleType, gen: torch.Generator) -> None:
     """Router logits sliced from a merged GEMM's output (a router merged with a sibling)."""
     x, _, gate_up, down = sample(gen, 7, 8, 16, 32, F16)
@@ -219,6 +266,10 @@ def test_launch_configuration() -> None:
     assert mixtral_decode.bm == 16 and mixtral_decode.gate_up.bn == 128 and mixtral_decode.down.bn == 128
     assert cfg.config(1, 2, 8, 14336, 4096, 132).down.bn == 32  # 2 active experts: narrow tiles fill the SMs
     assert cfg.config(4096, 8, 128, 768, 4096, 132).bm == 128
+    # TMA serves the 128-row blocks only (at decode sizes it measured no faster)
+    prefill, decode = cfg.config(4096, 2, 8, 14336, 4096, 132, tma=True), cfg.config(8, 2, 8, 14336, 4096, 132, tma=True)
+    assert prefill.tma and prefill.down.bn == 256 and not decode.tma and decode == mixtral_decode
+    assert prefill.gate_up.bk * (128 + 2 * prefill.gate_up.bn) * 2 * prefill.gate_up.stages <= cfg.SMEM_TMA
     assert [cfg.block_rows(pairs, 8) for pairs in (8, 128, 256, 512, 8192)] == [16, 16, 32, 64, 128]
     for tokens in (1, 8, 64, 512, 4096):
         for g, gated in ((cfg.config(tokens, 8, 128, 768, 4096, 132).gate_up, True),
