@@ -259,3 +259,64 @@ def poison_allocator(device: torch.device | str = "cuda", total_mb: int = 1024) 
     torch.cuda.synchronize(device)
     del blocks
 
+
+
+def _routers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
+    """(module whose output holds router logits, top-k) for every MoE router in ``model``: a module
+    with an integer ``top_k`` and either a 2-D ``weight`` of its own (a router module; its output,
+    or the first element of it, is the logits) or a linear ``gate`` child."""
+    found = []
+    for m in model.modules():
+        k = getattr(m, "top_k", None)
+        if not isinstance(k, int) or isinstance(k, bool):
+            continue
+        weight, gate = getattr(m, "weight", None), getattr(m, "gate", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            found.append((m, k))
+        elif isinstance(gate, torch.nn.Linear):
+            found.append((gate, k))
+    return found
+
+
+def _router_logits(model: torch.nn.Module, *args: Any) -> list[tuple[torch.Tensor, int]]:
+    """Call ``model(*args)`` and return each router call's logits ([tokens, experts], float32)
+    and top-k, in call order."""
+    calls: list[tuple[torch.Tensor, int]] = []
+
+    def record(k: int) -> Any:
+        def hook(_m: torch.nn.Module, _args: Any, out: Any) -> None:
+            logits = out[0] if isinstance(out, tuple) else out
+            calls.append((logits.detach().float().reshape(-1, logits.shape[-1]), k))
+
+        return hook
+
+    handles = [m.register_forward_hook(record(k)) for m, k in _routers(model)]
+    try:
+        with torch.no_grad():
+            model(*args)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def routing_near_ties(reference: torch.nn.Module, rounded: torch.nn.Module, *args: Any,
+                      margin: float = 2.0) -> torch.Tensor | None:  # fmt: skip
+    """Tokens whose top-k expert choice is too close to call for a model run in lower precision:
+    ``[tokens]`` bool over ``args``' flattened tokens, True where at some MoE router of
+    ``reference`` (float32) the k-th and (k+1)-th largest logits differ by at most ``margin``
+    times the largest logit difference between ``reference`` and ``rounded`` (the same model in
+    bf16, say) at that router. Such a token may pick another expert under any other rounding
+    order, a jump in its output that a largest-error check cannot tell from a bug; compare the
+    other tokens. ``None`` for a model without routers."""
+    ref, low = _router_logits(reference, *args), _router_logits(rounded, *args)
+    if not ref:
+        return None
+    assert len(ref) == len(low), "the two models routed a different number of times"
+    near = torch.zeros(ref[0][0].shape[0], dtype=torch.bool, device=ref[0][0].device)
+    for (a, k), (b, _) in zip(ref, low):
+        if k >= a.shape[-1]:
+            continue  # every expert is chosen: no choice to flip
+        top = a.topk(k + 1, dim=-1).values
+        near |= (top[:, k - 1] - top[:, k]) <= margin * (a - b).abs().max()
+    return near
