@@ -24,8 +24,9 @@ dispatcher), fallbacks to the torch reference among them (verification's own cal
 time are counted apart, ``providers.counting``, and listed above the table), the runners' CUDA graphs (graphs captured / graphs), and the largest error over the calls relative
 to the float32 reference's largest value, for the compiled model and for eager bf16, and their
 ratio (the goal: at most 1.10). In an MoE family a token whose top-k routing is a near-tie
-(``fxrewrite.testing.routing_near_ties``) may pick another expert under any rounding order: both
-errors are taken over the other tokens, and the row says how many were left out.
+(``fxrewrite.testing.routing_near_ties``) may pick another expert under any rounding order, and
+attention carries that jump to the later tokens of its sequence: both errors are taken over the
+other tokens, and the row says how many were left out.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def run_case(family: str, mode: str, poison: bool, device: str = "cuda",
     with torch.no_grad():
         for i, shape in enumerate(SHAPES):
             ids = torch.randint(0, FAMILY_SHAPE["vocab"], shape, device=device, generator=g)
-            near = routing_near_ties(ref32, eager16, ids)
-            keep = None if near is None else ~near.reshape(shape)
+            near = routing_near_ties(ref32, eager16, ids, causal=shape)
+            keep = None if near is None else ~near
             ties += 0 if near is None else int(near.sum())
             ref = models.hidden_states(ref32(ids)).float()
             base = models.hidden_states(eager16(ids))

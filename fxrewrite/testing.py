@@ -301,14 +301,16 @@ def _router_logits(model: torch.nn.Module, *args: Any) -> list[tuple[torch.Tenso
 
 
 def routing_near_ties(reference: torch.nn.Module, rounded: torch.nn.Module, *args: Any,
-                      margin: float = 2.0) -> torch.Tensor | None:  # fmt: skip
+                      margin: float = 2.0, causal: tuple[int, int] | None = None) -> torch.Tensor | None:  # fmt: skip
     """Tokens whose top-k expert choice is too close to call for a model run in lower precision:
     ``[tokens]`` bool over ``args``' flattened tokens, True where at some MoE router of
     ``reference`` (float32) the k-th and (k+1)-th largest logits differ by at most ``margin``
     times the largest logit difference between ``reference`` and ``rounded`` (the same model in
     bf16, say) at that router. Such a token may pick another expert under any other rounding
     order, a jump in its output that a largest-error check cannot tell from a bug; compare the
-    other tokens. ``None`` for a model without routers."""
+    other tokens. With ``causal`` = (batch, sequence) of a causal decoder the mask has that
+    shape and also marks every later token of a marked token's sequence (attention carries the
+    jump to them). ``None`` for a model without routers."""
     ref, low = _router_logits(reference, *args), _router_logits(rounded, *args)
     if not ref:
         return None
@@ -319,4 +321,4 @@ def routing_near_ties(reference: torch.nn.Module, rounded: torch.nn.Module, *arg
             continue  # every expert is chosen: no choice to flip
         top = a.topk(k + 1, dim=-1).values
         near |= (top[:, k - 1] - top[:, k]) <= margin * (a - b).abs().max()
-    return near
+    return near if causal is None else near.reshape(causal).int().cummax(dim=-1).values.bool()

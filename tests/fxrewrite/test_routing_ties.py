@@ -53,3 +53,12 @@ def test_no_router_or_no_choice_flags_nothing() -> None:
     every = Router(WEIGHT, 3)
     near = routing_near_ties(every, copy.deepcopy(every).to(torch.bfloat16), TOKENS.clone())
     assert near is not None and near.tolist() == [False, False]
+
+
+def test_causal_marks_the_later_tokens_of_a_marked_sequence() -> None:
+    """Two sequences of three tokens; a near-tie at the second token of the first: its third
+    token is marked too (attention), the second sequence not at all."""
+    tokens = torch.tensor([[1.0, 0.0], [1.0, 0.999], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+    model = Router(WEIGHT, 1)
+    near = routing_near_ties(model, copy.deepcopy(model).to(torch.bfloat16), tokens, causal=(2, 3))
+    assert near is not None and near.tolist() == [[False, True, True], [False, False, False]]
