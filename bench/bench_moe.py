@@ -273,10 +273,13 @@ def measure(name: str, shape: Shape, blocks: list[torch.nn.Module], tokens: int,
 
 def sweep(name: str, shape: Shape, blocks: list[torch.nn.Module], x: torch.Tensor, reps: int) -> list[str]:
     """The Triton kernels under alternative launch configurations: per BM, each GEMM's candidates
-    with the other GEMM at the default; the best against the default."""
+    with the other GEMM at the default; at 128-row blocks the TMA kernel's candidates too; the best
+    against the default."""
     kernels = providers.library(TRITON_MOE)
     sms = kernels._sms(x.device)
-    default = kernels.config(x.shape[0], shape.top_k, shape.experts, shape.width, shape.hidden, sms)
+    experts = blocks[0].experts
+    tma = kernels.tma_ready(x, experts.gate_up_proj, experts.down_proj)
+    default = kernels.config(x.shape[0], shape.top_k, shape.experts, shape.width, shape.hidden, sms, tma)
     gemms = [kernels.GemmConfig(bn, bk, w, s) for bn, bk, w, s in
              ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 256, 4, 2))]  # fmt: skip
     candidates = {default} | {dataclasses.replace(default, gate_up=dataclasses.replace(default.gate_up, group=g),
@@ -285,6 +288,13 @@ def sweep(name: str, shape: Shape, blocks: list[torch.nn.Module], x: torch.Tenso
         base = dataclasses.replace(default, bm=bm)
         candidates |= {base} | {dataclasses.replace(base, gate_up=g) for g in gemms}
         candidates |= {dataclasses.replace(base, down=g) for g in gemms}
+    if tma:
+        base = kernels.config(x.shape[0], shape.top_k, shape.experts, shape.width, shape.hidden, sms, True)
+        base = dataclasses.replace(base, bm=128, tma=True)
+        tiles = [kernels.GemmConfig(bn, 64, 8, s, g) for bn, s, g in
+                 ((128, 3, 0), (128, 4, 0), (128, 3, 8), (128, 4, 8), (128, 4, 16), (256, 3, 8), (256, 4, 8))]  # fmt: skip
+        candidates |= {dataclasses.replace(base, gate_up=g) for g in tiles if g.bn == 128}
+        candidates |= {dataclasses.replace(base, down=g) for g in tiles}
     timed = {}
     for cfg in candidates:
         try:
