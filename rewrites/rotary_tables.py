@@ -37,14 +37,12 @@ import torch.fx as fx
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite import meta
-from fxrewrite.canonicalize import CAST
+from fxrewrite.canonicalize import CAST, PERMUTE, RESHAPE
 from fxrewrite.meta import dim_key
 from fxrewrite.report import NearMiss, PassResult
 from fxrewrite.rewrites.rotary import ROTARY_Q, pair_rotaries
 
 APPLY = torch.ops.fxr.apply_rotary.default
-RESHAPE = torch.ops.aten.reshape.default
-PERMUTE = torch.ops.aten.permute.default
 SYM_SIZE = torch.ops.aten.sym_size.int
 
 
