@@ -156,6 +156,7 @@ CASES = [  # tokens, experts, top_k, hidden, width, renormalize, routing, activa
     (37, 8, 2, 48, 32, True, "given", "gelu_tanh"),
     (20, 16, 8, 32, 16, False, "logits", "gelu"),
     (64, 6, 6, 32, 16, True, "logits", "silu"),  # top_k not a power of two, all experts
+    (150, 8, 2, 32, 16, True, "logits", "silu"),  # routing programs of CHUNK_TOKENS tokens, the last one partial
 ]
 
 
