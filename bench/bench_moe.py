@@ -284,8 +284,8 @@ def sweep(name: str, shape: Shape, blocks: list[torch.nn.Module], x: torch.Tenso
              ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 256, 4, 2))]  # fmt: skip
     candidates = {default} | {dataclasses.replace(default, gate_up=dataclasses.replace(default.gate_up, group=g),
                                                   down=dataclasses.replace(default.down, group=g)) for g in (0, 4, 16)}
-    for bm in (16, 32, 64, 128):
-        base = dataclasses.replace(default, bm=bm)
+    for bm in (16, 32, 64, 128):  # the pointer kernel at every block size
+        base = dataclasses.replace(default, bm=bm, tma=False)
         candidates |= {base} | {dataclasses.replace(base, gate_up=g) for g in gemms}
         candidates |= {dataclasses.replace(base, down=g) for g in gemms}
     if tma:
