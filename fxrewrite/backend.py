@@ -96,12 +96,12 @@ def _on_cuda(gm: fx.GraphModule) -> bool:
     return gm.meta["fxr_on_cuda"]
 
 
-def pipeline(config: Config, library: Sequence[Step] | None = None) -> list[Pass]:
-    """The ordered passes for ``config``: canonicalize, the library's steps in its order
-    (default ``fxrewrite.rewrites.PIPELINE``: merge_siblings, the rule groups of ``config.mode``,
-    fold_rotary), cleanup. ``config.rules`` takes the place of the library's rule groups and
-    fusion passes (``[]``: none of the library's steps run); ``config.extra_rules`` run after the
-    last rule group."""
+def pipeline_steps(config: Config, library: Sequence[Step] | None = None) -> list[Step]:
+    """The library's steps that run for ``config``, in order (default
+    ``fxrewrite.rewrites.PIPELINE``: merge_siblings, fuse_moe, the rule groups of ``config.mode``,
+    fold_rotary). ``config.rules`` takes the place of the library's rule groups and fusion passes
+    (``[]``: none of the library's steps run); ``config.extra_rules`` run after the last rule
+    group."""
     steps: list[Step] = []
     user_at = 0  # where the user's rules go: after the last rule group
     if config.rules is None or config.rules:
@@ -120,6 +120,12 @@ def pipeline(config: Config, library: Sequence[Step] | None = None) -> list[Pass
             user_at = len(steps)
     if config.extra_rules:
         steps.insert(user_at, RuleGroup("user_rules", tuple(config.extra_rules)))
+    return steps
+
+
+def pipeline(config: Config, library: Sequence[Step] | None = None) -> list[Pass]:
+    """The ordered passes for ``config``: canonicalize, :func:`pipeline_steps`, cleanup."""
+    steps = pipeline_steps(config, library)
     passes = [Pass("canonicalize", _canonicalize_pass)]
     for step in steps:
         if isinstance(step, GraphPass):

@@ -12,7 +12,10 @@ How: Dynamo captures the model once; every trial copies the captured graphs and 
 pipeline (:func:`fxrewrite.backend.pipeline`, through :class:`fxrewrite.Backend`) with a
 ``Config.match_filter`` that refuses every match except those the trial allows; the compiled
 model then runs with the rewritten graphs swapped in (no recompilation) and its output is
-compared with eager (max abs error over all output tensors). The search:
+compared with eager (max abs error over all output tensors). Fusion passes of the pipeline
+(``GraphPass(..., fusion=True)``, such as ``fuse_moe``) are units beside the rules, named by the
+pass: they ask the same filter for each site (:class:`fxrewrite.passes.FusionMatch`), so "rule"
+below means a rule or a fusion pass. The search:
 
 1. every rule, and no rule at all: if everything stays within ``tol`` there is nothing to find;
    if the output drifts with no rule applied, canonicalization or sibling merging did it (said
@@ -46,8 +49,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxrewrite import meta
-from fxrewrite.backend import Backend, default_rule_groups
+from fxrewrite.backend import Backend, pipeline_steps
 from fxrewrite.config import Config
+from fxrewrite.passes import GraphPass, RuleGroup
 from fxrewrite.rule import Rule
 
 log = logging.getLogger(__name__)
@@ -57,8 +61,12 @@ class BisectError(RuntimeError):
     """Bisection cannot run (the model does not compile, its output is not comparable)."""
 
 
+Unit = Rule | GraphPass  # what bisection switches on and off: a rule or a fusion pass
+
+
 class BadSite(NamedTuple):
-    """A rule's ``index``-th site (0-based, in match order) and its model source line."""
+    """A rule's (or fusion pass's) ``index``-th site (0-based, in match order) and its model
+    source line."""
 
     rule: str
     index: int
@@ -70,7 +78,8 @@ class BisectResult:
     """What bisection found. ``rules`` empty and ``site`` None: no rule moves the output past
     ``tol`` (``note`` says when the drift comes from elsewhere).
 
-    rules:           names of the smallest set of rules whose rewrites drift (pipeline order).
+    rules:           names of the smallest set of rules whose rewrites drift (pipeline order;
+                     a fusion pass by its name, ``fuse_moe``).
     site:            the first site of the last of those rules that tips the output over ``tol``.
     error:           output error with only ``site`` of its rule (and the other rules of the
                      set) rewritten; the error of the whole set when no single site is found.
@@ -131,14 +140,14 @@ class BisectResult:
 
 
 class _Allow:
-    """A match filter for one trial: only ``enabled`` rules; for rules in ``limit``, only the
-    listed site indices. Records every site it sees, numbered per rule."""
+    """A match filter for one trial: only ``enabled`` units; for units in ``limit``, only the
+    listed site indices. Records every site it sees, numbered per unit."""
 
-    def __init__(self, enabled: set[Rule], limit: dict[Rule, set[int]] | None = None) -> None:
+    def __init__(self, enabled: set[Unit], limit: dict[Unit, set[int]] | None = None) -> None:
         self.enabled = enabled
         self.limit = limit or {}
-        self.count: collections.Counter[Rule] = collections.Counter()
-        self.seen: dict[tuple[Rule, int], tuple[str, str]] = {}
+        self.count: collections.Counter[Unit] = collections.Counter()
+        self.seen: dict[tuple[Unit, int], tuple[str, str]] = {}
 
     def __call__(self, m: Any) -> str | None:
         rule = m.rule
@@ -248,10 +257,15 @@ class _Session:
 # --------------------------------------------------------------------------- the search
 
 
-def pipeline_rules(config: Config) -> list[Rule]:
-    """Every rule the pipeline of ``config`` applies, in order."""
-    base = list(config.rules) if config.rules is not None else [r for _, rs in default_rule_groups(config.mode) for r in rs]
-    return base + list(config.extra_rules)
+def pipeline_units(config: Config) -> list[Unit]:
+    """Every rule and fusion pass the pipeline of ``config`` applies, in order."""
+    units: list[Unit] = []
+    for step in pipeline_steps(config):
+        if isinstance(step, RuleGroup):
+            units += step.rules
+        elif step.fusion:
+            units.append(step)
+    return units
 
 
 def bisect(
@@ -265,9 +279,10 @@ def bisect(
     dynamic: bool = True,
     fullgraph: bool = True,
 ) -> BisectResult:
-    """Find the smallest set of rules, then the single site, whose rewrite moves the output of
-    ``model(*inputs)`` more than ``tol`` (max abs error) away from eager. ``rules`` replaces the
-    default library, ``extra_rules`` come after it, as for :class:`fxrewrite.Backend`."""
+    """Find the smallest set of rules (and fusion passes), then the single site, whose rewrite
+    moves the output of ``model(*inputs)`` more than ``tol`` (max abs error) away from eager.
+    ``rules`` replaces the default library (its fusion passes too), ``extra_rules`` come after
+    it, as for :class:`fxrewrite.Backend`."""
     cfg = config or Config()
     over: dict[str, Any] = {"verify": False, "mode": "none", "dump_dir": "", "progress": False}
     if rules is not None:
@@ -275,10 +290,10 @@ def bisect(
     if extra_rules:
         over["extra_rules"] = tuple(cfg.extra_rules) + tuple(extra_rules)
     cfg = dataclasses.replace(cfg, **over)
-    universe = pipeline_rules(cfg)
+    universe = pipeline_units(cfg)
     names = _unique_names(universe)
     if len(set(universe)) != len(universe):
-        raise BisectError("a rule object appears twice in the pipeline; bisection needs each once")
+        raise BisectError("a rule or pass object appears twice in the pipeline; bisection needs each once")
     s = _Session(model, inputs, cfg, dynamic, fullgraph)
 
     everything = _Allow(set(universe))
@@ -296,7 +311,7 @@ def bisect(
 
     # rules that never matched with every rule on did nothing to the drift being explained
     universe = [r for r in universe if everything.count[r]]
-    culprits: list[Rule] | None = None
+    culprits: list[Unit] | None = None
     for r in universe:
         e = s.run(_Allow({r}))
         result.alone[names[r]] = e
@@ -318,7 +333,7 @@ def bisect(
     return result
 
 
-def _bisect_sites(s: _Session, culprits: list[Rule], tol: float, result: BisectResult, names: dict[Rule, str]) -> None:
+def _bisect_sites(s: _Session, culprits: list[Unit], tol: float, result: BisectResult, names: dict[Unit, str]) -> None:
     """Smallest prefix of the last culprit's sites that drifts (the other culprits fully on)."""
     rule, enabled = culprits[-1], set(culprits)
     probe = _Allow(enabled)
@@ -354,10 +369,10 @@ def _bisect_sites(s: _Session, culprits: list[Rule], tol: float, result: BisectR
         )
 
 
-def _unique_names(rules: Sequence[Rule]) -> dict[Rule, str]:
-    """Rule -> name, with ``#2``, ``#3`` ... appended where two rules share a name."""
+def _unique_names(rules: Sequence[Unit]) -> dict[Unit, str]:
+    """Unit -> name, with ``#2``, ``#3`` ... appended where two share a name."""
     seen: collections.Counter[str] = collections.Counter()
-    out: dict[Rule, str] = {}
+    out: dict[Unit, str] = {}
     for r in rules:
         seen[r.name] += 1
         out[r] = r.name if seen[r.name] == 1 else f"{r.name}#{seen[r.name]}"

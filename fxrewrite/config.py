@@ -52,6 +52,8 @@ class Config:
     pad_inputs:      pad graph inputs along the token dimension up to the next captured size.
     match_filter:    called with each checked match before it is applied; returns None to go
                      ahead or a reason to refuse (bisection uses it; verification is another).
+                     A rule's match is a ``fxrewrite.match.Match``, a fusion pass's site a
+                     ``fxrewrite.passes.FusionMatch``; both have ``rule`` and ``anchor``.
     provider:        kernel provider override: "sgl_kernel", "flashinfer", "torch", or per op
                      "rms_norm=flashinfer,silu_and_mul=torch" (env FXREWRITE_PROVIDER).
     specialize_floats: Python floats the model reads (RMSNorm eps, attention scale) become

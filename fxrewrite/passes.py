@@ -27,12 +27,13 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import inspect
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import torch.fx as fx
 
@@ -64,12 +65,24 @@ class RuleGroup:
         return self.modes is None or mode in self.modes
 
 
+# What a fusion pass asks before it replaces a site: ``(anchor, nodes) -> None`` to go ahead, or
+# a reason to refuse (the pass records it as rejected and leaves the site as written).
+SiteFilter = Callable[[fx.Node, Sequence[fx.Node]], Union[str, None]]
+
+
 @dataclasses.dataclass(frozen=True)
 class GraphPass:
     """A library's named pass that is a function of the graph, not rules:
     ``fn(gm, **{f: getattr(config, f) for f in options})``; ``switch``: a boolean ``Config``
     field that turns it off; ``fusion``: it fuses as the rule groups do (``fuse_moe``), so
-    ``Config.rules`` replaces it with them."""
+    ``Config.rules`` replaces it with them.
+
+    A fusion pass takes a keyword ``site_filter`` (a :data:`SiteFilter`, None by default) and
+    calls it for each site it is about to replace, in the order it finds them, with the node
+    that names the site (its source line) and the nodes it replaces; it replaces only the
+    sites the filter lets through. ``bind`` makes that filter ask ``Config.match_filter``
+    with a :class:`FusionMatch`, as a rule's matches do: bisection switches the pass's sites
+    on and off as it does a rule's."""
 
     name: str
     fn: Callable[..., PassResult]
@@ -77,10 +90,32 @@ class GraphPass:
     switch: str | None = None
     fusion: bool = False
 
+    def __post_init__(self) -> None:
+        if self.fusion and "site_filter" not in inspect.signature(self.fn).parameters:
+            raise TypeError(f"fusion pass {self.name!r}: {self.fn!r:.80} takes no `site_filter` keyword")
+
     def bind(self, config: Config) -> Pass:
-        """The ``Pass`` that runs ``fn`` with ``config``'s values of ``options``."""
-        kwargs = {f: getattr(config, f) for f in self.options}
+        """The ``Pass`` that runs ``fn`` with ``config``'s values of ``options`` (and, for a
+        fusion pass, ``config.match_filter`` as its ``site_filter``)."""
+        kwargs: dict[str, Any] = {f: getattr(config, f) for f in self.options}
+        if self.fusion and config.match_filter is not None:
+            kwargs["site_filter"] = functools.partial(_ask, config.match_filter, self)
         return Pass(self.name, functools.partial(self.fn, **kwargs) if kwargs else self.fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionMatch:
+    """A site a fusion pass is about to replace, as ``Config.match_filter`` sees it (a rule's
+    site is a :class:`fxrewrite.match.Match`): ``rule`` the pass, ``anchor`` the node that names
+    the site, ``nodes`` those it replaces (graph order)."""
+
+    rule: GraphPass
+    anchor: fx.Node
+    nodes: tuple[fx.Node, ...]
+
+
+def _ask(match_filter: Callable[[Any], str | None], step: GraphPass, anchor: fx.Node, nodes: Sequence[fx.Node]) -> str | None:
+    return match_filter(FusionMatch(step, anchor, tuple(nodes)))
 
 
 Step = Union[RuleGroup, GraphPass]  # one entry of a library's ordered passes

@@ -57,7 +57,8 @@ import torch.fx as fx
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite import meta
 from fxrewrite.canonicalize import CAST, DIV, GELU, PERMUTE, RESHAPE, SILU, SOFTMAX, SUM, TOPK
-from fxrewrite.report import NearMiss, PassResult, Site
+from fxrewrite.passes import SiteFilter
+from fxrewrite.report import NearMiss, PassResult, Rejected, Site
 from fxrewrite.runtime.ops.moe import moe_reference
 from fxrewrite.verify import agrees, extract_nodes, run_float64
 
@@ -124,8 +125,10 @@ class _Miss(Exception):
 # --------------------------------------------------------------------------- the pass
 
 
-def fuse_moe(gm: fx.GraphModule) -> PassResult:
-    """Replace every MoE block of ``gm`` by ``fxr.moe`` (see the module docstring)."""
+def fuse_moe(gm: fx.GraphModule, site_filter: SiteFilter | None = None) -> PassResult:
+    """Replace every MoE block of ``gm`` by ``fxr.moe`` (see the module docstring). A proven
+    block is offered to ``site_filter`` first (its router's ``topk`` names it): a reason refuses
+    it, and the block stays as written (reported as rejected, not as a near miss)."""
     result = PassResult()
     fake_mode = meta.fake_mode_of(gm.graph)
     _number(gm.graph)
@@ -142,8 +145,12 @@ def fuse_moe(gm: fx.GraphModule) -> PassResult:
             except _Miss as e:
                 miss = miss or e  # the first reading's reason: the richer routing
                 continue
-            _replace(gm.graph, block, fake_mode, result)
             miss = None
+            refusal = site_filter(topk, block.nodes) if site_filter is not None else None
+            if refusal is None:
+                _replace(gm.graph, block, fake_mode, result)
+            else:
+                result.rejected.append(Rejected(RULE, topk.name, meta.source_line(topk), refusal))
             break
         if miss is not None:
             result.near_misses.append(NearMiss(RULE, topk.name, meta.source_line(topk), miss.at.name, miss.reason))

@@ -1,6 +1,8 @@
 """Bisection: a wrong rule planted among the defaults is named with its first bad site, by the
 library call and by ``python -m fxrewrite bisect``; drift that needs two rules, drift that only a
-late site causes, and drift no rule causes are each told apart."""
+late site causes, and drift no rule causes are each told apart. A wrong fusion pass (a
+``GraphPass(fusion=True)`` such as ``fuse_moe``) is named as a rule is, with its first bad site;
+on an MoE model a right ``fuse_moe`` is blamed for nothing."""
 
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ import pytest
 import torch
 
 import fxrewrite.runtime.ops  # noqa: F401  (torch.ops.fxr.*)
+import fxrewrite.rewrites as library
 from fxrewrite import Rule, models
 from fxrewrite.__main__ import main
 from fxrewrite.bisect import BadSite, BisectError, bisect, load_model, load_rules, output_error
+from fxrewrite.passes import GraphPass, RuleGroup, Step
 from fxrewrite.rewrites import activation, norm
-from planted import EPS_OFF  # this folder
+from planted import EPS_OFF, MOE_OFF, moe_off  # this folder
 
 
 def sigmoid_pattern(x):
@@ -67,6 +71,71 @@ def test_planted_rule_among_the_defaults_is_named_with_its_first_site() -> None:
     assert all(e <= 1e-4 for name, e in r.alone.items() if name != "eps_off_rms_norm")
     assert "first bad site: rule eps_off_rms_norm site 0 of 5" in r.summary()
     assert r.trials < 15
+
+
+# -- fusion passes ----------------------------------------------------------------------------------
+
+
+def _library_with(monkeypatch: pytest.MonkeyPatch, name: str, step: Step) -> None:
+    """The default pipeline with its step ``name`` replaced by ``step`` (for this test)."""
+    assert name in [s.name for s in library.PIPELINE]
+    monkeypatch.setattr(library, "PIPELINE", tuple(step if s.name == name else s for s in library.PIPELINE))
+
+
+def _router_topk_line(source: str) -> str:
+    """The text of ``modeling_mixtral.py:N`` in the installed transformers."""
+    from transformers.models.mixtral import modeling_mixtral
+
+    file, _, n = source.partition(":")
+    assert file == "modeling_mixtral.py"
+    return Path(modeling_mixtral.__file__).read_text().splitlines()[int(n) - 1]
+
+
+def test_a_wrong_fusion_pass_is_named_with_its_first_bad_site(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOE_OFF is right in layer 0, off by 1% from layer 1 on: it is the culprit among the
+    defaults, its site 1 (layer 1's router) the first bad one."""
+    _library_with(monkeypatch, "fuse_moe", MOE_OFF)
+    model = models.build("mixtral", layers=3)
+    r = bisect(model, models.example_inputs(model), tol=1e-4)
+
+    assert r.rules == ["fuse_moe_off"] and r.alone["fuse_moe_off"] > 1e-4
+    assert r.site is not None and (r.site.rule, r.site.index) == ("fuse_moe_off", 1)
+    assert "torch.topk(" in _router_topk_line(r.site.source)
+    assert r.module.startswith("layers.1.mlp")
+    assert r.sites == 3 and r.error > 1e-4 and r.baseline_error <= 1e-4
+    assert "first bad site: rule fuse_moe_off site 1 of 3" in r.summary()
+
+
+def test_a_right_moe_model_bisects_to_nothing() -> None:
+    """The default pipeline (fuse_moe among the units) on Mixtral: within the tolerance."""
+    model = models.build("mixtral", layers=2)
+    r = bisect(model, models.example_inputs(model), tol=1e-4)
+    assert not r.found and r.site is None and r.note == ""
+    assert r.full_error <= 1e-4 and r.trials == 2
+
+
+def test_a_wrong_rule_on_an_moe_model_is_not_blamed_on_fuse_moe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fuse_moe is tried (alone, first in pipeline order) and found right; the wrong norm is named."""
+    _library_with(monkeypatch, "fuse_norm", RuleGroup("fuse_norm", (EPS_OFF, *norm.RULES)))
+    model = models.build("mixtral", layers=2)
+    r = bisect(model, models.example_inputs(model), tol=1e-4)
+    assert list(r.alone)[0] == "fuse_moe" and r.alone["fuse_moe"] <= 1e-4
+    assert r.rules == ["eps_off_rms_norm"]
+    assert r.site is not None and (r.site.rule, r.site.index) == ("eps_off_rms_norm", 0)
+    assert r.module.startswith("layers.0.")
+
+
+def test_fusion_passes_are_dropped_with_the_library() -> None:
+    """``rules=`` replaces the library's fusion passes too: bisection does not try them."""
+    model = models.build("mixtral", layers=1)
+    r = bisect(model, models.example_inputs(model), rules=[EPS_OFF], tol=1e-4)
+    assert r.rules == ["eps_off_rms_norm"] and list(r.alone) == ["eps_off_rms_norm"]
+
+
+def test_a_fusion_pass_must_take_a_site_filter() -> None:
+    with pytest.raises(TypeError, match="fusion pass 'no_filter'.*site_filter"):
+        GraphPass("no_filter", lambda gm: None, fusion=True)
+    assert GraphPass("fine", moe_off, fusion=True).fusion
 
 
 class Terms(torch.nn.Module):

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers.rewrites import BF16, F32, compile_modes, fused, fused_nodes, sites
 
-from fxrewrite import models
+from fxrewrite import meta, models
 from fxrewrite.__main__ import main
 from fxrewrite.testing import Compiled, compile_once, routing_near_ties
 
@@ -196,3 +196,26 @@ def test_on_the_gpu_the_triton_kernel_serves_every_moe_layer(family: str, mode: 
     assert moe_served.get("triton", 0) > 0 and moe_served.get("fallbacks") == {}, moe_served
     assert kept >= 4, (kept, left_out)
     assert err <= max(2 * err_eager, TOLERANCE[BF16]), (err, err_eager, kept, left_out)
+
+
+def test_fuse_moe_asks_the_match_filter_for_each_block() -> None:
+    """The contract of a fusion pass (``GraphPass.fusion``): each proven block goes to
+    ``Config.match_filter`` as a ``FusionMatch`` (the pass, its router's top-k, the block's
+    nodes) in graph order; a refused block stays as written, reported as rejected."""
+    from fxrewrite.passes import FusionMatch
+
+    seen: list[FusionMatch] = []
+
+    def second_refused(m: FusionMatch) -> str | None:
+        seen.append(m)
+        return "refused by the test" if len(seen) == 2 else None
+
+    model = models.build("mixtral", layers=2)
+    r = compile_once(model, *models.example_inputs(model), match_filter=second_refused)
+    moes = [m for m in seen if isinstance(m, FusionMatch)]
+    assert [m.rule.name for m in moes] == ["fuse_moe", "fuse_moe"] and moes == seen[:2]
+    assert all(m.anchor.target is torch.ops.aten.topk.default and m.anchor in m.nodes for m in moes)
+    assert [meta.module_path(m.anchor).split(".mlp")[0] for m in moes] == ["layers.0", "layers.1"]
+    assert [s.module for s in sites(r, "moe")] == ["layers.0.mlp"]
+    assert [(x.rule, x.reason) for x in r.report.rejected] == [("moe", "refused by the test")]
+    assert r.report.near_misses == [] and relative_error(r) < TOLERANCE[F32]
