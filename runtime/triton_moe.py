@@ -396,55 +396,6 @@ def _device_of(x: Tensor) -> contextlib.AbstractContextManager[object]:
 # --------------------------------------------------------------------------- launcher
 
 
-@dataclasses.dataclass(frozen=True)
-class Routing:
-    """What routing and alignment leave for the GEMMs: each pair's float32 ``weights`` and expert
-    ``ids`` ([T, k]); ``rows``, the pair in each row of the expert-sorted list (``blocks`` blocks of
-    ``bm`` rows, each expert's segment padded to a block); each expert's padded segment ``ends``
-    and pair count ``totals``."""
-
-    weights: Tensor
-    ids: Tensor
-    rows: Tensor
-    ends: Tensor
-    totals: Tensor
-    blocks: int
-    bm: int
-
-
-def route(tokens: int, experts: int, top_k: int, bm: int, router_logits: Tensor | None, topk_weights: Tensor | None,
-          topk_ids: Tensor | None, renormalize: bool, device: torch.device) -> Routing:  # fmt: skip
-    """Launches 1 and 2 of :func:`moe`: route ``tokens`` tokens (from the logits, or the given
-    weights and ids) and align their pairs by expert in blocks of ``bm`` rows."""
-    pairs = tokens * top_k
-    e_block, k_block = triton.next_power_of_2(experts), triton.next_power_of_2(top_k)
-    chunk = max(1, min(triton.next_power_of_2(tokens), ONE_HOT_ELEMENTS // (e_block * k_block), CHUNK_TOKENS))
-    chunks = triton.cdiv(tokens, chunk)
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
-    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=device)
-    counts = torch.empty((chunks, e_block), dtype=torch.int32, device=device)
-    logits = router_logits.reshape(-1, experts) if router_logits is not None else None
-    if logits is not None and logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    given_w = topk_weights.reshape(-1, top_k).contiguous() if topk_weights is not None else weights
-    given_ids = topk_ids.reshape(-1, top_k).contiguous() if topk_ids is not None else ids
-    blocks = triton.cdiv(pairs + min(experts, pairs) * (bm - 1), bm)  # the most any routing needs
-    rows = torch.empty(blocks * bm, dtype=torch.int32, device=device)
-    ends = torch.empty(e_block, dtype=torch.int32, device=device)
-    totals = torch.empty(e_block, dtype=torch.int32, device=device)
-    _route_kernel[(chunks,)](
-        logits if logits is not None else weights, logits.stride(0) if logits is not None else 0, given_w,
-        given_ids, weights, ids, counts, tokens, experts, TOKENS=chunk, E_BLOCK=e_block, K=top_k,
-        K_BLOCK=k_block, FROM_LOGITS=logits is not None, RENORMALIZE=renormalize,
-    )  # fmt: skip
-    _align_kernel[(chunks,)](
-        ids, counts, rows, ends, totals, pairs, chunks, experts, PAIRS=chunk * top_k, PAIRS_BLOCK=chunk * k_block,
-        CHUNK_BLOCK=min(triton.next_power_of_2(chunks), max(1, ONE_HOT_ELEMENTS // e_block)), E_BLOCK=e_block,
-        BM=bm,
-    )  # fmt: skip
-    return Routing(weights, ids, rows, ends, totals, blocks, bm)
-
-
 def moe(
     x: Tensor, router_logits: Tensor | None, topk_weights: Tensor | None, topk_ids: Tensor | None,
     w_gate_up: Tensor, w_down: Tensor, top_k: int, renormalize: bool, activation: str = "silu",
@@ -462,43 +413,69 @@ def moe(
         return out.view(x.shape)
     ready = tma_ready(xs, w_gate_up, w_down)
     cfg = cfg or config(tokens, top_k, experts, width, hidden, _sms(dev), ready)
+    e_block, k_block = triton.next_power_of_2(experts), triton.next_power_of_2(top_k)
+    chunk = max(1, min(triton.next_power_of_2(tokens), ONE_HOT_ELEMENTS // (e_block * k_block), CHUNK_TOKENS))
+    chunks = triton.cdiv(tokens, chunk)
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=dev)
+    counts = torch.empty((chunks, e_block), dtype=torch.int32, device=dev)
+    logits = router_logits.reshape(-1, experts) if router_logits is not None else None
+    if logits is not None and logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    given_w = topk_weights.reshape(-1, top_k).contiguous() if topk_weights is not None else weights
+    given_ids = topk_ids.reshape(-1, top_k).contiguous() if topk_ids is not None else ids
+    bm = cfg.bm
+    blocks = triton.cdiv(pairs + min(experts, pairs) * (bm - 1), bm)  # the most any routing needs
+    rows = torch.empty(blocks * bm, dtype=torch.int32, device=dev)
+    ends = torch.empty(e_block, dtype=torch.int32, device=dev)
+    totals = torch.empty(e_block, dtype=torch.int32, device=dev)
     tma = cfg.tma and ready
+    h = torch.empty((blocks * bm if tma else pairs, width), dtype=x.dtype, device=dev)  # sorted rows with TMA
+    part = torch.empty((pairs, hidden), dtype=torch.float32, device=dev)
+    common = {"E_BLOCK": e_block, "BM": bm}
     with _device_of(x):
-        r = route(tokens, experts, top_k, cfg.bm, router_logits, topk_weights, topk_ids, renormalize, dev)
-        h = torch.empty((r.blocks * r.bm if tma else pairs, width), dtype=x.dtype, device=dev)  # sorted rows with TMA
-        part = torch.empty((pairs, hidden), dtype=torch.float32, device=dev)
+        _route_kernel[(chunks,)](
+            logits if logits is not None else weights, logits.stride(0) if logits is not None else 0, given_w,
+            given_ids, weights, ids, counts, tokens, experts, TOKENS=chunk, E_BLOCK=e_block, K=top_k,
+            K_BLOCK=k_block, FROM_LOGITS=logits is not None, RENORMALIZE=renormalize,
+        )  # fmt: skip
+        _align_kernel[(chunks,)](
+            ids, counts, rows, ends, totals, pairs, chunks, experts, PAIRS=chunk * top_k,
+            PAIRS_BLOCK=chunk * k_block,
+            CHUNK_BLOCK=min(triton.next_power_of_2(chunks), max(1, ONE_HOT_ELEMENTS // e_block)), **common,
+        )  # fmt: skip
         if tma:
-            _gemms_tma(xs, w_gate_up, w_down, h, part, r, cfg, top_k, activation)
+            _gemms_tma(xs, w_gate_up, w_down, h, part, rows, ends, totals, weights, cfg, top_k, activation, blocks)
         else:
             for a, w, dst, g, gated in ((xs, w_gate_up, h, cfg.gate_up, True), (h, w_down, part, cfg.down, False)):
                 n, k = dst.shape[1], a.shape[1]
-                _moe_gemm_kernel[(r.blocks * triton.cdiv(n, g.bn),)](
-                    a, w, dst, r.rows, r.ends, r.totals, r.weights, n, k, experts, a.stride(0), w.stride(0),
-                    w.stride(1), dst.stride(0), r.blocks, min(g.group or r.blocks, r.blocks), A_ROW_DIV=top_k if gated else 1,
-                    E_BLOCK=triton.next_power_of_2(experts), BM=r.bm, BN=g.bn, BK=g.bk, EVEN_K=k % g.bk == 0,
-                    GATED=gated, ACT=ACT_IDS[activation], WEIGHTED=not gated, num_warps=g.warps, num_stages=g.stages,
+                _moe_gemm_kernel[(blocks * triton.cdiv(n, g.bn),)](
+                    a, w, dst, rows, ends, totals, weights, n, k, experts, a.stride(0), w.stride(0), w.stride(1),
+                    dst.stride(0), blocks, min(g.group or blocks, blocks), A_ROW_DIV=top_k if gated else 1, BN=g.bn,
+                    BK=g.bk, EVEN_K=k % g.bk == 0, GATED=gated, ACT=ACT_IDS[activation], WEIGHTED=not gated,
+                    num_warps=g.warps, num_stages=g.stages, **common,
                 )  # fmt: skip
         _moe_sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](part, out, hidden, K=top_k, BLOCK=SUM_BLOCK)
     return out.view(x.shape)
 
 
-def _gemms_tma(xs: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor, part: Tensor, r: Routing, cfg: MoeConfig,
-               top_k: int, activation: str) -> None:  # fmt: skip
+def _gemms_tma(xs: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor, part: Tensor, rows: Tensor, ends: Tensor,
+               totals: Tensor, weights: Tensor, cfg: MoeConfig, top_k: int, activation: str, blocks: int) -> None:  # fmt: skip
     """x gathered into sorted order, then both GEMMs of :func:`_moe_gemm_tma_kernel`: ``h`` in
     sorted order, ``part`` per pair."""
-    experts, hidden = w_gate_up.shape[0], xs.shape[1]
+    experts, hidden, bm = w_gate_up.shape[0], xs.shape[1], cfg.bm
     e_block = triton.next_power_of_2(experts)
-    x_sorted = torch.empty((r.blocks * r.bm, hidden), dtype=xs.dtype, device=xs.device)
-    _gather_kernel[(r.blocks, triton.cdiv(hidden, GATHER_BLOCK))](
-        xs, xs.stride(0), x_sorted, r.rows, r.ends, r.totals, hidden, experts, TOP_K=top_k, E_BLOCK=e_block, BM=r.bm,
+    x_sorted = torch.empty((blocks * bm, hidden), dtype=xs.dtype, device=xs.device)
+    _gather_kernel[(blocks, triton.cdiv(hidden, GATHER_BLOCK))](
+        xs, xs.stride(0), x_sorted, rows, ends, totals, hidden, experts, TOP_K=top_k, E_BLOCK=e_block, BM=bm,
         BH=GATHER_BLOCK,
     )  # fmt: skip
     for a, w, dst, g, gated in ((x_sorted, w_gate_up, h, cfg.gate_up, True), (h, w_down, part, cfg.down, False)):
         n = dst.shape[1]
-        a_desc = TensorDescriptor.from_tensor(a, [r.bm, g.bk])
+        a_desc = TensorDescriptor.from_tensor(a, [bm, g.bk])
         w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [g.bn, g.bk])
-        _moe_gemm_tma_kernel[(r.blocks * triton.cdiv(n, g.bn),)](
-            a_desc, w_desc, dst, r.rows, r.ends, r.totals, r.weights, n, a.shape[1], experts, dst.stride(0), r.blocks,
-            min(g.group or r.blocks, r.blocks), E_BLOCK=e_block, BM=r.bm, BN=g.bn, BK=g.bk, GATED=gated,
+        _moe_gemm_tma_kernel[(blocks * triton.cdiv(n, g.bn),)](
+            a_desc, w_desc, dst, rows, ends, totals, weights, n, a.shape[1], experts, dst.stride(0), blocks,
+            min(g.group or blocks, blocks), E_BLOCK=e_block, BM=bm, BN=g.bn, BK=g.bk, GATED=gated,
             ACT=ACT_IDS[activation], WEIGHTED=not gated, num_warps=g.warps, num_stages=g.stages,
         )  # fmt: skip

@@ -110,14 +110,3 @@ def test_a_row_checks_and_times_every_way(monkeypatch: pytest.MonkeyPatch, capsy
     assert capsys.readouterr().out.strip() == "| " + " | ".join(cells) + " |"
     assert blocks[0].experts.config is blocks[1].experts.config  # one config: one set of guards
     assert blocks[0].experts.config._experts_implementation == "grouped_mm"  # restored after the loop
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU exit")
-def test_the_parts_bench_without_cuda_says_so(capsys: pytest.CaptureFixture[str]) -> None:
-    import bench_moe_parts
-
-    assert bench_moe_parts.main(["--tokens", "8"]) == 2
-    assert "needs CUDA" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench_moe_parts.main(["--shapes", "mixtral-8x22b"])
-    assert "unknown shape 'mixtral-8x22b'" in capsys.readouterr().err
