@@ -7,12 +7,12 @@ float32 reference next to eager bf16's (issue 19). GPU only.
     python3 bench/gpu_families.py --child llama:none,llama:piecewise   # cases in this process, rows as JSON
 
 Cases: each family of ``fxrewrite.models.MODELS``, the MoE families included (tiny config: hidden
-512, 8 heads of 64, 2 KV heads, 2 layers, vocab 1024, random weights) in each mode (none, piecewise, full), compiled with
-``Backend(mode=...).compile(model)`` (``dynamic=True``, ``fullgraph=True``) and called with input
-ids of shapes (1, 9), (4, 17), (1, 1), (8, 1), each twice (the second call replays); modes
-piecewise and full capture the token counts ``--capture-sizes`` (a graph whose batch and sequence
-are both dynamic runs eagerly: the runner captures one dynamic dimension; the table says how many
-graphs replayed).
+512, 8 heads of 64, 2 KV heads, 2 layers, vocab 1024, random weights) in each mode (none,
+piecewise, full), compiled with ``Backend(mode=...).compile(model)`` (``dynamic=True``,
+``fullgraph=True``) and called with input ids of shapes (1, 9), (4, 17), (1, 1), (8, 1), each twice
+(the second call replays); modes piecewise and full capture the token counts ``--capture-sizes`` (a
+graph whose batch and sequence are both dynamic runs eagerly: the runner captures one dynamic
+dimension; the table says how many graphs replayed).
 
 Processes: every case first runs in a process of its own (a sticky CUDA error costs one row),
 then one process runs every case one after another, as a serving process compiling several
