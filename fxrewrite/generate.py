@@ -61,11 +61,24 @@ def _base(model: Any) -> torch.nn.Module:
     return getattr(model, "_orig_mod", model)
 
 
-def cache_kwarg(model: Any) -> str:
-    """The name the model's forward takes its KV cache by: ``cache`` from transformers 5.24 on
-    (``past_key_values`` is deprecated there), ``past_key_values`` before."""
+def cache_inputs(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword arguments of a forward over ``cache`` besides the ids: the cache, by the name
+    the model's forward takes it (``cache`` from transformers 5.24 on, where ``past_key_values`` is
+    deprecated; ``past_key_values`` before), ``use_cache`` and an attention mask over every cache
+    slot, all ones (causality hides the slots not yet written).
+
+    The mask's shape never changes, so no step recompiles (it is marked static: under
+    ``dynamic=True`` its length would be one more symbol). Passing it keeps transformers building
+    the causal mask as part of the graph in every version: 5.19 without one reads the cache's
+    tensor length in a Python ``if`` (a StaticCache prefill shortcut), a data-dependent branch
+    Dynamo refuses under ``fullgraph=True``."""
     params = inspect.signature(_base(model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    name = "cache" if "cache" in params else "past_key_values"
+    slots = max(layer.max_cache_len for layer in cache.layers)  # sliding layers read a window of it
+    keys = cache.layers[0].keys
+    mask = torch.ones(keys.shape[0], slots, dtype=torch.long, device=keys.device)
+    torch._dynamo.mark_static(mask)
+    return {name: cache, "use_cache": True, "attention_mask": mask}
 
 
 def static_cache(model: Any, max_len: int, batch: int = 1) -> Any:
@@ -120,7 +133,7 @@ def greedy(
         raise ValueError(f"prompt ({input_ids.shape[-1]} tokens) + {tokens} new tokens do not fit the cache "
                          f"({capacity} positions)")  # fmt: skip
     cache.reset()
-    kw = {cache_kwarg(model): cache, "use_cache": True}
+    kw = cache_inputs(model, cache)
     clock = _Clock(input_ids.device)
     out: list[torch.Tensor] = []
     with torch.no_grad():
