@@ -78,6 +78,26 @@ def test_replayed_modes_capture_the_decode_step(mode: str) -> None:
     assert step["static_shape"] and step["replays"] == TOKENS - 1 and step["eager_calls"] == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["none", "piecewise", "full"])
+def test_cuda_decode_equals_eager_and_replays_the_step(mode: str) -> None:
+    """On the GPU (float32, so that the tokens may be compared): the fused kernels, the mask of
+    :func:`cache_inputs` in the graph, and in modes piecewise and full every step after the first
+    a replay of the captured decode graph."""
+    model = models.build("llama", layers=2, causal_lm=True).cuda()
+    compiled, backend = compile_for_generation(model, mode)
+    cache = static_cache(compiled, 32)
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt], device="cuda")
+        want = greedy(model, ids, TOKENS, static_cache(model, 32)).tokens
+        assert greedy(compiled, ids, TOKENS, cache).tokens == want
+    assert len(backend.graphs) == 2
+    if mode != "none":
+        backend.refresh_runtime()
+        step = backend.report.graphs[1].runtime
+        assert step["captured"] and step["replays"] == 2 * (TOKENS - 1) and step["eager_calls"] == 0
+
+
 def test_padding_a_prompt_would_count_the_padded_rows_in_the_cache() -> None:
     prompt = torch.tensor([PROMPTS[0]])  # 5 tokens
     padded = fxrewrite.Backend(mode="full", capture_sizes=(1, 8), max_capture_size=8, progress=False)
