@@ -51,7 +51,7 @@ import torch.utils._pytree as pytree
 from fxrewrite import meta
 from fxrewrite.backend import Backend, pipeline_steps
 from fxrewrite.config import Config
-from fxrewrite.passes import GraphPass, RuleGroup
+from fxrewrite.passes import FusionMatch, GraphPass, RuleGroup
 from fxrewrite.rule import Rule
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,9 @@ class _Allow:
             return "bisect: rule turned off"
         k = self.count[rule]
         self.count[rule] += 1
-        self.seen[(rule, k)] = (meta.source_line(m.anchor), meta.module_path(m.anchor))
+        # a fusion site (passes.FusionMatch) spans a block: name the module around all of it
+        module = meta.common_module(m.nodes) if isinstance(m, FusionMatch) else meta.module_path(m.anchor)
+        self.seen[(rule, k)] = (meta.source_line(m.anchor), module)
         if rule in self.limit and k not in self.limit[rule]:
             return f"bisect: site {k} turned off"
         return None

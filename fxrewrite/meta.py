@@ -306,6 +306,16 @@ def module_path(node: fx.Node) -> str:
     return _ROOT.sub("", str(path))
 
 
+def common_module(nodes: Iterable[fx.Node]) -> str:
+    """Qualified name of the innermost module every one of ``nodes`` ran in (the nodes with no
+    module stack left out): an MoE block around its router and experts."""
+    stacks = [list(s.values()) for n in nodes if (s := n.meta.get("nn_module_stack"))]
+    if not stacks:
+        return ""
+    common = [v for v in stacks[0] if all(v in s for s in stacks[1:])]
+    return _ROOT.sub("", str(common[-1][0])) if common else ""
+
+
 # Dynamo's name for the compiled module itself: ``L['self']``, or ``L['args'][0]`` when the
 # forward it enters is a wrapper taking the module as its first argument (transformers 5.24's
 # decorated forwards)

@@ -470,13 +470,7 @@ def _replace(graph: fx.Graph, block: Block, fake_mode: Any, result: PassResult) 
     for n in reversed(block.nodes):
         graph.erase_node(n)
     result.matches += 1
-    module = _common_module(block.routing.topk, block.output)
+    module = meta.common_module((block.routing.topk, block.output))
     result.sites.append(Site(RULE, node.name, meta.source_line(block.routing.topk), module,
                              note=_describe(block).strip("()")))  # fmt: skip
 
-
-def _common_module(a: fx.Node, b: fx.Node) -> str:
-    """The innermost module both nodes ran in (the MoE block around its router and experts)."""
-    sa, sb = a.meta.get("nn_module_stack") or {}, b.meta.get("nn_module_stack") or {}
-    common = [v for k, v in sa.items() if k in sb]
-    return str(common[-1][0]).removeprefix("L['self'].") if common else ""

@@ -101,7 +101,7 @@ def test_a_wrong_fusion_pass_is_named_with_its_first_bad_site(monkeypatch: pytes
     assert r.rules == ["fuse_moe_off"] and r.alone["fuse_moe_off"] > 1e-4
     assert r.site is not None and (r.site.rule, r.site.index) == ("fuse_moe_off", 1)
     assert "torch.topk(" in _router_topk_line(r.site.source)
-    assert r.module.startswith("layers.1.mlp")
+    assert r.module == "layers.1.mlp"  # the block, as the report names it, not its router
     assert r.sites == 3 and r.error > 1e-4 and r.baseline_error <= 1e-4
     assert "first bad site: rule fuse_moe_off site 1 of 3" in r.summary()
 
