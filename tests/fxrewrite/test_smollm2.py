@@ -53,6 +53,21 @@ def test_the_loaded_model_is_smollm2() -> None:
     assert tokenizer.decode(models.chat_ids(tokenizer, "Hi")[0]).count("<|im_start|>") >= 2  # system + user
 
 
+def test_saved_checkpoint_reloads_as_the_same_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """``models.save_smollm2``: what a serving engine loads (safetensors, config, tokenizer) is
+    the model the GGUF file gives, token for token and logit for logit."""
+    import transformers as tf
+
+    model, tokenizer = smollm2()
+    monkeypatch.setattr(models, "load_smollm2", lambda dtype=torch.float32: (model, tokenizer))  # loaded once
+    path = models.save_smollm2(tmp_path / "smollm2")
+    again = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = tf.AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(TEXT[:200], return_tensors="pt").input_ids
+    assert tok(TEXT[:200], return_tensors="pt").input_ids.tolist() == ids.tolist()
+    assert torch.equal(logits(again, ids), logits(model, ids))
+
+
 def test_greedy_tokens_equal_eager_in_float32_with_every_layer_fused() -> None:
     model, tokenizer = smollm2()
     prompts = [models.chat_ids(tokenizer, p) for p in PROMPTS]

@@ -2,9 +2,9 @@
 
 * Offline greedy generation of a 2-layer Llama saved from a config (vLLM's own Llama code, its
   CPU attention and KV cache), in one process per compiler: fxrewrite (whole graph,
-  DYNAMO_TRACE_ONCE) gives the same tokens as vLLM's default compiler (Inductor on CPU), and the
-  report, fetched from vLLM's worker and written to ``FXREWRITE_REPORT_DIR``, shows the fused ops
-  per layer of vLLM's graph with no near miss.
+  DYNAMO_TRACE_ONCE) gives the same tokens as vLLM with compilation off and with its default
+  compiler (Inductor on CPU), and the report, fetched from vLLM's worker and written to
+  ``FXREWRITE_REPORT_DIR``, shows the fused ops per layer of vLLM's graph with no near miss.
 * Negative twin: vLLM's custom ops left on. Its CPU build has a C kernel only for the rotary
   embedding (its norms are IR ops whose only CPU implementation is the native one, and its
   ``SiluAndMul.forward_cpu`` is its native code): no rotary fuses, and the report says it is
@@ -38,7 +38,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'fxrewrit
 
 from fxrewrite.integrations import vllm as fxr_vllm  # noqa: E402  (after the skip: imports nothing of vLLM)
 
-COMPILERS = ("default", "fxrewrite", "fxrewrite-custom-ops")
+COMPILERS = ("eager", "default", "fxrewrite", "fxrewrite-custom-ops")
 # vLLM's Llama, 2 layers: layer 0's input norm has no residual yet; its post-attention add + norm
 # and every later one overwrite the residual in place; the final norm adds the last residual
 LAYERS = {
@@ -72,11 +72,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
 
 
 def test_fxrewrite_generates_vllms_tokens(runs: dict[str, dict[str, Any]]) -> None:
-    default, fx = runs["default"], runs["fxrewrite"]
+    """The same tokens as vLLM with no compiler at all (``eager``) and with its own (Inductor)."""
+    eager, default, fx = runs["eager"], runs["default"], runs["fxrewrite"]
     assert (fx["mode"], fx["backend"]) == (fxr_vllm.DYNAMO_TRACE_ONCE, fxr_vllm.BACKEND)
     assert default["backend"] != fxr_vllm.BACKEND and not default["reports"]
-    assert all(len(t) == 8 for t in default["tokens"])
-    assert fx["tokens"] == default["tokens"]
+    assert eager["mode"] == 0 and not eager["reports"]
+    assert all(len(t) == 8 for t in eager["tokens"])
+    assert fx["tokens"] == eager["tokens"] == default["tokens"]
 
 
 def test_the_report_shows_the_fused_ops_on_vllms_graph(runs: dict[str, dict[str, Any]]) -> None:
