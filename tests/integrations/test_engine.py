@@ -40,8 +40,21 @@ def engine_scale(x: torch.Tensor) -> torch.Tensor:
     return 2 * x
 
 
+@torch.library.custom_op("fxrtest_engine::cpu_fused_moe", mutates_args=())
+def engine_moe(x: torch.Tensor) -> torch.Tensor:
+    """An engine's MoE kernel: fxrewrite's ``moe`` is one of its words."""
+    return x.clone()
+
+
+@torch.library.custom_op("fxrtest_engine::rms_normalize", mutates_args=())
+def engine_normalize(x: torch.Tensor) -> torch.Tensor:
+    """Shares letters with ``rms_norm`` but not its words: not one of fxrewrite's ops."""
+    return x.clone()
+
+
 engine_rms_norm.register_fake(lambda x, w: torch.empty_like(x))
-engine_scale.register_fake(lambda x: torch.empty_like(x))
+for _op in (engine_scale, engine_moe, engine_normalize):
+    _op.register_fake(lambda x: torch.empty_like(x))
 
 
 def compile_with(hook: Callable[[fx.GraphModule, list[Any]], Any], model: Any, *inputs: Any) -> Any:
@@ -78,19 +91,22 @@ class WithEngineKernels(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.fxrtest_engine.rms_norm(x, self.w)
         y = torch.ops.fxrtest_engine.scale(y)
+        y = torch.ops.fxrtest_engine.rms_normalize(torch.ops.fxrtest_engine.cpu_fused_moe(y))
         h = y.float()
         return self.w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(y.dtype)
 
 
 def test_the_engines_own_kernels_are_named_in_a_note() -> None:
-    """The engine's ``rms_norm`` kernel is named (the rules cannot see into it); its ``scale`` op,
-    named like nothing fxrewrite fuses, is not (negative twin); the torch norm still fuses."""
+    """The engine's ``rms_norm`` kernel is named (the rules cannot see into it), and so is its
+    ``cpu_fused_moe`` (``moe`` one of its words); its ``scale`` and ``rms_normalize`` ops, named
+    like nothing fxrewrite fuses, are not (negative twins); the torch norm still fuses."""
     compile_with(fuse_whole, WithEngineKernels(), torch.randn(4, HIDDEN))
     entry = engine.reports()[-1]
-    assert entry.engine_kernels == {"fxrtest_engine::rms_norm": 1}
+    assert entry.engine_kernels == {"fxrtest_engine::rms_norm": 1, "fxrtest_engine::cpu_fused_moe": 1}
     assert entry.report.fused_ops == {"rms_norm": 1}
     [note] = entry.report.notes
-    assert "the graph calls toy's own kernels for ops fxrewrite fuses (fxrtest_engine::rms_norm x1)" in note
+    assert ("the graph calls toy's own kernels for ops fxrewrite fuses (fxrtest_engine::cpu_fused_moe x1, "
+            "fxrtest_engine::rms_norm x1)") in note  # fmt: skip
 
 
 def test_publish_writes_the_report_where_asked(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

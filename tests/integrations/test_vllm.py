@@ -5,6 +5,8 @@
   DYNAMO_TRACE_ONCE) gives the same tokens as vLLM with compilation off and with its default
   compiler (Inductor on CPU), and the report, fetched from vLLM's worker and written to
   ``FXREWRITE_REPORT_DIR``, shows the fused ops per layer of vLLM's graph with no near miss.
+* A tiny Mixtral: vLLM's MoE layer is its own kernel (``_C::cpu_fused_moe`` on CPU), which the
+  report names; the norms and rotary around it fuse; the tokens are vLLM eager's.
 * Negative twin: vLLM's custom ops left on. Its CPU build has a C kernel only for the rotary
   embedding (its norms are IR ops whose only CPU implementation is the native one, and its
   ``SiluAndMul.forward_cpu`` is its native code): no rotary fuses, and the report says it is
@@ -38,7 +40,10 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'fxrewrit
 
 from fxrewrite.integrations import vllm as fxr_vllm  # noqa: E402  (after the skip: imports nothing of vLLM)
 
-COMPILERS = ("eager", "default", "fxrewrite", "fxrewrite-custom-ops")
+# (family, compiler) -> the key of its run; a tiny Mixtral too: vLLM's MoE layer is its own kernel
+RUNS = {("llama", c): c for c in ("eager", "default", "fxrewrite", "fxrewrite-custom-ops")} | {
+    ("mixtral", c): f"mixtral-{c}" for c in ("eager", "fxrewrite")
+}
 # vLLM's Llama, 2 layers: layer 0's input norm has no residual yet; its post-attention add + norm
 # and every later one overwrite the residual in place; the final norm adds the last residual
 LAYERS = {
@@ -53,21 +58,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Each compiler's greedy generation, each in its own process (vLLM's engine state is per
     process), run side by side; each writes its reports to its own FXREWRITE_REPORT_DIR."""
     root = tmp_path_factory.mktemp("vllm")
-    model = fxr_vllm.save_tiny_llama(str(root / "tiny-llama"))
+    models = {family: fxr_vllm.save_tiny(str(root / f"tiny-{family}"), family) for family, _ in RUNS}
     procs = {}
-    for compiler in COMPILERS:
-        env = dict(os.environ, **{engine.REPORT_DIR_ENV: str(root / f"reports-{compiler}")})
-        cmd = [sys.executable, "-m", "fxrewrite.integrations.vllm", "--model", model, "--compiler", compiler,
-               "--json", str(root / f"{compiler}.json")]  # fmt: skip
-        log = open(root / f"{compiler}.log", "w")
-        procs[compiler] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+    for (family, compiler), key in RUNS.items():
+        env = dict(os.environ, **{engine.REPORT_DIR_ENV: str(root / f"reports-{key}")})
+        cmd = [sys.executable, "-m", "fxrewrite.integrations.vllm", "--model", models[family],
+               "--compiler", compiler, "--json", str(root / f"{key}.json")]  # fmt: skip
+        log = open(root / f"{key}.log", "w")
+        procs[key] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log)
     out = {}
-    for compiler, (proc, log) in procs.items():
+    for key, (proc, log) in procs.items():
         rc = proc.wait(timeout=900)
         log.close()
-        assert rc == 0, f"vLLM with {compiler} failed:\n" + (root / f"{compiler}.log").read_text()[-4000:]
-        out[compiler] = json.loads((root / f"{compiler}.json").read_text())
-        out[compiler]["report_files"] = sorted((root / f"reports-{compiler}").glob("*.json"))
+        assert rc == 0, f"vLLM run {key} failed:\n" + (root / f"{key}.log").read_text()[-4000:]
+        out[key] = json.loads((root / f"{key}.json").read_text())
+        out[key]["report_files"] = sorted((root / f"reports-{key}").glob("*.json"))
     return out
 
 
@@ -109,6 +114,22 @@ def test_twin_custom_ops_on_hide_the_rotary(runs: dict[str, dict[str, Any]]) -> 
     assert "vllm's own kernels for ops fxrewrite fuses (_C::rotary_embedding x2)" in note
     assert "switch its custom ops off" in note
     assert twin["tokens"] == runs["default"]["tokens"]
+
+
+def test_an_moe_model_keeps_vllms_moe_kernel_and_fuses_the_rest(runs: dict[str, dict[str, Any]]) -> None:
+    """A tiny Mixtral: vLLM runs its experts in its own MoE kernel (on CPU ``_C::cpu_fused_moe``),
+    opaque to fxrewrite's MoE pass, and the report names it; the norms and the rotary around it
+    fuse, and the tokens are vLLM's without a compiler."""
+    eager, fx = runs["mixtral-eager"], runs["mixtral-fxrewrite"]
+    assert all(len(t) == 8 for t in eager["tokens"]) and fx["tokens"] == eager["tokens"]
+    [report] = fx["reports"]
+    kernels = report["engine_kernels"]
+    assert [k for k in kernels if "moe" in k] and sum(kernels.values()) == 2, kernels  # one per layer
+    assert "moe" not in report["fused_ops"]
+    assert report["fused_ops"]["rotary_embedding"] == 2 and report["fused_ops"]["rms_norm"] == 1
+    assert report["near_misses"] == [] and report["rejected"] == []
+    [note] = report["notes"]
+    assert "vllm's own kernels for ops fxrewrite fuses" in note
 
 
 @torch.library.custom_op("fxrtest_vllm::attention", mutates_args=())
@@ -207,7 +228,7 @@ def test_vllm_loads_the_plugin_from_the_entry_point() -> None:
 def test_piecewise_generation_on_cuda(tmp_path: Path) -> None:
     """On CUDA: vLLM's piecewise CUDA graphs with fxrewrite fusing before the split generate
     vLLM's default tokens."""
-    model = fxr_vllm.save_tiny_llama(str(tmp_path / "tiny-llama"))
+    model = fxr_vllm.save_tiny(str(tmp_path / "tiny-llama"))
     results = {}
     for compiler in ("default", "fxrewrite-piecewise"):
         env = dict(os.environ, **{fxr_vllm.PIECEWISE_ENV: "1", engine.REPORT_DIR_ENV: str(tmp_path / compiler)})
