@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from typing import Any
 
 import torch
 import torch.fx as fx

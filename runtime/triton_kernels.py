@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fxrewrite.runtime import providers
+from fxrewrite.runtime import constraints
 from fxrewrite.runtime.ops import linear as linear_ops
 from fxrewrite.runtime.ops import quant
 
@@ -304,7 +304,7 @@ def _norm_rows(x: Tensor, weight: Tensor, eps: float, out: Tensor, residual: Ten
     """Launch ``_rms_norm_kernel`` over ``x``'s rows (each tensor at its own strides)."""
     n = x.shape[-1]
     tensors = (x, residual if residual is not None else x, out)
-    layout = providers.leading_dims(*tensors)
+    layout = constraints.leading_dims(*tensors)
     assert layout is not None, "the op module's check lets only such layouts through"
     (_, d1, d2), strides = layout
     n_rows = x.numel() // n
@@ -321,7 +321,7 @@ def _norm_rows(x: Tensor, weight: Tensor, eps: float, out: Tensor, residual: Ten
 def _act_and_mul(x: Tensor, act: int) -> Tensor:
     d = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
-    layout = providers.leading_dims(x)
+    layout = constraints.leading_dims(x)
     assert layout is not None, "the op module's check lets only such layouts through"
     (_, d1, d2), (strides,) = layout
     n_rows = out.numel() // d if d else 0

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 import torch.nn.functional as F
 
-from fxrewrite.runtime import providers
+from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 GELU_APPROXIMATIONS: tuple[str, ...] = ("none", "tanh")
@@ -49,7 +49,7 @@ def check_act_and_mul(x: Tensor, *, half_aligned: bool) -> str | None:
     """Both libraries: bf16/fp16, contiguous (no strides taken), even non-empty last dim, 16-byte
     aligned address. ``half_aligned`` (sgl-kernel 0.4.6, fixed 16-byte vectors): each half row
     ``d * itemsize`` a multiple of 16 bytes; flashinfer 0.7.2 narrows its vectors to divide d."""
-    reason = providers.check_half(x)
+    reason = constraints.check_half(x)
     if reason:
         return reason
     if x.numel() == 0:
@@ -58,7 +58,7 @@ def check_act_and_mul(x: Tensor, *, half_aligned: bool) -> str | None:
         return f"odd last dim {x.shape[-1]}"
     if not x.is_contiguous():
         return "input not contiguous"
-    if not providers.is_aligned(x, 16):
+    if not constraints.is_aligned(x, 16):
         return "address not 16-byte aligned"
     half_bytes = x.shape[-1] // 2 * x.element_size()
     if half_aligned and half_bytes % 16:
@@ -122,7 +122,7 @@ def _triton_check(x: Tensor, approximate: str = "none") -> str | None:
         return f"approximate={approximate!r}"
     if x.dim() and x.shape[-1] % 2:
         return f"odd last dim {x.shape[-1]}"
-    return providers.check_strided_rows(x)
+    return constraints.check_strided_rows(x)
 
 
 # Triton last: rows at any strides (a gate/up slice of a wider GEMM's output) and any float dtype.

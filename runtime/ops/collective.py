@@ -66,7 +66,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fxrewrite.runtime import providers
+from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.ops.norm import _rms_norm_fake, check_norm_args, fake_sum
 from fxrewrite.runtime.ops.quant import FP8_CAPABILITY, _q, check_scale
 from fxrewrite.runtime.providers import Kernel, OpDef
@@ -225,7 +225,7 @@ def _check(x: Tensor, residual: Tensor, weight: Tensor, group_name: str, oneshot
     for t in (x, residual):
         if not t.is_contiguous():
             return "input not contiguous"
-        if not providers.is_aligned(t, 16):
+        if not constraints.is_aligned(t, 16):
             return "address not 16-byte aligned"
     hidden, vec = x.shape[-1], 16 // x.element_size()
     if hidden % vec or hidden // vec < 128:

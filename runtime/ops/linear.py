@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fxrewrite.runtime import providers
+from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.ops.activation import silu_and_mul_reference
 from fxrewrite.runtime.providers import Kernel, OpDef
 
@@ -60,7 +60,7 @@ def _linear_silu_and_mul_fake(x: Tensor, w: Tensor, bias: Tensor | None = None) 
 def skinny_check(x: Tensor, w: Tensor, bias: Tensor | None = None) -> str | None:
     """The Triton kernel: bf16/fp16 throughout, a 2-D weight with unit stride along k, at most
     ``SKINNY_ROWS`` rows, a contiguous bias."""
-    reason = providers.check_half(x, w, *([bias] if bias is not None else []))
+    reason = constraints.check_half(x, w, *([bias] if bias is not None else []))
     if reason:
         return reason
     if w.dim() != 2 or x.dim() == 0 or x.shape[-1] != w.shape[-1]:
@@ -74,7 +74,7 @@ def skinny_check(x: Tensor, w: Tensor, bias: Tensor | None = None) -> str | None
         return "weight has no unit stride along k"
     if bias is not None and (bias.dim() != 1 or not bias.is_contiguous()):
         return "bias not a contiguous vector"
-    return providers.check_same_device(x, w, *([bias] if bias is not None else []))
+    return constraints.check_same_device(x, w, *([bias] if bias is not None else []))
 
 
 def gated_check(x: Tensor, w: Tensor, bias: Tensor | None = None) -> str | None:

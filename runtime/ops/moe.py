@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fxrewrite.runtime import providers
+from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh")
@@ -132,7 +132,7 @@ def triton_check(
 ) -> str | None:  # fmt: skip
     """The Triton kernels: bf16/fp16 input and weights, weights with unit stride along their
     last dim, at most ``MAX_EXPERTS`` experts, every tensor on the input's device."""
-    reason = providers.check_half(x, w_gate_up, w_down)
+    reason = constraints.check_half(x, w_gate_up, w_down)
     if reason:
         return reason
     if w_gate_up.stride(-1) != 1 or w_down.stride(-1) != 1:
@@ -140,7 +140,7 @@ def triton_check(
     if w_gate_up.shape[0] > MAX_EXPERTS:
         return f"{w_gate_up.shape[0]} experts, more than {MAX_EXPERTS}"
     routing = [t for t in (router_logits, topk_weights, topk_ids) if t is not None]
-    return providers.check_same_device(x, w_gate_up, w_down, *routing)
+    return constraints.check_same_device(x, w_gate_up, w_down, *routing)
 
 
 def _triton(*args: object) -> Tensor:

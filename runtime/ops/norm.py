@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from fxrewrite.runtime import providers
+from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 NormFn = Callable[[Tensor, Tensor, float], Tensor]
@@ -162,7 +162,7 @@ def check_norm_args(x: Tensor, weight: Tensor, *others: Tensor) -> str | None:
     """What every norm kernel needs of its arguments, layout aside: one half dtype for all
     (the kernels reinterpret ``weight`` as the input dtype: vLLM issue 48330), one device, equal
     shapes, a non-empty input and a unit-stride ``[hidden]`` weight aligned to the vectors."""
-    reason = providers.check_half(x, weight, *others) or providers.check_same_device(x, weight, *others)
+    reason = constraints.check_half(x, weight, *others) or constraints.check_same_device(x, weight, *others)
     if reason:
         return reason
     for t in others:
@@ -172,7 +172,7 @@ def check_norm_args(x: Tensor, weight: Tensor, *others: Tensor) -> str | None:
         return "empty input"
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or weight.stride(0) != 1:
         return f"weight {tuple(weight.shape)} is not a contiguous [{x.shape[-1]}] vector"
-    if not providers.is_aligned(weight, vector_bytes(x)):
+    if not constraints.is_aligned(weight, vector_bytes(x)):
         return f"weight address not {vector_bytes(x)}-byte aligned"
     return None
 
@@ -203,7 +203,7 @@ def check_norm(
         if view is None:
             ranks = "2D or 3D" if allow_3d else "2D"
             return f"{t.dim()}D input with these strides is not viewable as {ranks} rows"
-        if not providers.is_aligned(view, vec_bytes, *view.stride()[:-1]):
+        if not constraints.is_aligned(view, vec_bytes, *view.stride()[:-1]):
             return f"address or row stride not {vec_bytes}-byte aligned"
     return None
 
@@ -269,28 +269,28 @@ def _flashinfer_fused_add_(kernel: str, x: Tensor, residual: Tensor, weight: Ten
 
 
 def _triton_norm_check(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> str | None:
-    return providers.check_strided_rows(x) or _triton_weight_check(x, weight)
+    return constraints.check_strided_rows(x) or _triton_weight_check(x, weight)
 
 
 def _triton_inplace_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> str | None:
     if residual.dtype != x.dtype:
         return f"residual {residual.dtype} != input {x.dtype}"
-    return providers.check_strided_rows(x, residual) or _triton_weight_check(x, weight)
+    return constraints.check_strided_rows(x, residual) or _triton_weight_check(x, weight)
 
 
 def _triton_fused_add_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> str | None:
     # The sum is a fresh contiguous tensor: the dtypes and the weight matter, not the layout.
     if residual.dtype != x.dtype or residual.shape != x.shape:
         return f"residual {residual.dtype}{tuple(residual.shape)} != input {x.dtype}{tuple(x.shape)}"
-    if reason := providers.check_float(x):
+    if reason := constraints.check_float(x):
         return reason
     if x.numel() == 0:
         return "empty input"
-    return providers.check_triton_row(x.shape[-1]) or _triton_weight_check(x, weight)
+    return constraints.check_triton_row(x.shape[-1]) or _triton_weight_check(x, weight)
 
 
 def _triton_weight_check(x: Tensor, weight: Tensor) -> str | None:
-    if reason := providers.check_float(weight):
+    if reason := constraints.check_float(weight):
         return "weight " + reason
     if weight.device != x.device:
         return f"weight on {weight.device}, input on {x.device}"

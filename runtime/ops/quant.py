@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from fxrewrite.runtime import providers
+from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.ops.activation import (
     check_act_and_mul,
     flashinfer_silu_and_mul,
@@ -234,7 +234,7 @@ def check_scale(x: Tensor, scale: Tensor) -> str | None:
     """A static scale the kernels read in place: one float32 element on the input's device."""
     if scale.numel() != 1 or scale.dtype != torch.float32:
         return f"scale {tuple(scale.shape)} {scale.dtype} is not one float32"
-    return providers.check_same_device(x, scale)
+    return constraints.check_same_device(x, scale)
 
 
 def _hidden_multiple_of_4(d: int) -> str | None:
@@ -268,8 +268,8 @@ def _silu_dynamic_check(x: Tensor) -> str | None:
 # The Triton kernels read rows at any stride and alignment (Triton specializes on both); they need
 # what :func:`check_norm` / :func:`check_act_and_mul` ask of every provider, and a row that fits
 # one program where the kernel reduces over it (the norms; dynamic SiLU-and-mul).
-TRITON_MAX_ROW = providers.TRITON_MAX_ROW
-_fits_one_program = providers.check_triton_row
+TRITON_MAX_ROW = constraints.TRITON_MAX_ROW
+_fits_one_program = constraints.check_triton_row
 
 
 def _triton_rows_check(x: Tensor, weight: Tensor, others: tuple[Tensor, ...], scale: Tensor | None) -> str | None:

@@ -26,7 +26,7 @@ import functools
 import torch
 from torch import Tensor
 
-from fxrewrite.runtime import providers
+from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 # --------------------------------------------------------------------------- references (the spec)
@@ -116,7 +116,7 @@ def check_rotary(positions: Tensor, cos_sin_cache: Tensor, *xs: Tensor) -> str |
     """flashinfer's ``apply_rope_with_cos_sin_cache``: bf16/fp16 ``[N, H, D]`` tensors with a
     contiguous last dim (token and head strides are free), D in :data:`HEAD_DIMS`, an even
     rotary width of at most D, a float32 contiguous cache, int32/int64 positions, one device."""
-    reason = providers.check_half(*xs) or providers.check_same_device(positions, cos_sin_cache, *xs)
+    reason = constraints.check_half(*xs) or constraints.check_same_device(positions, cos_sin_cache, *xs)
     if reason:
         return reason
     if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():

@@ -396,7 +396,7 @@ def _cache_cats(x):
     return first, rows, promoted
 
 
-def test_cat_drops_operands_empty_along_its_dim() -> None:
+def test_cat_drops_a_pass_through_slice_left_empty() -> None:
     r = canon(_cats, x2d(4, 8), before={"torch.cat": 3}, expect={"torch.cat": 2}, dynamic=False)  # static width
     cats = [n for n in r.graph.graph.nodes if n.target is torch.cat]
     assert [len(n.args[0]) for n in cats] == [2, 1]
