@@ -74,8 +74,11 @@ def cache_inputs(model: Any, cache: Any) -> dict[str, Any]:
     Dynamo refuses under ``fullgraph=True``."""
     params = inspect.signature(_base(model).forward).parameters
     name = "cache" if "cache" in params else "past_key_values"
+    keys = getattr(cache.layers[0], "keys", None)
+    if keys is None:
+        raise ValueError("the cache is not allocated yet: make it with fxrewrite.generate.static_cache "
+                         "(StaticCache.early_initialization: its tensors exist before the compiled call)")  # fmt: skip
     slots = max(layer.max_cache_len for layer in cache.layers)  # sliding layers read a window of it
-    keys = cache.layers[0].keys
     mask = torch.ones(keys.shape[0], slots, dtype=torch.long, device=keys.device)
     torch._dynamo.mark_static(mask)
     return {name: cache, "use_cache": True, "attention_mask": mask}

@@ -109,6 +109,16 @@ def test_padding_a_prompt_would_count_the_padded_rows_in_the_cache() -> None:
         assert int(cache.layers[0].cumulative_length) == count
 
 
+def test_a_cache_not_allocated_up_front_is_refused() -> None:
+    import transformers as tf
+
+    prompt = torch.tensor([PROMPTS[0]])
+    lazy = tf.StaticCache(config=tiny().config, max_cache_len=32)  # no early_initialization
+    with pytest.raises(ValueError, match="cache is not allocated yet: make it with fxrewrite.generate.static_cache"):
+        greedy(tiny(), prompt, TOKENS, lazy)
+    assert greedy(tiny(), prompt, TOKENS, static_cache(tiny(), 32)).tokens == eager(tuple(PROMPTS[0]))  # twin
+
+
 def test_stops_after_the_end_token() -> None:
     full = eager(tuple(PROMPTS[1]))
     stop = full[3]
