@@ -248,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--json", metavar="FILE", help="also write tokens and reports to FILE")
     args = p.parse_args(argv)
+    if args.family != "llama" and not args.tiny:
+        p.error(f"--family {args.family} chooses the --tiny model's family; --model and --smollm2 name their own")
     prompts = labels = PROMPTS
     if args.smollm2:
         import transformers as tf

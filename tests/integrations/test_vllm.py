@@ -132,6 +132,13 @@ def test_an_moe_model_keeps_vllms_moe_kernel_and_fuses_the_rest(runs: dict[str, 
     assert "vllm's own kernels for ops fxrewrite fuses" in note
 
 
+def test_the_cli_refuses_a_family_without_tiny(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        fxr_vllm.main(["--model", "some/checkpoint", "--family", "mixtral"])
+    assert exit_.value.code == 2
+    assert "--family mixtral chooses the --tiny model's family" in capsys.readouterr().err
+
+
 @torch.library.custom_op("fxrtest_vllm::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Stands in for vLLM's attention op: opaque, and where vLLM splits."""
