@@ -127,8 +127,10 @@ def _gated_pairs(lins: list[fx.Node]) -> tuple[list[list[fx.Node]], list[fx.Node
             if act.target not in (SILU, GELU) or len(act.users) != 1:
                 continue
             mul = next(iter(act.users))
+            if mul.target is not MUL:
+                continue
             up = mul.args[1] if mul.args[0] is act else mul.args[0]
-            if mul.target is MUL and up in lins and up is not gate and not paired & {gate, up}:
+            if up in lins and up is not gate and not paired & {gate, up}:
                 pairs.append([gate, up])
                 paired |= {gate, up}
     return pairs, [n for n in lins if n not in paired]
