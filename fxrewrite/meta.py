@@ -243,9 +243,25 @@ def written_args(node: fx.Node) -> list[Any]:
 
 def is_impure(node: fx.Node) -> bool:
     """What dead-code elimination must keep although nothing reads it: FX's own notion (calls
-    with side effects, in-place ATen overloads) and every in-place write of :func:`written_args`
-    (FX drops an unread ``x.add_(1)`` call_method)."""
-    return node.is_impure() or bool(written_args(node))
+    with side effects, in-place ATen overloads), every in-place write of :func:`written_args`
+    (FX drops an unread ``x.add_(1)`` call_method), and every call of a Python function that
+    is not a known pure computation: Dynamo records state changes as unread calls (functorch's
+    ``_vmap_increment_nesting`` around an inlined ``torch.vmap``, whose removal breaks the
+    batched calls after it)."""
+    return node.is_impure() or bool(written_args(node)) or (node.op == "call_function" and not _known_pure(node.target))
+
+
+def _known_pure(target: Any) -> bool:
+    """An operator overload (ATen, prims, ours), a function of ``operator`` or ``math``, or a
+    public function of the ``torch`` / ``torch.nn.functional`` / ``torch.Tensor`` namespaces."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return True
+    module, name = getattr(target, "__module__", None) or "", getattr(target, "__name__", "")
+    if module in ("_operator", "operator", "math") or target is getattr:
+        return True
+    if name.startswith("_"):
+        return False
+    return any(getattr(ns, name, None) is target for ns in (torch, torch.nn.functional, torch.Tensor))
 
 
 def size_equal(a: Any, b: Any) -> bool:
