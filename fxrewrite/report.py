@@ -32,6 +32,7 @@ class NearMiss:
     source: str
     at: str
     reason: str
+    module: str = ""  # the module the anchor is in (``meta.module_path``)
 
 
 @dataclasses.dataclass

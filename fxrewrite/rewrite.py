@@ -89,7 +89,8 @@ def apply_rules(
             if isinstance(found, Failure):
                 if found.progress >= near_miss_min:
                     at = found.at.name if found.at is not None else ""
-                    rule_misses[anchor] = NearMiss(rule.name, anchor.name, meta.source_line(anchor), at, found.reason)
+                    rule_misses[anchor] = NearMiss(rule.name, anchor.name, meta.source_line(anchor), at, found.reason,
+                                                     meta.module_path(anchor))
                 continue
             refusal = verify(found) if verify is not None else None
             if refusal is None:
@@ -307,7 +308,8 @@ def _apply_subgraph_rewriter(gm: fx.GraphModule, rule: Rule, result: PassResult,
             return True
         anchor = match.returning_nodes[0] if match.returning_nodes else None
         if anchor is not None:
-            result.near_misses.append(NearMiss(rule.name, anchor.name, meta.source_line(anchor), anchor.name, why))
+            result.near_misses.append(NearMiss(rule.name, anchor.name, meta.source_line(anchor), anchor.name, why,
+                                                        meta.module_path(anchor)))
         return False
 
     replaced = replace_pattern_with_filters(gm, cr.pattern, cr.replacement, match_filters=[guard])

@@ -153,7 +153,8 @@ def fuse_moe(gm: fx.GraphModule, site_filter: SiteFilter | None = None) -> PassR
                 result.rejected.append(Rejected(RULE, topk.name, meta.source_line(topk), refusal))
             break
         if miss is not None:
-            result.near_misses.append(NearMiss(RULE, topk.name, meta.source_line(topk), miss.at.name, miss.reason))
+            result.near_misses.append(NearMiss(RULE, topk.name, meta.source_line(topk), miss.at.name, miss.reason,
+                                                   meta.module_path(topk)))
     return result
 
 

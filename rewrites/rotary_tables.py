@@ -379,7 +379,8 @@ def fold_rotary_tables(gm: fx.GraphModule, max_positions: int = 32768) -> PassRe
         try:
             folder.fold(n)
         except _NotFoldable as e:
-            result.near_misses.append(NearMiss("rotary_embedding", n.name, meta.source_line(n), n.args[1].name, str(e)))
+            result.near_misses.append(NearMiss("rotary_embedding", n.name, meta.source_line(n), n.args[1].name, str(e),
+                                                        meta.module_path(n)))
             continue
         result.matches += 1
     pair_rotaries(gm, result)
