@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -53,14 +54,33 @@ import torch
 import torch.fx as fx
 
 TOKENS = 8
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 4, 2, 16, 256
-EXPERTS, TOP_K = 8, 2
 BF16_RATIO = 1.10  # the goal: fxrewrite's bf16 error at most this times eager bf16's
 MARK = "ROW "
 
-# Config fields, by name, and the value of each at the shrunk shape. Fields a config lacks are
-# not added. Names that several families share; a family-specific name is still a size.
-_SIZES: dict[str, int] = {
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The shrunk shape every family is built at (``hidden`` = ``heads * head_dim``)."""
+
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 256
+    experts: int = 8
+    top_k: int = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+TINY = Shape()
+
+
+def _sizes(shape: Shape) -> dict[str, int]:
+    """Config fields, by name, and the value of each at ``shape``. Fields a config lacks are not
+    added. Names that several families share; a family-specific name is still a size."""
+    HIDDEN, HEADS, HEAD_DIM, VOCAB, EXPERTS = shape.hidden, shape.heads, shape.head_dim, shape.vocab, shape.experts
+    return {
     "hidden_size": HIDDEN, "n_embd": HIDDEN, "d_model": HIDDEN, "dim": HIDDEN, "embed_dim": HIDDEN,
     "word_embed_proj_dim": HIDDEN, "hidden_dim": HIDDEN,
     "intermediate_size": 2 * HIDDEN, "ffn_hidden_size": 2 * HIDDEN, "n_inner": 2 * HIDDEN, "ffn_dim": 2 * HIDDEN,
@@ -79,7 +99,7 @@ _SIZES: dict[str, int] = {
     "mamba_dt_rank": 8, "time_step_rank": 8, "mamba_d_head": 16, "mamba_n_heads": 8, "mamba_head_dim": 16,
     "ssm_state_size": 16, "mamba_d_state": 16, "state_size": 16,
     "attention_chunk_size": 256, "sliding_window": 256, "attention_window_size": 256, "window_size": 256,
-}  # fmt: skip
+    }  # fmt: skip
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 _TOP_K = ("num_experts_per_tok", "moe_topk", "top_k", "moe_k", "num_experts_per_token")
@@ -127,20 +147,21 @@ def _is_index_list(v: Any, n: int) -> bool:
         and max(v) < n and (len(v) < n or list(v) == list(range(n)))  # fmt: skip
 
 
-def _shrink(cfg: Any) -> None:
-    """Shrink ``cfg`` in place (see the module docstring)."""
+def _shrink(cfg: Any, shape: Shape) -> None:
+    """Shrink ``cfg`` in place to ``shape`` (see the module docstring)."""
     d = vars(cfg)
     heads_before = d.get("num_attention_heads", d.get("n_head"))
-    for name, value in _SIZES.items():
+    VOCAB = shape.vocab
+    for name, value in _sizes(shape).items():
         if isinstance(d.get(name), int) and not isinstance(d.get(name), bool):
             setattr(cfg, name, value)
     for name in _KV_HEADS:
         v = d.get(name)
         if isinstance(v, int) and not isinstance(v, bool):
-            setattr(cfg, name, HEADS if v == heads_before else (1 if v == 1 else KV_HEADS))
+            setattr(cfg, name, shape.heads if v == heads_before else (1 if v == 1 else shape.kv_heads))
     for name in _TOP_K:
         if isinstance(d.get(name), int) and not isinstance(d.get(name), bool):
-            setattr(cfg, name, min(d[name], TOP_K))
+            setattr(cfg, name, min(d[name], shape.top_k))
     if isinstance(d.get("n_group"), int) and d["n_group"] > 1:  # group-limited routing: 4 groups, 2 picked
         cfg.n_group, cfg.topk_group = 4, min(2, d.get("topk_group") or 2)
     for name in _PERIODS:
@@ -172,21 +193,22 @@ def _shrink(cfg: Any) -> None:
         cfg.use_cache = False
 
 
-def shrunk_config(family: str) -> Any:
-    """The family's default config at the tiny shape (text sub-configs shrunk too)."""
+def shrunk_config(family: str, shape: Shape = TINY) -> Any:
+    """The family's default config at ``shape`` (text sub-configs shrunk too)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cfg = CONFIG_MAPPING[family]()
-    _shrink(cfg)
+    _shrink(cfg, shape)
     for sub in getattr(cfg, "sub_configs", {}) or {}:
         sc = getattr(cfg, sub, None)
         if sc is not None and hasattr(sc, "to_dict"):
-            _shrink(sc)
+            _shrink(sc, shape)
     return cfg
 
 
-def build(family: str, seed: int = 0) -> tuple[torch.nn.Module, str]:
-    """The family's causal LM at the tiny shape, float32, eval mode, and the attention it runs."""
+def build(family: str, shape: Shape = TINY, seed: int = 0) -> tuple[torch.nn.Module, str]:
+    """The family's causal LM at ``shape``, float32, eval mode, and the attention it runs
+    (SDPA where the family has it, else its eager attention)."""
     import transformers as tf
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -196,7 +218,7 @@ def build(family: str, seed: int = 0) -> tuple[torch.nn.Module, str]:
     cls = getattr(tf, cls_name)
     last: Exception | None = None
     for attn in ("sdpa", "eager"):
-        cfg = shrunk_config(family)
+        cfg = shrunk_config(family, shape)
         torch.manual_seed(seed)
         try:
             model = cls._from_config(cfg, attn_implementation=attn)
@@ -382,8 +404,8 @@ def run_family(family: str, dtypes: tuple[torch.dtype, ...]) -> dict[str, Any]:
     row["attention"] = attn
     row["params"] = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(1)
-    vocab = getattr(model.config, "vocab_size", None) or getattr(model.config.get_text_config(), "vocab_size", VOCAB)
-    ids = torch.randint(0, min(vocab, VOCAB), (1, TOKENS), generator=g)
+    vocab = getattr(model.config, "vocab_size", None) or getattr(model.config.get_text_config(), "vocab_size", TINY.vocab)
+    ids = torch.randint(0, min(vocab, TINY.vocab), (1, TOKENS), generator=g)
     try:
         with torch.no_grad():
             ref32 = _logits(model(ids))
