@@ -235,7 +235,8 @@ class Backend:
             if _on_cuda(gm) and (note := _prebuild()(graph_calls(gm, _prebuild().wants))):
                 graph_report.notes.append(note)
         else:
-            pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs), lint=self.config.lint)
+            pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs), lint=self.config.lint,
+                             strict=bool(self.config.strict))
             graph_report = pm.run(gm)
             if cached is not None:
                 cached.store(graph_report)
