@@ -121,6 +121,7 @@ class Anchors:
         self.by_target: dict[Any, list[fx.Node]] = {}
         for i, n in enumerate(graph.nodes):
             n.meta["_fxr_pos"] = i * 4
+        for n in meta.outside_transforms(graph):  # no anchor inside a vmapped body
             if n.op == "call_function":
                 self.by_target.setdefault(n.target, []).append(n)
         self.unsorted: set[Any] = set()

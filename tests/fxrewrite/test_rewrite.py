@@ -61,6 +61,26 @@ def test_dead_code_keeps_the_state_changes_dynamo_records_as_unread_calls() -> N
     assert any("_vmap_increment_nesting" in t for t in kept) and any("_vmap_decrement_nesting" in t for t in kept)
 
 
+def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def test_no_rule_matches_inside_a_vmapped_body() -> None:
+    """A fused op has no batching rule: an RMSNorm inside ``torch.vmap`` stays as traced, the
+    same norm outside it fuses (the twin)."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        inside = torch.vmap(lambda row: _rms(row, w))(x)
+        return inside + _rms(x, w)
+
+    backend = fxrewrite.Backend(progress=False)
+    x, w = torch.randn(4, 3, 16), torch.randn(16)
+    torch.testing.assert_close(backend.compile(f)(x, w), f(x, w))
+    assert backend.report.fused_ops() == {"rms_norm": 1}
+    assert not backend.report.rejected and not backend.report.near_misses  # the body was not tried
+
+
 def test_pure_calls_are_known_pure_and_unknown_functions_are_not() -> None:
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
