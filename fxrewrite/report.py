@@ -207,7 +207,8 @@ class Report:
             elif g.notes:
                 out.append(f"notes: {len(g.notes)} (not shown)")
             if g.runtime:
-                out.append("runtime: " + ", ".join(f"{k}={v}" for k, v in g.runtime.items()))
+                out.append("runtime: " + ", ".join(f"{k}={v}" for k, v in g.runtime.items() if k != "eager_pieces"))
+                out.extend(_eager_piece(p) for p in g.runtime.get("eager_pieces", ()))
         if self.providers:
             out.append("providers: " + json.dumps(self.providers, default=str))
         if self.verification_providers:
@@ -227,6 +228,12 @@ class Report:
             lines.append(f"cache miss: {c['misses']} graphs, stored {c['stored']}")
         lines += [f"cache: not stored ({n}x): {why}" for why, n in c["not_stored"].items()]
         return lines
+
+
+def _eager_piece(p: dict[str, Any]) -> str:
+    """A piece the CUDA-graph runner runs eagerly, as one line: where, why, at which sizes."""
+    sizes = "every size" if p["sizes"] == "all" else "sizes " + ", ".join(map(str, p["sizes"]))
+    return f"runs eagerly at {sizes}: {p['piece']}, {p['op']} at {p['source']}: {p['reason']}"
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:

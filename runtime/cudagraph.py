@@ -345,7 +345,10 @@ class Runner:
         except ShapeError as e:
             if self.strict:
                 raise
-            return self._eager(args, "shape_mismatch", str(e))
+            try:  # the graph's code may serve it (a token count below Dynamo's range, say)
+                return self._eager(args, "shape_mismatch", str(e))
+            except Exception as failed:  # noqa: BLE001 - it does not: say why, with the graph's error
+                raise e from failed
         size = d.select(n)
         if size is None:
             return self._eager(args, "beyond_max" if n > d.sizes[-1] else "not_captured")
