@@ -270,8 +270,12 @@ class CapturedPiece:
         try:
             outputs = self.fn(*static)
         except BaseException:
-            with contextlib.suppress(Exception):
+            try:
                 graph.capture_end()
+            except Exception:  # noqa: BLE001 - an invalidated capture (a sync): CUDA ended it, torch
+                # raised before telling its allocator, which would keep serving this stream from the pool
+                with contextlib.suppress(Exception):
+                    torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), runner._pool)
             _clear_cublas_workspaces()
             raise
         graph.capture_end()
