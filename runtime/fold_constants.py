@@ -220,8 +220,7 @@ def fold_constants(gm: fx.GraphModule) -> PassResult:
     for node in reversed(list(folded)):
         if not node.users:
             gm.graph.erase_node(node)
-    result = PassResult(matches=matches)
     if folded:
-        result.notes.append(f"fold_constants: {len(folded)} calls evaluated at compile time, read as "
-                            f"{len(folder.constants)} constants ({', '.join(sorted({op_name(n) for n in folded}))})")
-    return result
+        log.debug("fold_constants: %d calls evaluated at compile time, read as %d constants (%s)", len(folded),
+                  len(folder.constants), ", ".join(sorted({op_name(n) for n in folded})))
+    return PassResult(matches=matches)
