@@ -58,28 +58,38 @@ def test_gpt_oss_eager_mask_is_captured(mask: Any) -> None:
 
 
 @torch.library.custom_op("fxrtest::host_roundtrip", mutates_args=())
-def host_roundtrip(x: torch.Tensor) -> torch.Tensor:
-    return x.cpu().to(x.device) * 2  # a sync inside an op the hazard check cannot see into
+def host_roundtrip(x: torch.Tensor, sync: bool) -> torch.Tensor:
+    """What the hazard check cannot see into: torch refuses the pageable copy during capture (it
+    raises before CUDA sees it); CUDA refuses the sync (it invalidates the capture)."""
+    if sync:
+        torch.cuda.synchronize()
+        return x * 2
+    return x.cpu().to(x.device) * 2
 
 
 @host_roundtrip.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, sync: bool) -> torch.Tensor:
     return torch.empty_like(x)
 
 
 class Roundtrip(ToyAttention):
+    def __init__(self, sync: bool) -> None:
+        super().__init__()
+        self.sync = sync
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, h = x.shape
         for i, (qkv, o) in enumerate(zip(self.qkv, self.o)):
             q, k, v = qkv(x).view(t, 3, self.heads, h // self.heads).permute(1, 2, 0, 3).unbind(0)
             x = x + o(SDPA(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=True).transpose(0, 1).reshape(t, h))
             if i == 0:
-                x = torch.ops.fxrtest.host_roundtrip(x)
+                x = torch.ops.fxrtest.host_roundtrip(x, self.sync)
         return x
 
 
-def test_a_capture_cuda_refuses_is_contained_and_later_captures_work() -> None:
-    rec = record(seeded(Roundtrip, "cuda"), toy_inputs((8, 5, 16), "cuda"), dynamic=True)
+@pytest.mark.parametrize("sync", [False, True], ids=["pageable_copy", "sync"])
+def test_a_refused_capture_is_contained_and_later_captures_work(sync: bool) -> None:
+    rec = record(seeded(lambda: Roundtrip(sync), "cuda"), toy_inputs((8, 5, 16), "cuda"), dynamic=True)
     runner = runner_for(rec, mode="piecewise", strict_capture=False)
     for args in rec.calls:
         torch.testing.assert_close(runner(*args), rec.gm(*args), rtol=1e-4, atol=1e-4)
