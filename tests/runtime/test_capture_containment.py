@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from fxrewrite.config import Config
 from fxrewrite.runtime import pieces
 from fxrewrite.runtime.dispatch import ShapeError
 from fxrewrite.runtime.hazards import CaptureHazardError
@@ -208,3 +209,11 @@ def test_the_report_names_each_piece_run_eagerly(fragile_rec: Recorded) -> None:
     (line,) = [ln for ln in report.table().splitlines() if ln.startswith("runs eagerly")]
     assert line.startswith("runs eagerly at sizes 8, 4: submod_2, call_function fragile at File ")
     assert line.endswith(f"capture failed: RuntimeError: {REFUSAL}") and "fxrtest.fragile(x)" in line
+
+
+def test_strict_capture_follows_strict_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FXREWRITE_STRICT", raising=False)
+    assert not Config().resolved().strict_capture and Config(strict=True).resolved().strict_capture
+    assert not Config(strict=True, strict_capture=False).resolved().strict_capture
+    monkeypatch.setenv("FXREWRITE_STRICT", "1")  # what the suite sets (tests/conftest.py)
+    assert Config().resolved().strict_capture and not Config(strict_capture=False).resolved().strict_capture
