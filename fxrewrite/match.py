@@ -220,6 +220,8 @@ class _Walker:
             if why is not None:
                 self.fail(st, f"{name}: {why}", g if isinstance(g, fx.Node) else where and where[0])
                 return
+        elif g is None and name in self.rule.optional:
+            pass  # an absent optional tensor (a LayerNorm without weight or bias)
         elif not isinstance(g, fx.Node):
             self.fail(st, f"{_arg(where)}{name}: expected a tensor, found literal {g!r}", where and where[0])
             return

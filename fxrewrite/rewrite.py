@@ -80,14 +80,15 @@ def apply_rules(
             continue
         cr = rule.compiled
         index = index or Anchors(gm.graph)
-        prune = _shallow_progress(cr.anchor) / max(cr.op_count, 1) < near_miss_min  # pruned: no near miss
+        least = near_miss_min if rule.near_miss_min is None else rule.near_miss_min
+        prune = _shallow_progress(cr.anchor) / max(cr.op_count, 1) < least  # pruned: no near miss
         rule_misses: dict[fx.Node, NearMiss] = {}
         for anchor in index.get(cr.anchor_targets):
             if anchor in erased or (prune and not _may_match(cr.anchor, anchor)):
                 continue
             found = match_at(rule, anchor)
             if isinstance(found, Failure):
-                if found.progress >= near_miss_min:
+                if found.progress >= least:
                     at = found.at.name if found.at is not None else ""
                     rule_misses[anchor] = NearMiss(rule.name, anchor.name, meta.source_line(anchor), at, found.reason,
                                                      meta.module_path(anchor))
@@ -99,7 +100,9 @@ def apply_rules(
                 result.rejected.append(Rejected(rule.name, anchor.name, meta.source_line(anchor), refusal))
         # One site, one miss: an attempt at a node whose consumer is an anchor that nearly matched
         # too (a pattern ending in a cast tried with and without the cast) is part of that one.
-        misses += [(a, miss) for a, miss in rule_misses.items() if not any(u in rule_misses for u in a.users)]
+        # A rule listed twice in a pass (a step that must run before and after another) misses once.
+        misses += [(a, miss) for a, miss in rule_misses.items()
+                   if not any(u in rule_misses for u in a.users) and (a, miss) not in misses]
     # A site another rule of this pass fused is no miss (Gemma's norm pattern nearly matches a
     # plain norm that the plain rule then takes).
     result.near_misses += [miss for anchor, miss in misses if anchor not in erased]

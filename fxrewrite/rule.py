@@ -144,6 +144,14 @@ class Rule:
     requires:    call targets of which the graph must hold at least one for the rule to be tried
                  at all; otherwise it is skipped without near misses (an all-reduce rule on a
                  graph with no collective: every add + norm would "nearly" match it).
+    optional:    tensor arguments that may also bind a literal ``None`` (an absent weight or
+                 bias: ``F.layer_norm(x, shape, None, None, eps)``); guards see ``b[name] is None``
+                 and the replacement gets ``None``.
+    near_miss_min: this rule's own threshold for reporting a failed match (default: the
+                 config's). A rule that extends an op another rule fused (a residual add or a
+                 weight taken into a fused norm) sets 1.0: only a complete match that a check
+                 refused (guard, containment, order) is a near miss there, not every fused norm
+                 without an add before it.
     """
 
     name: str
@@ -154,6 +162,8 @@ class Rule:
     inplace: InPlace | None = None
     via: Literal["walk", "subgraph_rewriter"] = "walk"
     requires: tuple[Any, ...] = ()
+    optional: tuple[str, ...] = ()
+    near_miss_min: float | None = None
 
     def __repr__(self) -> str:
         return f"Rule({self.name!r})"
@@ -207,6 +217,9 @@ class CompiledRule:
         unknown = set(rule.scalars) - set(params)
         if unknown:
             raise RuleError(f"rule {rule.name!r}: scalars {sorted(unknown)} are not pattern arguments")
+        bad = set(rule.optional) - (set(params) - set(rule.scalars))
+        if bad:
+            raise RuleError(f"rule {rule.name!r}: optional {sorted(bad)} are not tensor arguments of the pattern")
         pattern = trace(rule.name, "pattern", rule.pattern, rule.scalars)
         outputs = output_nodes(pattern)
         anchor = outputs[0]
