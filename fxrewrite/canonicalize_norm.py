@@ -10,7 +10,7 @@ targets in :data:`NORMALIZERS` (the same ``_Canon`` helpers: ``set`` binds the s
 
 * ``F.layer_norm`` / ``torch.layer_norm``, positional or keyword arguments (``nn.LayerNorm`` as
   Dynamo records it is ``F.layer_norm``) -> ``aten.layer_norm.default`` with every argument
-  spelled out: the normalized shape a list, absent weight and bias ``None``, ``cudnn_enable``
+  spelled out: the normalized shape a list (``torch.Size([s0])`` of a symbolic size unwrapped), absent weight and bias ``None``, ``cudnn_enable``
   True (it changes nothing but which kernel ATen picks on some devices);
 * ``x.var(...)`` / ``torch.var(...)`` over dims -> ``aten.var.correction`` with the correction
   spelled out: ``unbiased=False`` and ``correction=0`` are one form, ``unbiased=True`` and the
@@ -45,6 +45,8 @@ def layer_norm(canon: Any, node: fx.Node) -> None:
     if "input" not in args or "normalized_shape" not in args:
         return None
     shape = args["normalized_shape"]
+    if isinstance(shape, fx.Node) and shape.target is torch.Size and len(shape.args) == 1 and not shape.kwargs:
+        shape = shape.args[0]  # x.shape[-1:] under dynamic shapes: torch.Size([s0]) of a symbolic size
     if isinstance(shape, int):
         shape = [shape]
     elif isinstance(shape, (list, tuple)):

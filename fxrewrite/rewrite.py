@@ -270,6 +270,7 @@ def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, eras
         if not n.users:
             graph.erase_node(n)
             erased.add(n)
+    _erase_unread_inputs(graph, m.bindings.values(), erased)
     result.matches += 1
     node = next((n for n in reversed(new) if n.op == "call_function" and n.target is not getattr), m.anchor)
     result.sites.append(
@@ -277,6 +278,27 @@ def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, eras
              note="" if inplace or m.rule.inplace is None else f"functional: {blocker}")  # fmt: skip
     )
     return None
+
+
+def _erase_unread_inputs(graph: fx.Graph, bound: Iterable[Any], erased: set[fx.Node]) -> None:
+    """Remove what only the match read and its replacement does not (the ``size`` call that gave
+    ``F.layer_norm`` its normalized shape), and what only that read: left in place until the
+    pass's cleanup, it would be a reader of values a later rule of the pass replaces."""
+    stack = [n for v in bound for n in _nodes(v)]
+    while stack:
+        n = stack.pop()
+        if n in erased or n.users or n.op not in ("call_function", "call_method") or meta.is_impure(n):
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        erased.add(n)
+        stack += inputs
+
+
+def _nodes(v: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(v, found.append)
+    return found
 
 
 def _meta_mismatch(olds: list[fx.Node], outs: list[Any]) -> str | None:

@@ -30,18 +30,20 @@ is an RMSNorm of the centered input, which they would otherwise take.
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
+from fxrewrite import meta
 from fxrewrite.meta import dim_key, same_sizes
 from fxrewrite.rewrites.norm import DTYPE, EPS
-from fxrewrite.rule import Bindings, InPlace, Rule, Scalar
+from fxrewrite.rule import COMPLETE, NOT_A_SITE, Bindings, InPlace, Rule, Scalar
 from fxrewrite.runtime.ops.layernorm import out_dtype
 
 HALF = (torch.bfloat16, torch.float16)
 CAST_LAST = Scalar(bool)
 AFFINE = ("weight", "bias")  # optional: absent as None
 # A step that extends the op an earlier step fused reports only complete matches a check refused.
-EXTENDS = 1.0
+EXTENDS = COMPLETE
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -49,10 +51,13 @@ def _short(dtype: torch.dtype) -> str:
 
 
 def _vector(b: Bindings, name: str, x: torch.Tensor) -> str | None:
-    """None when ``b[name]`` is absent or a floating ``[hidden]`` vector of ``x``'s last dim."""
+    """None when ``b[name]`` is absent or a floating ``[hidden]`` vector of ``x``'s last dim;
+    :data:`NOT_A_SITE` for an operand of ``x``'s own shape (a gate, the next residual add)."""
     t = b[name]
     if t is None:
         return None
+    if t.dim() > 1 and same_sizes(t, x):
+        return NOT_A_SITE
     if not t.dtype.is_floating_point:
         return f"{name} dtype {_short(t.dtype)} is not floating point"
     if t.dim() != 1 or dim_key(t.shape[0]) != dim_key(x.shape[-1]):
@@ -83,10 +88,13 @@ def layer_norm_guard(b: Bindings) -> bool | str:
     x, shape = b["x"], b["shape"]
     if not x.dtype.is_floating_point:
         return f"input dtype {_short(x.dtype)} is not floating point"
-    if not isinstance(shape, (list, tuple, torch.Size)) or len(shape) != 1:
-        return f"normalizes over {len(shape) if isinstance(shape, (list, tuple, torch.Size)) else '?'} dims {shape}: the op normalizes the last"
-    if dim_key(shape[0]) != dim_key(x.shape[-1]):
-        return f"normalized shape {list(shape)} != last dim {x.shape[-1]}"
+    if not isinstance(shape, (list, tuple)):
+        return f"normalized shape `{getattr(shape, 'name', shape)}` is not a list of sizes"
+    sizes = [meta.value(d) if isinstance(d, fx.Node) else d for d in shape]  # symbolic sizes are nodes
+    if len(sizes) != 1:
+        return f"normalizes over {len(sizes)} dims {sizes}: the op normalizes the last"
+    if dim_key(sizes[0]) != dim_key(x.shape[-1]):
+        return f"normalized shape {sizes} != last dim {x.shape[-1]}"
     return _affine(b) or True
 
 
