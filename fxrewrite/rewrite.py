@@ -100,9 +100,7 @@ def apply_rules(
                 result.rejected.append(Rejected(rule.name, anchor.name, meta.source_line(anchor), refusal))
         # One site, one miss: an attempt at a node whose consumer is an anchor that nearly matched
         # too (a pattern ending in a cast tried with and without the cast) is part of that one.
-        # A rule listed twice in a pass (a step that must run before and after another) misses once.
-        misses += [(a, miss) for a, miss in rule_misses.items()
-                   if not any(u in rule_misses for u in a.users) and (a, miss) not in misses]
+        misses += [(a, miss) for a, miss in rule_misses.items() if not any(u in rule_misses for u in a.users)]
     # A site another rule of this pass fused is no miss (Gemma's norm pattern nearly matches a
     # plain norm that the plain rule then takes).
     result.near_misses += [miss for anchor, miss in misses if anchor not in erased]

@@ -36,7 +36,7 @@ import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite import meta
 from fxrewrite.meta import dim_key, same_sizes
 from fxrewrite.rewrites.norm import DTYPE, EPS
-from fxrewrite.rule import COMPLETE, NOT_A_SITE, Bindings, InPlace, Rule, Scalar
+from fxrewrite.rule import COMPLETE, NOT_A_SITE, Bindings, InPlace, Rule, Scalar, all_of
 from fxrewrite.runtime.ops.layernorm import out_dtype
 
 HALF = (torch.bfloat16, torch.float16)
@@ -133,6 +133,21 @@ def written_guard(b: Bindings) -> bool | str:
 # -- steps over the fused op ---------------------------------------------------------------------
 
 
+def wide(b: Bindings) -> bool | str:
+    """The norm computed in float32 (or float64): a weight or bias step before the cast back.
+    Its twin after the cast (``*_rounded``) takes the half inputs: each site is one rule's."""
+    return True if b["x"].dtype not in HALF else NOT_A_SITE
+
+
+def rounded(b: Bindings) -> bool | str:
+    """The norm rounded to a half dtype: the step after the cast back."""
+    return True if b["x"].dtype in HALF else NOT_A_SITE
+
+
+def affine_guard(b: Bindings) -> bool | str:
+    return _affine(b) or True
+
+
 # fxr.layer_norm(x, None, None, eps) * weight -> fxr.layer_norm(x, weight, None, eps, False): rounded
 # to x's dtype (a no-op in float32), then scaled, as the graph computes it
 def weight_pattern(x, weight, eps, cast_last):
@@ -152,12 +167,12 @@ def bias_replacement(x, weight, bias, eps):
     return torch.ops.fxr.layer_norm(x, weight, bias, eps, False)
 
 
-def bias_guard(b: Bindings) -> bool | str:
-    """A ``[hidden]`` bias; not after a weight applied before the rounding to a half dtype (the
-    op rounds once after both, or before both)."""
-    if b["cast_last"] and b["weight"] is not None and b["x"].dtype in HALF:
+def rounded_bias_guard(b: Bindings) -> bool | str:
+    """Not after a weight applied before the rounding to the half dtype (the op rounds once
+    after both, or before both)."""
+    if b["cast_last"] and b["weight"] is not None:
         return f"scaled in float32 before the rounding to {_short(b['x'].dtype)}, shifted after it"
-    return _affine(b) or True
+    return True
 
 
 # fxr.layer_norm(x.float(), weight?, bias?, eps).to(x.dtype) -> fxr.layer_norm(x, weight, bias, eps):
@@ -218,10 +233,15 @@ LAYER_NORM_MEAN_SQ = Rule("layer_norm_mean_sq", mean_sq_pattern, written_replace
 LAYER_NORM_MEAN_SQ_ONCE = Rule("layer_norm_mean_sq_once", mean_sq_once_pattern, written_replacement, written_guard,
                                WRITTEN)  # fmt: skip
 LAYER_NORM_VAR = Rule("layer_norm_var", var_pattern, written_replacement, written_guard, WRITTEN)
-LAYER_NORM_WEIGHT = Rule("layer_norm_weight", weight_pattern, weight_replacement, _affine, OVER_OP,
+LAYER_NORM_WEIGHT = Rule("layer_norm_weight", weight_pattern, weight_replacement, all_of(wide, affine_guard), OVER_OP,
                          near_miss_min=EXTENDS)  # fmt: skip
-LAYER_NORM_BIAS = Rule("layer_norm_bias", bias_pattern, bias_replacement, bias_guard, OVER_OP, optional=("weight",),
-                       near_miss_min=EXTENDS)  # fmt: skip
+LAYER_NORM_BIAS = Rule("layer_norm_bias", bias_pattern, bias_replacement, all_of(wide, affine_guard), OVER_OP,
+                       optional=("weight",), near_miss_min=EXTENDS)  # fmt: skip
+LAYER_NORM_WEIGHT_ROUNDED = Rule("layer_norm_weight_rounded", weight_pattern, weight_replacement,
+                                 all_of(rounded, affine_guard), OVER_OP, near_miss_min=EXTENDS)  # fmt: skip
+LAYER_NORM_BIAS_ROUNDED = Rule("layer_norm_bias_rounded", bias_pattern, bias_replacement,
+                               all_of(rounded, rounded_bias_guard, affine_guard), OVER_OP, optional=("weight",),
+                               near_miss_min=EXTENDS)  # fmt: skip
 # No near misses at all: in float32 every site matches with both casts elided, and the guard
 # turns it down; where it turns a half site down, the norm is fused and one cast is left.
 LAYER_NORM_CAST = Rule("layer_norm_cast", cast_pattern, cast_replacement, cast_guard, {**OVER_OP, "dtype": DTYPE},
@@ -231,11 +251,11 @@ ADD_LAYER_NORM = Rule(
     inplace=InPlace(add_layer_norm_inplace, ("x", "residual")), optional=AFFINE, near_miss_min=EXTENDS,
 )  # fmt: skip
 
-# Weight and bias are taken in before the cast (Cohere scales in float32, then rounds) and again
-# after it (DeBERTa rounds, then scales): the same rules twice. The add last: it extends the op
-# whatever the steps before made of it.
+# Weight and bias are taken in before the cast back (Cohere scales in float32, then rounds) and
+# after it (DeBERTa rounds, then scales): one pair of steps each side of the cast. The add last:
+# it extends the op whatever the steps before made of it.
 RULES: list[Rule] = [
     LAYER_NORM, LAYER_NORM_MEAN_SQ, LAYER_NORM_MEAN_SQ_ONCE, LAYER_NORM_VAR,
-    LAYER_NORM_WEIGHT, LAYER_NORM_BIAS, LAYER_NORM_CAST, LAYER_NORM_WEIGHT, LAYER_NORM_BIAS,
+    LAYER_NORM_WEIGHT, LAYER_NORM_BIAS, LAYER_NORM_CAST, LAYER_NORM_WEIGHT_ROUNDED, LAYER_NORM_BIAS_ROUNDED,
     ADD_LAYER_NORM,
 ]  # fmt: skip

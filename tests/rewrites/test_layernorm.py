@@ -157,11 +157,11 @@ WRITTEN = {
     # spelling: (rules of the sites in float32, in bf16)
     "cohere": (["layer_norm_mean_sq", "layer_norm_weight"], ["layer_norm_mean_sq", "layer_norm_weight", "layer_norm_cast"]),
     "deberta": (["layer_norm_mean_sq", "layer_norm_weight", "layer_norm_bias"],
-                ["layer_norm_mean_sq", "layer_norm_cast", "layer_norm_weight", "layer_norm_bias"]),
+                ["layer_norm_mean_sq", "layer_norm_cast", "layer_norm_weight_rounded", "layer_norm_bias_rounded"]),
     "deviation-once": (["layer_norm_mean_sq_once", "layer_norm_weight", "layer_norm_bias"],
                        ["layer_norm_mean_sq_once", "layer_norm_weight", "layer_norm_bias", "layer_norm_cast"]),
     "var-unbiased-false": (["layer_norm_var", "layer_norm_weight", "layer_norm_bias"],
-                           ["layer_norm_var", "layer_norm_cast", "layer_norm_weight", "layer_norm_bias"]),
+                           ["layer_norm_var", "layer_norm_cast", "layer_norm_weight_rounded", "layer_norm_bias_rounded"]),
 }  # fmt: skip
 
 
@@ -262,7 +262,8 @@ def test_weight_applied_before_the_rounding_and_bias_after_is_not_one_op() -> No
 
     args = torch.randn(3, N, dtype=BF16), torch.randn(N, dtype=BF16), torch.randn(N, dtype=BF16)
     r = check(odd, *args, expect={"layer_norm": 1})
-    assert reasons(r, "layer_norm_bias") == ["guard: scaled in float32 before the rounding to bfloat16, shifted after it"]
+    assert reasons(r, "layer_norm_bias_rounded") == [
+        "guard: scaled in float32 before the rounding to bfloat16, shifted after it"]
     assert r.counts()["aten.add"] == 1
 
 
@@ -418,8 +419,8 @@ def test_add_of_another_dtype_is_not_fused() -> None:
 def test_rule_order_and_place_in_the_pipeline() -> None:
     L = layernorm
     assert L.RULES == [L.LAYER_NORM, L.LAYER_NORM_MEAN_SQ, L.LAYER_NORM_MEAN_SQ_ONCE, L.LAYER_NORM_VAR,
-                       L.LAYER_NORM_WEIGHT, L.LAYER_NORM_BIAS, L.LAYER_NORM_CAST, L.LAYER_NORM_WEIGHT,
-                       L.LAYER_NORM_BIAS, L.ADD_LAYER_NORM]  # fmt: skip
+                       L.LAYER_NORM_WEIGHT, L.LAYER_NORM_BIAS, L.LAYER_NORM_CAST, L.LAYER_NORM_WEIGHT_ROUNDED,
+                       L.LAYER_NORM_BIAS_ROUNDED, L.ADD_LAYER_NORM]  # fmt: skip
     (group,) = [s for s in PIPELINE if getattr(s, "name", None) == "fuse_norm"]
     assert list(group.rules) == L.RULES + norm.RULES  # before RMSNorm: it would take the second half
     assert L.ADD_LAYER_NORM.inplace is not None and L.ADD_LAYER_NORM.inplace.overwrites == ("x", "residual")
