@@ -26,9 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fxrewrite.runtime import constraints
 from fxrewrite.runtime.ops.layernorm import out_dtype
-from fxrewrite.runtime.triton_kernels import _device_of, _row_offsets, _rows_per_program, _warps
+from fxrewrite.runtime.triton_kernels import _device_of, _row_offsets, rows_launch
 
 
 @triton.jit
@@ -74,20 +73,14 @@ def _launch(x: Tensor, residual: Tensor | None, total: Tensor | None, weight: Te
             eps: float, cast_last: bool, out: Tensor) -> None:  # fmt: skip
     """``_layer_norm_kernel`` over ``x``'s rows; ``total`` gets the sum when ``residual`` is given
     (``residual`` itself, in place)."""
-    n = x.shape[-1]
     tensors = (x, residual if residual is not None else x, total if total is not None else x, out)
-    layout = constraints.leading_dims(*tensors)
-    assert layout is not None, "the op module's check lets only such layouts through"
-    (_, d1, d2), strides = layout
-    n_rows = x.numel() // n
-    block = triton.next_power_of_2(n)
-    per = _rows_per_program(block)
+    r = rows_launch(*tensors)
     with _device_of(x):
-        _layer_norm_kernel[(triton.cdiv(n_rows, per),)](
+        _layer_norm_kernel[r.grid](
             x, tensors[1], weight if weight is not None else x, bias if bias is not None else x, out, tensors[2],
-            n_rows, n, eps, d1, d2, *strides[0], *strides[1], *strides[2], *strides[3],
-            BLOCK=block, ROWS=per, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None, CAST_LAST=cast_last, num_warps=_warps(block * per),
+            r.n_rows, r.n, eps, r.d1, r.d2, *r.strides,
+            BLOCK=r.block, ROWS=r.rows, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, CAST_LAST=cast_last, num_warps=r.warps,
         )  # fmt: skip
 
 

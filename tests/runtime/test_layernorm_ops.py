@@ -34,10 +34,11 @@ def affine(gen: torch.Generator, kind: str, n: int, dtype: torch.dtype) -> tuple
 
 
 def one_step(got: torch.Tensor, want: torch.Tensor, share: float = 0.01) -> None:
-    """Equal dtype and shape, values within one rounding step of the dtype, and in half dtypes at
-    most ``share`` of them off at all (the row sums run in another order than torch's)."""
+    """Equal dtype and shape, values within one rounding step of a half dtype (float32: the
+    last digits the order of the row sums moves), and in half dtypes at most ``share`` of them
+    off at all (the row sums run in another order than torch's)."""
     assert got.dtype == want.dtype and got.shape == want.shape
-    step = torch.finfo(got.dtype).eps
+    step = torch.finfo(got.dtype).eps if got.dtype != F32 else 1e-5
     torch.testing.assert_close(got, want, rtol=step, atol=step)
     if got.dtype != F32:
         assert (got != want).float().mean() <= share
@@ -78,10 +79,11 @@ def test_rounded_first_is_the_code_that_casts_before_the_weight(gen: torch.Gener
     x = rand(gen, 5, 64, dtype=dtype)
     w, b = affine(gen, kind, 64, dtype)
     h = x.float()
-    y = ((h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.var(-1, keepdim=True, unbiased=False) + EPS)).to(dtype)
+    d = h - h.mean(-1, keepdim=True)
+    y = (d * torch.rsqrt(d.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype)
     y = y * w if w is not None else y
     y = y + b if b is not None else y
-    torch.testing.assert_close(torch.ops.fxr.layer_norm(x, w, b, EPS, False), y, rtol=0, atol=2e-7)
+    torch.testing.assert_close(torch.ops.fxr.layer_norm(x, w, b, EPS, False), y, rtol=0, atol=0)
 
 
 def test_rounded_first_promotes_as_torch_does(gen: torch.Generator) -> None:
