@@ -2,7 +2,7 @@
 
     python bench/bench_ops.py [--out bench/ops.md] [--tokens 1,8,64,512,4096] [--hidden 4096]
                               [--mlp-hidden 4096] [--ops rms_norm,silu_and_mul] [--provider SPEC]
-                              [--no-compare]
+                              [--no-compare] [--norm-affine-dtype float32]
 
 For each ``fxr`` op and token count T (hidden 4096; the gated activations take [T, 2 * 4096]
 and give [T, 4096], i.e. d = hidden, change with --mlp-hidden, e.g. 14336 for Llama-3-8B):
@@ -96,20 +96,25 @@ def is_activation(op: OpDef) -> bool:
     return not {"weight", "w"} & set(inspect.signature(op.reference).parameters)
 
 
-def make_args(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, dtype: torch.dtype = DTYPE) -> list[Any]:
-    """Fresh random arguments for ``op``; ``x`` is [T, 2 * mlp_hidden] for gated activations."""
+def make_args(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, dtype: torch.dtype = DTYPE,
+              norm_affine: torch.dtype | None = None) -> list[Any]:  # fmt: skip
+    """Fresh random arguments for ``op``; ``x`` is [T, 2 * mlp_hidden] for gated activations; a
+    norm's weight and bias of ``norm_affine`` (default: ``dtype``: flashinfer's LayerNorm takes
+    float32 ones only); other arguments at their defaults."""
     width = 2 * mlp_hidden if is_activation(op) else hidden
+    params = inspect.signature(op.reference).parameters
+    affine = norm_affine if norm_affine is not None and "eps" in params else dtype
     values: dict[str, Callable[[], Any]] = {
         "x": lambda: torch.randn(tokens, width, device="cuda", dtype=dtype),
         "residual": lambda: torch.randn(tokens, width, device="cuda", dtype=dtype),
-        "weight": lambda: (torch.rand(hidden, device="cuda") + 0.5).to(dtype),
+        "weight": lambda: (torch.rand(hidden, device="cuda") + 0.5).to(affine),
         "w": lambda: (torch.randn(hidden, hidden, device="cuda") * hidden**-0.5).to(dtype),  # fxr.linear
-        "bias": lambda: torch.randn(hidden, device="cuda").to(dtype),
+        "bias": lambda: torch.randn(hidden, device="cuda").to(affine),
         "eps": lambda: EPS,
         "scale": lambda: torch.tensor([0.02], device="cuda"),
         "approximate": lambda: "none",
     }
-    return [values[name]() for name in inspect.signature(op.reference).parameters]
+    return [values[name]() if name in values else p.default for name, p in params.items()]
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
@@ -135,9 +140,9 @@ def bytes_moved(op: OpDef, args: Sequence[Any]) -> int:
 # --------------------------------------------------------------------------- check
 
 
-def check(op: OpDef, tokens: int, hidden: int, mlp_hidden: int) -> tuple[str, str]:
+def check(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, norm_affine: torch.dtype | None = None) -> tuple[str, str]:
     """(provider that served, "ok" or what differs) on fresh inputs vs the float32 reference."""
-    args = make_args(op, tokens, hidden, mlp_hidden)
+    args = make_args(op, tokens, hidden, mlp_hidden, norm_affine=norm_affine)
     ref_args = [a.float() if isinstance(a, torch.Tensor) and a.dtype == DTYPE else a for a in args]
     providers.reset_counts()
     got = outputs(op, getattr(torch.ops.fxr, op.name)(*args), args)
@@ -212,22 +217,23 @@ def kernel_providers(op: OpDef) -> list[str]:
 
 
 def bench_op(
-    op: OpDef, tokens: int, hidden: int, mlp_hidden: int, bandwidth: float, compare: Sequence[str], spec: str | None
+    op: OpDef, tokens: int, hidden: int, mlp_hidden: int, bandwidth: float, compare: Sequence[str], spec: str | None,
+    norm_affine: torch.dtype | None = None,
 ) -> Row:
     """The op as configured (``spec``), then with each of ``compare`` forced, on the same inputs."""
-    provider, verdict = check(op, tokens, hidden, mlp_hidden)
-    first = make_args(op, tokens, hidden, mlp_hidden)
+    provider, verdict = check(op, tokens, hidden, mlp_hidden, norm_affine)
+    first = make_args(op, tokens, hidden, mlp_hidden, norm_affine=norm_affine)
     moved = bytes_moved(op, first)
     calls = calls_for(tokens)
     n_sets = max(1, min(calls, math.ceil(2 * l2_bytes() / moved)))
-    arg_sets = [first] + [make_args(op, tokens, hidden, mlp_hidden) for _ in range(n_sets - 1)]
+    arg_sets = [first] + [make_args(op, tokens, hidden, mlp_hidden, norm_affine=norm_affine) for _ in range(n_sets - 1)]
     fn = getattr(torch.ops.fxr, op.name)
     fused = graph_time_us(fn, arg_sets, calls)
     unfused = graph_time_us(functional_twin(op).reference, arg_sets, calls)
     row = Row(op.name, tokens, provider, verdict, fused, unfused, moved, moved / bandwidth * 1e6)
     for name in compare:
         providers.configure(f"{op.name}={name}")
-        served, forced_verdict = check(op, tokens, hidden, mlp_hidden)
+        served, forced_verdict = check(op, tokens, hidden, mlp_hidden, norm_affine)
         row.forced[name] = Forced(served, forced_verdict, graph_time_us(fn, arg_sets, calls))
     providers.configure(spec)
     del arg_sets, first
@@ -297,6 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mlp-hidden", type=int, default=4096, help="d of the gated activations: x is [T, 2d]")
     parser.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     parser.add_argument("--provider", default=None, help="override, as FXREWRITE_PROVIDER")
+    parser.add_argument("--norm-affine-dtype", default=None, choices=["float32", "bfloat16"],
+                        help="dtype of the norms' weight and bias (default: the input's); flashinfer's LayerNorm "
+                             "serves float32 ones only")  # fmt: skip
     parser.add_argument(
         "--compare",
         action=argparse.BooleanOptionalAction,
@@ -317,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         compare = kernel_providers(op) if args.compare else []
         compare = compare if len(compare) > 1 else []
         for tokens in token_counts:
-            rows.append(bench_op(op, tokens, args.hidden, args.mlp_hidden, bandwidth, compare, args.provider))
+            affine = getattr(torch, args.norm_affine_dtype) if args.norm_affine_dtype else None
+            rows.append(bench_op(op, tokens, args.hidden, args.mlp_hidden, bandwidth, compare, args.provider, affine))
             forced = ", ".join(f"{p} {f.fused_us:.2f} {f.check}" for p, f in rows[-1].forced.items())
             line = " | ".join(rows[-1].cells()) + (f" | forced: {forced}" if forced else "")
             print(line, file=sys.stderr, flush=True)

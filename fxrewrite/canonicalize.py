@@ -38,6 +38,8 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
 * ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed; ``cat``
   drops operands empty along its dim (and a ``cat`` of one operand is that operand);
   ``permute`` of a ``transpose`` / ``permute`` becomes one permute, and the identity is removed;
+* ``F.layer_norm`` / ``torch.layer_norm`` -> ``aten.layer_norm`` and ``var`` -> ``aten.var.correction``,
+  every argument bound: :mod:`fxrewrite.canonicalize_norm`;
 * a call of an op packet with one overload -> that overload, arguments bound: Dynamo records
   ``torch.ops._c10d_functional.all_reduce(x, 'sum', '0')`` (the packet) for a functional
   collective, patterns trace to ``.default``.
@@ -60,6 +62,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxrewrite import meta
+from fxrewrite.canonicalize_norm import NORMALIZERS
 
 A = torch.ops.aten
 CAST = torch.ops.prims.convert_element_type.default
@@ -255,6 +258,8 @@ class _Canon:
                 self.set(node, node.target.default, node.args, node.kwargs)
             return None
         key = _key(node)
+        if key in NORMALIZERS:
+            return NORMALIZERS[key](self, node)
         if node.op == "call_method" and node.target in _DTYPE_METHODS:
             return self.cast(node, node.args[0], _DTYPE_METHODS[node.target])
         if key in (("call_method", "to"), ("call_method", "type"), ("call_method", "type_as")):

@@ -274,7 +274,7 @@ def rule_fingerprint(rule: Rule) -> list[Any]:
     if rule.inplace is not None:
         inplace = [cr.inplace.code, list(rule.inplace.overwrites)]
     fp = [rule.name, rule.via, cr.pattern.code, cr.replacement.code, inplace, callable_fingerprint(rule.guard),
-          scalars, [target_ref(t) for t in rule.requires]]  # fmt: skip
+          scalars, [target_ref(t) for t in rule.requires], list(rule.optional), rule.near_miss_min]  # fmt: skip
     _RULES[id(rule)] = (rule, fp)
     return fp
 

@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from fxrewrite import meta
 from fxrewrite.canonicalize import ADD, CAST, COMMUTATIVE, DIV, MAX, MUL, SUB
-from fxrewrite.rule import Bindings, Rule, Scalar
+from fxrewrite.rule import COMPLETE, NOT_A_SITE, Bindings, Rule, Scalar
 
 ARITHMETIC = frozenset({ADD, SUB, MUL, DIV})
 
@@ -222,6 +222,8 @@ class _Walker:
             if why is not None:
                 self.fail(st, f"{name}: {why}", g if isinstance(g, fx.Node) else where and where[0])
                 return
+        elif g is None and name in self.rule.optional:
+            pass  # an absent optional tensor (a LayerNorm without weight or bias)
         elif not isinstance(g, fx.Node):
             self.fail(st, f"{_arg(where)}{name}: expected a tensor, found literal {g!r}", where and where[0])
             return
@@ -331,9 +333,11 @@ def match_at(rule: Rule, anchor: fx.Node) -> Match | Failure:
         why, at = _check(m)
         if why is None:
             return m
-        if w.best is None or w.best.progress <= 1.0:
+        if why is NOT_A_SITE:
+            continue  # the guard says these values are not the rule's business: no near miss
+        if w.best is None or w.best.progress < COMPLETE:
             # a complete structure that failed a check is the nearest miss there is
-            w.best = Failure(why, at, 1.01)
+            w.best = Failure(why, at, COMPLETE)
     return w.best or Failure("no structural match", anchor, 0.0)
 
 

@@ -81,7 +81,8 @@ def apply_rules(
             continue
         cr = rule.compiled
         index = index or Anchors(gm.graph)
-        prune = _shallow_progress(cr.anchor) / max(cr.op_count, 1) < near_miss_min  # pruned: no near miss
+        least = near_miss_min if rule.near_miss_min is None else rule.near_miss_min
+        prune = _shallow_progress(cr.anchor) / max(cr.op_count, 1) < least  # pruned: no near miss
         rule_misses: dict[fx.Node, NearMiss] = {}
         for anchor in index.get(cr.anchor_targets):
             if anchor in erased or (prune and not _may_match(cr.anchor, anchor)):
@@ -89,7 +90,7 @@ def apply_rules(
             try:
                 found = match_at(rule, anchor)
                 if isinstance(found, Failure):
-                    if found.progress >= near_miss_min:
+                    if found.progress >= least:
                         at = found.at.name if found.at is not None else ""
                         rule_misses[anchor] = NearMiss(rule.name, anchor.name, meta.source_line(anchor), at,
                                                        found.reason, meta.module_path(anchor))  # fmt: skip
@@ -273,6 +274,7 @@ def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, eras
         if not n.users:
             graph.erase_node(n)
             erased.add(n)
+    _erase_unread_inputs(graph, m.bindings.values(), erased)
     result.matches += 1
     node = next((n for n in reversed(new) if n.op == "call_function" and n.target is not getattr), m.anchor)
     result.sites.append(
@@ -280,6 +282,27 @@ def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, eras
              note="" if inplace or m.rule.inplace is None else f"functional: {blocker}")  # fmt: skip
     )
     return None
+
+
+def _erase_unread_inputs(graph: fx.Graph, bound: Iterable[Any], erased: set[fx.Node]) -> None:
+    """Remove what only the match read and its replacement does not (the ``size`` call that gave
+    ``F.layer_norm`` its normalized shape), and what only that read: left in place until the
+    pass's cleanup, it would be a reader of values a later rule of the pass replaces."""
+    stack = [n for v in bound for n in _nodes(v)]
+    while stack:
+        n = stack.pop()
+        if n in erased or n.users or n.op not in ("call_function", "call_method") or meta.is_impure(n):
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        erased.add(n)
+        stack += inputs
+
+
+def _nodes(v: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(v, found.append)
+    return found
 
 
 def _meta_mismatch(olds: list[fx.Node], outs: list[Any]) -> str | None:

@@ -75,6 +75,16 @@ def _describe_const(node: fx.Node, value: Any) -> str:
     return f"`{node.name}` (= {value!r} at compile time)"
 
 
+COMPLETE = 1.01
+"""The progress of a failed match whose structure was complete and a check (guard, containment,
+order) refused: a :attr:`Rule.near_miss_min` of this reports only those."""
+
+NOT_A_SITE = "not a site of this rule"
+"""What a guard returns when the values show that the structure that matched is not what the rule
+is about (a per-channel weight pattern that matched the product of two activations): refused,
+and no near miss."""
+
+
 @dataclasses.dataclass(frozen=True)
 class InPlace:
     """An in-place replacement, used only where the matcher proves it safe.
@@ -144,6 +154,14 @@ class Rule:
     requires:    call targets of which the graph must hold at least one for the rule to be tried
                  at all; otherwise it is skipped without near misses (an all-reduce rule on a
                  graph with no collective: every add + norm would "nearly" match it).
+    optional:    tensor arguments that may also bind a literal ``None`` (an absent weight or
+                 bias: ``F.layer_norm(x, shape, None, None, eps)``); guards see ``b[name] is None``
+                 and the replacement gets ``None``.
+    near_miss_min: this rule's own threshold for reporting a failed match (default: the
+                 config's). A rule that extends an op another rule fused (a residual add or a
+                 weight taken into a fused norm) sets :data:`COMPLETE`: only a complete match
+                 that a check refused (guard, containment, order) is a near miss there, not every
+                 fused norm without an add before it.
     """
 
     name: str
@@ -154,6 +172,8 @@ class Rule:
     inplace: InPlace | None = None
     via: Literal["walk", "subgraph_rewriter"] = "walk"
     requires: tuple[Any, ...] = ()
+    optional: tuple[str, ...] = ()
+    near_miss_min: float | None = None
 
     def __repr__(self) -> str:
         return f"Rule({self.name!r})"
@@ -163,8 +183,8 @@ class Rule:
         return CompiledRule.build(self)
 
     def check_guard(self, bindings: Bindings) -> str | None:
-        """None if the guard accepts; otherwise the reason. A guard that raises is a bug in the
-        rule: re-raised as RuleError naming the rule."""
+        """None if the guard accepts; otherwise the reason (:data:`NOT_A_SITE` as it is). A guard
+        that raises is a bug in the rule: re-raised as RuleError naming the rule."""
         if self.guard is None:
             return None
         try:
@@ -173,6 +193,8 @@ class Rule:
             raise RuleError(f"guard of rule {self.name!r} raised {type(e).__name__}: {e}") from e
         if ok is True or ok is None:
             return None
+        if ok is NOT_A_SITE:
+            return NOT_A_SITE
         return f"guard: {ok}" if isinstance(ok, str) else "guard rejected the bound values"
 
 
@@ -207,6 +229,9 @@ class CompiledRule:
         unknown = set(rule.scalars) - set(params)
         if unknown:
             raise RuleError(f"rule {rule.name!r}: scalars {sorted(unknown)} are not pattern arguments")
+        bad = set(rule.optional) - (set(params) - set(rule.scalars))
+        if bad:
+            raise RuleError(f"rule {rule.name!r}: optional {sorted(bad)} are not tensor arguments of the pattern")
         pattern = trace(rule.name, "pattern", rule.pattern, rule.scalars)
         outputs = output_nodes(pattern)
         anchor = outputs[0]

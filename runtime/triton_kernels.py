@@ -37,6 +37,7 @@ the CPU tests use that.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -299,22 +300,48 @@ def _rows_per_program(block: int) -> int:
     return max(1, min(64, 4096 // block))
 
 
-def _norm_rows(x: Tensor, weight: Tensor, eps: float, out: Tensor, residual: Tensor | None,
-               cast_last: bool, offset: float) -> None:  # fmt: skip
-    """Launch ``_rms_norm_kernel`` over ``x``'s rows (each tensor at its own strides)."""
+@dataclasses.dataclass(frozen=True)
+class RowsLaunch:
+    """A row-reducing kernel's launch over equally shaped tensors, each at its own strides: the
+    grid, ``n_rows`` rows of ``n`` values, leading dims [d0, d1, d2] (``d0`` implied), each
+    tensor's three leading strides in order (flattened), ``BLOCK`` >= n, ``ROWS`` per program."""
+
+    grid: tuple[int]
+    n_rows: int
+    n: int
+    d1: int
+    d2: int
+    strides: list[int]
+    block: int
+    rows: int
+    warps: int
+
+
+def rows_launch(*tensors: Tensor) -> RowsLaunch:
+    """:class:`RowsLaunch` over ``tensors`` (the first is the input; the op module's check has
+    let only layouts :func:`constraints.leading_dims` collapses through)."""
+    x = tensors[0]
     n = x.shape[-1]
-    tensors = (x, residual if residual is not None else x, out)
     layout = constraints.leading_dims(*tensors)
     assert layout is not None, "the op module's check lets only such layouts through"
     (_, d1, d2), strides = layout
     n_rows = x.numel() // n
     block = triton.next_power_of_2(n)
     per = _rows_per_program(block)
+    return RowsLaunch((triton.cdiv(n_rows, per),), n_rows, n, d1, d2, [s for st in strides for s in st], block, per,
+                      _warps(block * per))  # fmt: skip
+
+
+def _norm_rows(x: Tensor, weight: Tensor, eps: float, out: Tensor, residual: Tensor | None,
+               cast_last: bool, offset: float) -> None:  # fmt: skip
+    """Launch ``_rms_norm_kernel`` over ``x``'s rows (each tensor at its own strides)."""
+    tensors = (x, residual if residual is not None else x, out)
+    r = rows_launch(*tensors)
     with _device_of(x):
-        _rms_norm_kernel[(triton.cdiv(n_rows, per),)](
-            x, tensors[1], weight, out, tensors[1], n_rows, n, eps, d1, d2, *strides[0], *strides[1], *strides[2],
-            BLOCK=block, ROWS=per, HAS_RESIDUAL=residual is not None, CAST_LAST=cast_last, OFFSET=offset,
-            num_warps=_warps(block * per),
+        _rms_norm_kernel[r.grid](
+            x, tensors[1], weight, out, tensors[1], r.n_rows, r.n, eps, r.d1, r.d2, *r.strides,
+            BLOCK=r.block, ROWS=r.rows, HAS_RESIDUAL=residual is not None, CAST_LAST=cast_last, OFFSET=offset,
+            num_warps=r.warps,
         )  # fmt: skip
 
 

@@ -217,7 +217,7 @@ def test_provider_override_from_the_environment(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.parametrize(("spec", "says"), [
     ("cutlass", r"^unknown provider 'cutlass' in 'cutlass'; expected one of \('sgl_kernel', 'flashinfer', 'triton', 'torch'\)"),
-    ("layer_norm=torch", r"^unknown op 'layer_norm' in 'layer_norm=torch'; known ops: rms_norm, "),
+    ("group_norm=torch", r"^unknown op 'group_norm' in 'group_norm=torch'; known ops: rms_norm, "),
 ])  # fmt: skip
 def test_provider_override_with_an_unknown_name(spec: str, says: str) -> None:
     with pytest.raises(ValueError, match=says):

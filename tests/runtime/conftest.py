@@ -71,3 +71,9 @@ def triton_kernels() -> Iterator[types.ModuleType]:
 def triton_moe() -> Iterator[types.ModuleType]:
     """``fxrewrite.runtime.triton_moe`` interpreted (tests/runtime/test_moe_gpu.py runs it compiled)."""
     yield from _interpreted("fxrewrite.runtime.triton_moe", "_moe_gemm_kernel")
+
+
+@pytest.fixture(scope="module")
+def triton_layernorm() -> Iterator[types.ModuleType]:
+    """``fxrewrite.runtime.triton_layernorm`` interpreted (tests/runtime/test_layernorm_gpu.py runs it compiled)."""
+    yield from _interpreted("fxrewrite.runtime.triton_layernorm", "_layer_norm_kernel")

@@ -4,6 +4,7 @@ their real 0.7.2 signatures; every op's CUDA impl (``OpDef.cuda``) then runs on 
 
 from __future__ import annotations
 
+import inspect
 import threading
 import types
 import zlib
@@ -17,7 +18,7 @@ from torch import Tensor
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import activation, norm, quant, rotary
+from fxrewrite.runtime.ops import activation, layernorm, norm, quant, rotary
 from fxrewrite.runtime.providers import Kernel, OpDef
 from samples import op_args  # this folder
 
@@ -357,6 +358,13 @@ def _fi_rmsnorm_quant(
     out.copy_((y * (1.0 / scale)).clamp(-448.0, 448.0).to(FP8))
 
 
+def _fi_layernorm(input: Tensor, gemma: Tensor, beta: Tensor, eps: float = 1e-6) -> Tensor:
+    assert input.dim() == 2 and input.is_contiguous() and input.dtype == BF16
+    assert gemma.dtype == beta.dtype == torch.float32
+    h = input.float()
+    return (F.layer_norm(h, h.shape[-1:], None, None, eps) * gemma + beta).to(input.dtype)
+
+
 def _fi_act(name: str, input: Tensor, out: Tensor | None = None, enable_pdl: bool | None = None) -> Tensor:
     assert out is not None
     _act(name, out, input)
@@ -381,6 +389,7 @@ def flashinfer_modules() -> dict[str, types.ModuleType]:
     fi_norm.fused_add_rmsnorm = lambda *a, **k: _fi_add_norm(0.0, *a, **k)  # type: ignore[attr-defined]
     fi_norm.gemma_fused_add_rmsnorm = lambda *a, **k: _fi_add_norm(1.0, *a, **k)  # type: ignore[attr-defined]
     fi_norm.rmsnorm_quant = _fi_rmsnorm_quant  # type: ignore[attr-defined]
+    fi_norm.layernorm = _fi_layernorm  # type: ignore[attr-defined]
     for name in ("silu", "gelu", "gelu_tanh"):
         setattr(fi_act, f"{name}_and_mul", lambda *a, _n=name, **k: _fi_act(_n, *a, **k))
     return {"flashinfer": lib("flashinfer"), "flashinfer.norm": fi_norm, "flashinfer.activation": fi_act,
@@ -392,7 +401,7 @@ def both_libraries(registry: providers._Registry, sgl_ops: None) -> providers._R
     """sgl-kernel and flashinfer emulated; Triton's kernels not importable (a test that wants
     them installs the ``triton_kernels`` fixture's module)."""
     registry.modules.update({"sgl_kernel": lib("sgl_kernel"), **flashinfer_modules()})
-    install(registry, **{providers.TRITON_MODULE: None})
+    install(registry, **{providers.TRITON_MODULE: None, layernorm.TRITON_LAYER_NORM: None})
     return registry
 
 
@@ -428,8 +437,12 @@ def test_every_op_through_each_emulated_provider(
                     "3x64 @ 64x32 product; fp16 and fp32 are right): tests/runtime/test_ops_gpu.py runs it")
     if provider == "triton":
         both_libraries.modules[providers.TRITON_MODULE] = request.getfixturevalue("triton_kernels")
+        both_libraries.modules[layernorm.TRITON_LAYER_NORM] = request.getfixturevalue("triton_layernorm")
     providers.configure(provider)
     args = op_args(op, shape, gen)
+    if provider == "flashinfer" and op in layernorm.DEFS:  # its LayerNorm takes float32 gamma and beta
+        args = [a.float() if a is not None and name in ("weight", "bias") else a
+                for a, name in zip(args, inspect.signature(op.reference).parameters)]  # fmt: skip
     ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     got, want = op.cuda(*args), op.reference(*ref_args)
     if op.mutates_args:
@@ -476,7 +489,8 @@ def test_dynamic_quant_zero_rows_get_the_floor_scale(both_libraries: providers._
 def test_preload_imports_every_kernel_module(registry: providers._Registry) -> None:
     install(registry, sgl_kernel=lib("sgl_kernel"), flashinfer=None, flashinfer__norm=None, flashinfer__activation=None,
             flashinfer__rope=None, flashinfer__comm=None)  # fmt: skip
-    install(registry, **{providers.TRITON_MODULE: None, "fxrewrite.runtime.triton_moe": None})
+    install(registry, **{providers.TRITON_MODULE: None, "fxrewrite.runtime.triton_moe": None,
+                         layernorm.TRITON_LAYER_NORM: None})  # fmt: skip
     assert providers.preload() == {
         "flashinfer": False,
         "flashinfer.activation": False,
@@ -484,6 +498,7 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
         "flashinfer.norm": False,
         "flashinfer.rope": False,
         "fxrewrite.runtime.triton_kernels": False,
+        "fxrewrite.runtime.triton_layernorm": False,
         "fxrewrite.runtime.triton_moe": False,
         "sgl_kernel": True,
     }
