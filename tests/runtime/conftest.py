@@ -71,3 +71,9 @@ def triton_kernels() -> Iterator[types.ModuleType]:
 def triton_moe() -> Iterator[types.ModuleType]:
     """``fxrewrite.runtime.triton_moe`` interpreted (tests/runtime/test_moe_gpu.py runs it compiled)."""
     yield from _interpreted("fxrewrite.runtime.triton_moe", "_moe_gemm_kernel")
+
+
+@pytest.fixture(scope="module")
+def triton_route() -> Iterator[types.ModuleType]:
+    """``fxrewrite.runtime.triton_route`` interpreted (tests/runtime/test_moe_route_gpu.py runs it compiled)."""
+    yield from _interpreted("fxrewrite.runtime.triton_route", "_moe_route_kernel")
