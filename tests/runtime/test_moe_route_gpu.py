@@ -29,16 +29,17 @@ ROUTERS = {  # top_k, scoring, select, n_group, topk_group, group_top, renormali
 
 
 def distinct_logits(tokens: int, count: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    """No two logits of a row equal, exactly so in bf16: ties would leave the choice to each
-    implementation."""
+    """No two logits of a row equal, exactly so in bf16, centred on 0: ties would leave the
+    choice to each implementation."""
     order = torch.rand((tokens, count), generator=gen, device="cuda").argsort(dim=-1).float()
-    return (order * 2.0 ** -max(0, (count // 8).bit_length()) - count / 4).to(dtype)
+    step = 2.0 ** -max(0, (count // 8).bit_length())
+    return ((order - count / 2) * step).to(dtype)
 
 
 def args_for(router: str, tokens: int, count: int, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16,
              ) -> tuple[object, ...]:  # fmt: skip
     top_k, scoring, select, groups, kept, top, renormalize, biased, scaling = ROUTERS[router]
-    bias = torch.rand(count, generator=gen, device="cuda") * 2.0 ** -10 if biased else None  # never reorders
+    bias = torch.rand(count, generator=gen, device="cuda") * 2.0 ** -10 if biased else None  # small beside the steps
     return (distinct_logits(tokens, count, gen, dtype), bias, top_k, scoring, select, groups, kept, top, renormalize,
             scaling)  # fmt: skip
 
