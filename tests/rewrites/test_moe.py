@@ -94,29 +94,34 @@ def test_top_k_then_softmax_is_the_renormalized_form() -> None:
     assert fused_args(r)[6:8] == (3, True)
 
 
-def test_sigmoid_scoring_keeps_its_router_and_hands_over_weights_and_ids() -> None:
-    """A router the op cannot compute (sigmoid, top-k, renormalized): the op takes the weights
-    and ids the experts read; the router stays as written."""
-    r = check(MoE(scoring="sigmoid"), x(), expect={"moe": 1})
+def test_sigmoid_scoring_routes_through_moe_route() -> None:
+    """A router fxr.moe cannot compute itself (sigmoid, top-k, renormalized) becomes
+    fxr.moe_route; fxr.moe reads its weights and ids."""
+    r = check(MoE(scoring="sigmoid"), x(), expect={"moe": 1, "moe_route": 1})
     logits, weights, ids = fused_args(r)[1:4]
-    assert logits is None and weights.target is torch.ops.aten.div.Tensor  # the renormalized weights
-    assert ids.target.__name__ == "getitem" and r.counts()["aten.topk"] == 1
-    assert fused_args(r)[7] is False  # renormalized already, by the router as written
-    assert not r.report.near_misses
+    (route,) = fused_nodes(r, "moe_route")
+    assert logits is None and weights.args == (route, 0) and ids.args == (route, 1)
+    assert route.args[0].target is torch.ops.aten.linear.default and route.args[2:] == (
+        2, "sigmoid", "scores", 1, 1, 2, True, 1.0)  # fmt: skip
+    assert fused_args(r)[7] is False  # renormalized already, by the router
+    assert r.counts()["aten.topk"] == r.counts()["aten.sigmoid"] == 0 and not r.report.near_misses
 
 
 def test_routing_read_outside_the_block_hands_over_weights_and_ids() -> None:
-    """Negative twin of taking the logits: the ids are also returned, so the router cannot go."""
+    """Negative twin of taking the logits: the ids are also returned, so fxr.moe takes given
+    weights and ids; the router alone becomes fxr.moe_route, whose ids are returned."""
 
     class Returns(MoE):
         def forward(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             w, ids = self.route(t)
             return batched(self, t, w, ids), ids
 
-    r = check(Returns(), x(), expect={"moe": 1})
+    r = check(Returns(), x(), expect={"moe": 1, "moe_route": 1})
     logits, weights, ids = fused_args(r)[1:4]
-    assert logits is None and weights is not None and ids is not None
-    assert r.counts()["aten.topk"] == 1 and not r.report.near_misses
+    (route,) = fused_nodes(r, "moe_route")
+    assert logits is None and weights.args == (route, 0) and ids.args == (route, 1)
+    assert r.counts()["aten.topk"] == 0 and not r.report.near_misses
+    assert [s.note for s in sites(r, "moe_route")] == ["softmax, top_k=2, renormalize=True"]
 
 
 # --------------------------------------------------------------------------- experts
@@ -148,8 +153,9 @@ def weighted_twice(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) 
 
 @pytest.mark.parametrize(("experts", "expect"), [(swapped, {}), (weighted_twice, {"silu_and_mul": 1})])
 def test_a_block_that_computes_something_else_is_a_near_miss(experts: Experts, expect: dict[str, int]) -> None:
-    """Negative twins of the proof: the structure binds, the numbers refuse (the experts'
-    SiLU-and-mul, where it has the gate first, still fuses)."""
+    """Negative twins of the proof: the structure binds, the numbers refuse (the router still
+    becomes fxr.moe_route, and the experts' SiLU-and-mul, where it has the gate first, fuses)."""
+    expect = {**expect, "moe_route": 1}
     r = check(MoE(experts=experts), x(), expect=expect)
     (miss,) = misses(r, "moe")
     assert miss.reason.startswith("the block does not compute fxr.moe(logits, top_k=2, renormalize=True, silu): "
@@ -182,7 +188,9 @@ def two_activations(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor)
 
 
 def overwrites_x(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return batched(m, x.mul_(1.0), w, ids)
+    """Scales its input by the routing in place (an in-place op the routing does not reach,
+    ``x.mul_(2.0)`` before the experts, stays outside the block and fuses)."""
+    return batched(m, x.mul_(w.sum(dim=-1, keepdim=True).to(x.dtype)), w, ids)
 
 
 MISSES = {  # experts, reason, what fuses still (the experts' SiLU-and-mul, where they have one)
@@ -201,7 +209,7 @@ def test_guards_name_what_the_op_cannot_stand_for(name: str) -> None:
     model.bias = torch.nn.Parameter(torch.randn(8, 32))
     model.gate_up_t = torch.nn.Parameter(model.gate_up.detach().transpose(1, 2).contiguous())
     model.down_t = torch.nn.Parameter(model.down.detach().transpose(1, 2).contiguous())
-    r = check(model, x(), expect={} if name == "two_activations" else {"silu_and_mul": 1})
+    r = check(model, x(), expect={"moe_route": 1} if name == "two_activations" else {"silu_and_mul": 1, "moe_route": 1})
     reasons = {m.reason for m in misses(r, "moe")}
     assert len(reasons) == 1 and re.fullmatch(reason, reasons.pop()), reasons
 
@@ -216,7 +224,7 @@ def test_a_value_of_the_block_read_outside_it_is_a_near_miss() -> None:
             out = torch.bmm(self.down[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
             return (out * w.reshape(-1, 1)).view(-1, 2, out.shape[-1]).sum(dim=1), gate_up  # returned: cannot go
 
-    r = check(Leaky(), x(), expect={"silu_and_mul": 1})
+    r = check(Leaky(), x(), expect={"silu_and_mul": 1, "moe_route": 1})
     (miss,) = misses(r, "moe")
     assert miss.reason == "`gate_up` is read outside the MoE block by `output`"
 
