@@ -117,19 +117,23 @@ class Block:
     w_gate_up: fx.Node
     w_down: fx.Node
     activation: str
+    transposed: bool = False  # the weights are stored [E, H, 2I] / [E, I, H]: the op reads transposed views
 
-    def args(self, weights: Any = None, ids: Any = None) -> tuple[Any, ...]:
-        """``fxr.moe``'s arguments; with a router, ``weights`` and ``ids`` are its outputs."""
+    def args(self, weights: Any = None, ids: Any = None, experts: tuple[Any, Any] | None = None) -> tuple[Any, ...]:
+        """``fxr.moe``'s arguments; with a router, ``weights`` and ``ids`` are its outputs;
+        ``experts``: the expert weights as the op reads them (the views of transposed storage)."""
         r = self.routing
         if r.router is not None:
             given = (None, weights, ids)
         else:
             given = (None, r.weights, r.ids) if r.logits is None else (r.logits, None, None)
-        return (self.x, *given, self.w_gate_up, self.w_down, r.top_k, r.renormalize, self.activation)
+        w_gate_up, w_down = experts or (self.w_gate_up, self.w_down)
+        return (self.x, *given, w_gate_up, w_down, r.top_k, r.renormalize, self.activation)
 
     def describe(self) -> str:
         r = self.routing
-        return f"({r.describe()}, top_k={r.top_k}, renormalize={r.renormalize}, {self.activation})"
+        layout = ", transposed weights" if self.transposed else ""
+        return f"({r.describe()}, top_k={r.top_k}, renormalize={r.renormalize}, {self.activation}{layout})"
 
 
 _Miss = moe_router.Miss
@@ -225,8 +229,8 @@ def _bind(gm: fx.GraphModule, routing: Routing) -> Block | None:
     output, weights = _find_output(routing, tokens)
     if output is None:
         return None
-    w_gate_up, w_down = _roles(weights, output)
-    hidden_size = meta.tensor(w_down).shape[1]
+    w_gate_up, w_down, transposed = _roles(weights, output)
+    hidden_size = meta.tensor(w_down).shape[2 if transposed else 1]
     chosen_among, experts = meta.tensor(routing.topk.args[0]).shape[-1], meta.tensor(w_gate_up).shape[0]
     if meta.dim_key(chosen_among) != meta.dim_key(experts):
         raise _Miss(f"the router chooses among {chosen_among} experts, the experts hold {experts} (an id may be "
@@ -260,7 +264,7 @@ def _bind(gm: fx.GraphModule, routing: Routing) -> Block | None:
     x = meta.tensor(hidden[0])
     if meta.tensor(output).dtype != x.dtype:
         raise _Miss(f"the block returns {meta.tensor(output).dtype}, its input is {x.dtype}", output)
-    return Block(routing, nodes, output, hidden[0], w_gate_up, w_down, activation)
+    return Block(routing, nodes, output, hidden[0], w_gate_up, w_down, activation, transposed)
 
 
 def _find_output(routing: Routing, tokens: Any) -> tuple[fx.Node | None, tuple[fx.Node, ...]]:
@@ -351,15 +355,17 @@ def _downstream(sources: set[fx.Node], last: int) -> set[fx.Node]:
     return seen
 
 
-def _roles(weights: Sequence[fx.Node], output: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """(gate_up [E, 2I, H], down [E, H, I]) among the two weights, or a miss naming the layout."""
+def _roles(weights: Sequence[fx.Node], output: fx.Node) -> tuple[fx.Node, fx.Node, bool]:
+    """(gate_up, down, transposed) among the two weights: ``[E, 2I, H]`` and ``[E, H, I]``, or
+    stored transposed, ``[E, H, 2I]`` and ``[E, I, H]``; else a miss naming the layout."""
     for a, b in (weights, tuple(reversed(weights))):
         (e, i2, h), down = (tuple(map(meta.dim_key, meta.tensor(w).shape)) for w in (a, b))
         if isinstance(i2, int) and i2 % 2 == 0 and down == (e, h, i2 // 2):
-            return a, b
+            return a, b, False
+        if isinstance(h, int) and h % 2 == 0 and down == (e, h // 2, i2):
+            return a, b, True
     shapes = " and ".join(str(tuple(meta.tensor(w).shape)) for w in weights)
-    raise _Miss(f"expert weights {shapes} are not [E, 2I, H] and [E, H, I] (transposed or interleaved storage)",
-                output)  # fmt: skip
+    raise _Miss(f"expert weights {shapes} are not [E, 2I, H] and [E, H, I], nor stored transposed", output)
 
 
 def _tensors(n: fx.Node) -> bool:
@@ -396,7 +402,9 @@ def _check(gm: fx.GraphModule, block: Block) -> str | None:
     with torch.no_grad():  # the block mutates none of its inputs (checked): run it on them
         want = sub(*values)[0]
         routed = moe_route_reference(*map(value, router.args())) if router is not None else (None, None)
-        got = moe_reference(*map(value, block.args(*routed)))
+        experts = tuple(value(w).transpose(1, 2) if block.transposed else value(w)
+                        for w in (block.w_gate_up, block.w_down))  # fmt: skip
+        got = moe_reference(*map(value, block.args(*routed, experts=experts)))
     why = agrees(got, want, lambda: (run_float64(sub, values) or [None])[0])
     return None if why is None else f"the block does not compute fxr.moe{block.describe()}: {why}"
 
@@ -437,7 +445,12 @@ def _replace(graph: fx.Graph, block: Block, fake_mode: Any, result: PassResult) 
     with graph.inserting_before(block.output):
         if block.routing.router is not None:
             routed = _route_call(graph, block.routing.router, fake_mode, _pos(block.output))
-        node = graph.call_function(torch.ops.fxr.moe.default, block.args(*routed))
+        experts = (block.w_gate_up, block.w_down)
+        if block.transposed:  # the op reads [E, 2I, H] / [E, H, I]: views of the stored weights
+            experts = tuple(graph.call_function(torch.ops.aten.transpose.int, (w, 1, 2)) for w in experts)
+            for view in experts:
+                _finish(view, block.routing.topk, RULE, _pos(block.output), fake_mode)
+        node = graph.call_function(torch.ops.fxr.moe.default, block.args(*routed, experts=experts))
     _finish(node, block.routing.topk, RULE, _pos(block.output), fake_mode)
     block.output.replace_all_uses_with(node)
     for n in reversed(block.nodes):

@@ -204,14 +204,15 @@ def _epilogue(acc, acc_up, weights_ptr, pair, mmask, dtype: tl.constexpr, GATED:
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, ends_ptr, totals_ptr, weights_ptr, N, K, E,
-                     a_stride, w_stride_e, w_stride_n, out_stride, n_blocks, group,
+                     a_stride, w_stride_e, w_stride_n, w_stride_k, w_up, out_stride, n_blocks, group,
                      A_ROW_DIV: tl.constexpr, E_BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
                      WEIGHTED: tl.constexpr):  # fmt: skip
     """Program (b, n) (:func:`_block_of`): block b's ``BM`` sorted rows, all pairs of one expert,
-    times that expert's weight rows ``n*BN ..`` (and with ``GATED`` the up rows ``N + n*BN ..``).
-    A row of ``a`` is ``pair // A_ROW_DIV`` (x: the pair's token; h: the pair itself); the output
-    row is the pair."""
+    times that expert's weight rows ``n*BN ..`` (and with ``GATED`` the up rows, ``w_up``
+    elements further). A row of ``a`` is ``pair // A_ROW_DIV`` (x: the pair's token; h: the pair
+    itself); the output row is the pair. Weights may be strided along k (a transposed view:
+    ``w_stride_k`` != 1, ``w_stride_n`` == 1)."""
     b, n_tile, expert, valid = _block_of(tl.program_id(0), n_blocks, group, N, ends_ptr, totals_ptr, E, E_BLOCK,
                                          BM, BN)  # fmt: skip
     if expert < E:
@@ -230,10 +231,10 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, ends_ptr, totals_ptr, weig
             if not EVEN_K:
                 a_mask, w_mask = a_mask & (ks < K)[None, :], w_mask & (ks < K)[None, :]
             a = tl.load(a_rows[:, None] + ks[None, :], mask=a_mask, other=0.0)
-            w = tl.load(w_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
+            w = tl.load(w_rows[:, None] + ks[None, :] * w_stride_k, mask=w_mask, other=0.0)
             acc += tl.dot(a, tl.trans(w))
             if GATED:
-                u = tl.load(w_rows[:, None] + N * w_stride_n + ks[None, :], mask=w_mask, other=0.0)
+                u = tl.load(w_rows[:, None] + w_up + ks[None, :] * w_stride_k, mask=w_mask, other=0.0)
                 acc_up += tl.dot(a, tl.trans(u))
         y = _epilogue(acc, acc_up, weights_ptr, pair, mmask, a_ptr.dtype.element_ty, GATED, ACT, WEIGHTED)
         out = out_ptr + pair[:, None] * out_stride + cols[None, :]
@@ -451,7 +452,7 @@ def moe(
                 n, k = dst.shape[1], a.shape[1]
                 _moe_gemm_kernel[(blocks * triton.cdiv(n, g.bn),)](
                     a, w, dst, rows, ends, totals, weights, n, k, experts, a.stride(0), w.stride(0), w.stride(1),
-                    dst.stride(0), blocks, min(g.group or blocks, blocks), A_ROW_DIV=top_k if gated else 1, BN=g.bn,
+                    w.stride(2), n * w.stride(1), dst.stride(0), blocks, min(g.group or blocks, blocks), A_ROW_DIV=top_k if gated else 1, BN=g.bn,
                     BK=g.bk, EVEN_K=k % g.bk == 0, GATED=gated, ACT=ACT_IDS[activation], WEIGHTED=not gated,
                     num_warps=g.warps, num_stages=g.stages, **common,
                 )  # fmt: skip

@@ -130,13 +130,14 @@ def triton_check(
     x: Tensor, router_logits: Tensor | None, topk_weights: Tensor | None, topk_ids: Tensor | None,
     w_gate_up: Tensor, w_down: Tensor, top_k: int, renormalize: bool, activation: str = "silu",
 ) -> str | None:  # fmt: skip
-    """The Triton kernels: bf16/fp16 input and weights, weights with unit stride along their
-    last dim, at most ``MAX_EXPERTS`` experts, every tensor on the input's device."""
+    """The Triton kernels: bf16/fp16 input and weights, weights with unit stride along one of
+    their last two dims (as stored, or a transposed view), at most ``MAX_EXPERTS`` experts, every
+    tensor on the input's device."""
     reason = constraints.check_half(x, w_gate_up, w_down)
     if reason:
         return reason
-    if w_gate_up.stride(-1) != 1 or w_down.stride(-1) != 1:
-        return "expert weights without unit stride along their last dim"
+    if any(w.stride(-1) != 1 and w.stride(-2) != 1 for w in (w_gate_up, w_down)):
+        return "expert weights without unit stride along their last two dims"
     if w_gate_up.shape[0] > MAX_EXPERTS:
         return f"{w_gate_up.shape[0]} experts, more than {MAX_EXPERTS}"
     routing = [t for t in (router_logits, topk_weights, topk_ids) if t is not None]

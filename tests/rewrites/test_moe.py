@@ -179,6 +179,15 @@ def transposed(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> t
     return (out * w.reshape(-1, 1)).view(-1, k, out.shape[-1]).sum(dim=1)
 
 
+def mixed_layout(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """gate_up as stored [E, 2I, H], down stored transposed [E, I, H]: neither layout."""
+    k, flat = ids.shape[-1], ids.reshape(-1)
+    gate_up = torch.bmm(m.gate_up[flat], x.repeat_interleave(k, dim=0).unsqueeze(-1)).squeeze(-1)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.bmm((m.act(gate) * up).unsqueeze(1), m.down_t[flat]).squeeze(1)
+    return (out * w.reshape(-1, 1)).view(-1, k, out.shape[-1]).sum(dim=1)
+
+
 def two_activations(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     k, flat = ids.shape[-1], ids.reshape(-1)
     gate_up = torch.bmm(m.gate_up[flat], x.repeat_interleave(k, dim=0).unsqueeze(-1)).squeeze(-1)
@@ -195,8 +204,9 @@ def overwrites_x(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) ->
 
 MISSES = {  # experts, reason, what fuses still (the experts' SiLU-and-mul, where they have one)
     "bias": (with_bias, r"the experts also read `\w+bias\w*`, not hidden states, routing or expert weights"),
-    "transposed": (transposed, r"expert weights \(8, 32, 32\) and \(8, 16, 32\) are not \[E, 2I, H\] and \[E, H, I\] "
-                               r"\(transposed or interleaved storage\)"),
+    # with H = 2I the shapes also read as transposed storage: the proof refuses that reading
+    "mixed_layout": (mixed_layout, r"the block does not compute fxr.moe\(logits, top_k=2, renormalize=True, silu, "
+                                   r"transposed weights\): max abs error .*"),
     "two_activations": (two_activations, r"the experts hold 2 activations \(SiLU or GELU\), fxr.moe one"),
     "overwrites_x": (overwrites_x, r"`mul_` overwrites the block's input `l_x_` in place"),
 }
@@ -212,6 +222,21 @@ def test_guards_name_what_the_op_cannot_stand_for(name: str) -> None:
     r = check(model, x(), expect={"moe_route": 1} if name == "two_activations" else {"silu_and_mul": 1, "moe_route": 1})
     reasons = {m.reason for m in misses(r, "moe")}
     assert len(reasons) == 1 and re.fullmatch(reason, reasons.pop()), reasons
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_weights_stored_transposed_are_read_through_views(dtype: torch.dtype) -> None:
+    """[E, H, 2I] and [E, I, H] (gpt-oss's and Llama 4's layout, grouped_mm's ``is_transposed``):
+    the op reads transposed views of the parameters, no copy. Its negative twin, one weight of
+    each layout, is ``mixed_layout`` above."""
+    model = MoE(experts=transposed)
+    model.gate_up_t = torch.nn.Parameter(model.gate_up.detach().transpose(1, 2).contiguous())
+    model.down_t = torch.nn.Parameter(model.down.detach().transpose(1, 2).contiguous())
+    r = check(model.to(dtype), x(dtype=dtype), expect={"moe": 1})
+    gate_up, down = fused_args(r)[4:6]
+    assert gate_up.target is down.target is torch.ops.aten.transpose.int and gate_up.args[1:] == (1, 2)
+    assert (gate_up.args[0].name, down.args[0].name) == ("l_self_parameters_gate_up_t_", "l_self_parameters_down_t_")
+    assert [s.note for s in sites(r, "moe")] == ["logits, top_k=2, renormalize=True, silu, transposed weights"]
 
 
 def test_a_value_of_the_block_read_outside_it_is_a_near_miss() -> None:

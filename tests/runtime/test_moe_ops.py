@@ -138,9 +138,11 @@ def test_triton_check_names_what_the_kernels_cannot_serve(gen: torch.Generator) 
     assert moe.triton_check(x.float(), logits, None, None, gate_up.float(), down.float(), 2, True) == (
         "dtype float32 not bf16/fp16")  # fmt: skip
     assert moe.triton_check(x, logits, None, None, gate_up.half(), down, 2, True) == "dtype float16 != input dtype bfloat16"
-    strided = gate_up.transpose(1, 2).contiguous().transpose(1, 2)
+    transposed = gate_up.transpose(1, 2).contiguous().transpose(1, 2)  # [E, H, 2I] stored: served
+    assert moe.triton_check(x, logits, None, None, transposed, down, 2, True) is None
+    strided = torch.zeros((8, 32, 64), dtype=BF16)[:, :, ::2]
     assert moe.triton_check(x, logits, None, None, strided, down, 2, True) == (
-        "expert weights without unit stride along their last dim")  # fmt: skip
+        "expert weights without unit stride along their last two dims")  # fmt: skip
     many = moe.MAX_EXPERTS + 1
     gate_up, down = torch.zeros((many, 2, 32), dtype=BF16), torch.zeros((many, 32, 1), dtype=BF16)
     assert moe.triton_check(x, None, *routing(5, 2, gen, 8), gate_up, down, 2, True) == (
@@ -167,6 +169,17 @@ def test_kernel_against_the_reference(triton_moe: types.ModuleType, gen: torch.G
     given = (None, *routing(tokens, top_k, gen, count)) if how == "given" else (logits, None, None)
     args = (x, *given, gate_up, down, top_k, renormalize, act)
     assert moe.triton_check(*args) is None
+    assert_close(triton_moe.moe(*args), moe.moe_reference(*args))
+
+
+@pytest.mark.parametrize("how", ["logits", "given"])
+def test_kernel_reads_transposed_weights(triton_moe: types.ModuleType, gen: torch.Generator, how: str) -> None:
+    """Weights stored [E, H, 2I] and [E, I, H] (read as their transposed views): strided along k."""
+    x, logits, gate_up, down = sample(gen, 11, 8, 16, 48, F16)
+    gate_up, down = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (gate_up, down))
+    given = (logits, None, None) if how == "logits" else (None, *routing(11, 2, gen, 8))
+    args = (x, *given, gate_up, down, 2, True, "silu")
+    assert gate_up.stride(1) == 1 and not triton_moe.tma_ready(x, gate_up, down)
     assert_close(triton_moe.moe(*args), moe.moe_reference(*args))
 
 
