@@ -118,6 +118,7 @@ class Block:
     w_down: fx.Node
     activation: str
     transposed: bool = False  # the weights are stored [E, H, 2I] / [E, I, H]: the op reads transposed views
+    weight_input: bool = False  # the routing weight scales the experts' input (reaches the gate/up GEMM)
 
     def args(self, weights: Any = None, ids: Any = None, experts: tuple[Any, Any] | None = None) -> tuple[Any, ...]:
         """``fxr.moe``'s arguments; with a router, ``weights`` and ``ids`` are its outputs;
@@ -128,11 +129,11 @@ class Block:
         else:
             given = (None, r.weights, r.ids) if r.logits is None else (r.logits, None, None)
         w_gate_up, w_down = experts or (self.w_gate_up, self.w_down)
-        return (self.x, *given, w_gate_up, w_down, r.top_k, r.renormalize, self.activation)
+        return (self.x, *given, w_gate_up, w_down, r.top_k, r.renormalize, self.activation, self.weight_input)
 
     def describe(self) -> str:
         r = self.routing
-        layout = ", transposed weights" if self.transposed else ""
+        layout = (", transposed weights" if self.transposed else "") + (", weight on the input" if self.weight_input else "")
         return f"({r.describe()}, top_k={r.top_k}, renormalize={r.renormalize}, {self.activation}{layout})"
 
 
@@ -264,13 +265,17 @@ def _bind(gm: fx.GraphModule, routing: Routing) -> Block | None:
     x = meta.tensor(hidden[0])
     if meta.tensor(output).dtype != x.dtype:
         raise _Miss(f"the block returns {meta.tensor(output).dtype}, its input is {x.dtype}", output)
-    return Block(routing, nodes, output, hidden[0], w_gate_up, w_down, activation, transposed)
+    gemm = next((n for n in nodes if _weight_input(n) is None and any(_weight_input(a) is w_gate_up
+                                                                      for a in n.all_input_nodes)), output)  # fmt: skip
+    weight_input = routing.weights in moe_router.upstream(gemm, set(nodes) | {routing.weights})
+    return Block(routing, nodes, output, hidden[0], w_gate_up, w_down, activation, transposed, weight_input)
 
 
 def _find_output(routing: Routing, tokens: Any) -> tuple[fx.Node | None, tuple[fx.Node, ...]]:
     """The first floating ``[T, *]`` value after the routing that depends on its ids and weights
     and on two 3-D weight inputs, followed through pass-through ops; and those weights."""
-    seeds = {routing.ids: (True, False, frozenset()), routing.weights: (False, True, frozenset())}
+    reads_ids = routing.weights in _downstream({routing.ids}, _pos(routing.weights))  # gathered, densified
+    seeds = {routing.ids: (True, False, frozenset()), routing.weights: (reads_ids, True, frozenset())}
     deps: dict[fx.Node, tuple[bool, bool, frozenset[fx.Node]]] = dict(seeds)
     node = routing.topk.next
     while node.op != "output":
@@ -487,6 +492,11 @@ def _replace_router(graph: fx.Graph, router: moe_router.Router, fake_mode: Any, 
     pos = _pos(first)
     with graph.inserting_before(first):
         weights, ids = _route_call(graph, router, fake_mode, pos)
+        if router.dense:  # zero but at the ids
+            zeros = graph.call_function(torch.ops.aten.zeros_like.default, (router.logits,), {"dtype": torch.float32})
+            weights = graph.call_function(torch.ops.aten.scatter.src, (zeros, -1, ids, weights))
+            for n in (zeros, weights):
+                _finish(n, router.topk, ROUTE_RULE, pos, fake_mode)
         dtype = meta.tensor(router.weights).dtype
         if dtype != torch.float32:
             weights = graph.call_function(CAST, (weights, dtype))

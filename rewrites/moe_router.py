@@ -84,6 +84,7 @@ class Router:
     group_top: int = 2
     renormalize: bool = False
     routed_scaling: float = 1.0
+    dense: bool = False  # the weights are [..., E], zero but at the ids (:func:`densify`)
 
     def args(self) -> tuple[Any, ...]:
         return (self.logits, self.bias, self.top_k, self.scoring, self.select, self.n_group, self.topk_group,
@@ -111,6 +112,8 @@ class Router:
         parts.append(f"renormalize={self.renormalize}")
         if self.routed_scaling != 1.0:
             parts.append(f"scaling={self.routed_scaling:g}")
+        if self.dense:
+            parts.append("dense weights")
         return ", ".join(parts)
 
 
@@ -129,6 +132,7 @@ class Selection:
     renormalize: bool
     scaling: float
     act: fx.Node | None
+    dense: bool = False  # the values scattered into a [T, E] of -inf first (Llama 4): dense weights
 
     @property
     def weights(self) -> fx.Node:
@@ -155,8 +159,27 @@ def selection(topk: fx.Node) -> Selection | None:
     start = values if values is not None and values.users else _gather_of(ids)
     if start is None:
         return None
-    chain, renormalize, scaling, act = _weights_chain(start)
-    return Selection(topk, ids, start, tuple(chain), renormalize, scaling, act)
+    dense = _densified(start, ids)
+    chain, renormalize, scaling, act = _weights_chain(dense or start)
+    if dense is not None:
+        chain.insert(0, dense)
+    return Selection(topk, ids, start, tuple(chain), renormalize, scaling, act, dense is not None)
+
+
+def _densified(values: fx.Node, ids: fx.Node) -> fx.Node | None:
+    """``full(-inf).scatter_(-1, ids, values)``: the one reader of ``values`` writing them at
+    their ids into a ``[..., E]`` of -inf (an activation then zeroes the others), else None."""
+    users = list(values.users)
+    if len(users) != 1 or users[0].op != "call_method" or users[0].target not in ("scatter_", "scatter"):
+        return None
+    s = users[0]
+    base, dim, index, src = (list(s.args) + [None] * 4)[:4]
+    t = meta.tensor(base)
+    if index is not ids or src is not values or t is None or dim not in (-1, t.dim() - 1):
+        return None
+    full = base if base.op == "call_function" and base.target in (torch.full_like, torch.full) else None
+    fill = full.args[1] if full is not None and len(full.args) > 1 else None
+    return s if fill == float("-inf") and len(base.users) == 1 else None
 
 
 def bind(topk: fx.Node) -> Router | None:
@@ -310,16 +333,16 @@ def _read(sel: Selection, logits: fx.Node) -> Router:
     if len(acts) != 1:
         raise Miss(f"the router holds {len(acts)} softmax or sigmoid scorings, fxr.moe_route one", topk)
     act = acts[0]
-    chooses_scores = act in _upstream(topk.args[0], inside)
+    chooses_scores = act in upstream(topk.args[0], inside)
     if act_after is not None and act is not act_after:
         raise Miss("the router scores the chosen values twice", act_after)
     groups = _groups(nodes, topk, e)
     return Router(topk, ids, weights, logits, biases[0] if biases else None, tuple(nodes), topk.args[1],
                   "softmax" if act.target is SOFTMAX else "sigmoid", "scores" if chooses_scores else "logits",
-                  *groups, sel.renormalize, sel.scaling)  # fmt: skip
+                  *groups, sel.renormalize, sel.scaling, sel.dense)  # fmt: skip
 
 
-def _upstream(n: fx.Node, inside: set[fx.Node]) -> set[fx.Node]:
+def upstream(n: fx.Node, inside: set[fx.Node]) -> set[fx.Node]:
     """``n`` and what it reads, transitively, within ``inside``."""
     seen: set[fx.Node] = set()
     stack = [n]
@@ -497,7 +520,17 @@ def _check(router: Router) -> str | None:
                                                    for a in router.args()])  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the router as bound does not run: it is not one
         return f"the router does not run as fxr.moe_route({router.describe()}): {type(e).__name__}: {e}"
+    if router.dense:
+        got = densify(got_w, got_ids, want_w.shape[-1]).to(want_w.dtype)
+        why = agrees(got, want_w, lambda: None)
+        return None if why is None else f"the router's weights are not fxr.moe_route({router.describe()})'s: {why}"
     return compare_routing(got_w, got_ids, want_w, want_ids, router.describe())
+
+
+def densify(weights: torch.Tensor, ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """``[..., E]`` float32: each token's weights at its ids, zero elsewhere."""
+    zeros = weights.new_zeros((*weights.shape[:-1], experts))
+    return zeros.scatter(-1, ids, weights)
 
 
 def compare_routing(got_w: torch.Tensor, got_ids: torch.Tensor, want_w: torch.Tensor, want_ids: torch.Tensor,

@@ -207,12 +207,13 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, ends_ptr, totals_ptr, weig
                      a_stride, w_stride_e, w_stride_n, w_stride_k, w_up, out_stride, n_blocks, group,
                      A_ROW_DIV: tl.constexpr, E_BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-                     WEIGHTED: tl.constexpr):  # fmt: skip
+                     WEIGHTED: tl.constexpr, SCALE_A: tl.constexpr = False):  # fmt: skip
     """Program (b, n) (:func:`_block_of`): block b's ``BM`` sorted rows, all pairs of one expert,
     times that expert's weight rows ``n*BN ..`` (and with ``GATED`` the up rows, ``w_up``
     elements further). A row of ``a`` is ``pair // A_ROW_DIV`` (x: the pair's token; h: the pair
     itself); the output row is the pair. Weights may be strided along k (a transposed view:
-    ``w_stride_k`` != 1, ``w_stride_n`` == 1)."""
+    ``w_stride_k`` != 1, ``w_stride_n`` == 1). ``SCALE_A``: each row of ``a`` times its pair's
+    routing weight first, rounded to ``a``'s dtype (the weight on the expert's input)."""
     b, n_tile, expert, valid = _block_of(tl.program_id(0), n_blocks, group, N, ends_ptr, totals_ptr, E, E_BLOCK,
                                          BM, BN)  # fmt: skip
     if expert < E:
@@ -225,12 +226,16 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, ends_ptr, totals_ptr, weig
         w_rows = w_ptr + expert.to(tl.int64) * w_stride_e + cols.to(tl.int64) * w_stride_n
         acc = tl.zeros([BM, BN], tl.float32)
         acc_up = acc
+        if SCALE_A:
+            scale = tl.load(weights_ptr + pair, mask=mmask, other=0.0)[:, None]
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
             a_mask, w_mask = mmask[:, None], nmask[:, None]
             if not EVEN_K:
                 a_mask, w_mask = a_mask & (ks < K)[None, :], w_mask & (ks < K)[None, :]
             a = tl.load(a_rows[:, None] + ks[None, :], mask=a_mask, other=0.0)
+            if SCALE_A:
+                a = (a.to(tl.float32) * scale).to(a_ptr.dtype.element_ty)
             w = tl.load(w_rows[:, None] + ks[None, :] * w_stride_k, mask=w_mask, other=0.0)
             acc += tl.dot(a, tl.trans(w))
             if GATED:
@@ -400,9 +405,10 @@ def _device_of(x: Tensor) -> contextlib.AbstractContextManager[object]:
 def moe(
     x: Tensor, router_logits: Tensor | None, topk_weights: Tensor | None, topk_ids: Tensor | None,
     w_gate_up: Tensor, w_down: Tensor, top_k: int, renormalize: bool, activation: str = "silu",
-    cfg: MoeConfig | None = None,
+    weight_input: bool = False, cfg: MoeConfig | None = None,
 ) -> Tensor:  # fmt: skip
-    """``fxr::moe`` (see :mod:`fxrewrite.runtime.ops.moe`); ``cfg`` overrides :func:`config`."""
+    """``fxr::moe`` (see :mod:`fxrewrite.runtime.ops.moe`); ``cfg`` overrides :func:`config`. The
+    weight on the experts' input takes the pointer kernels (the TMA kernel reads x unscaled)."""
     experts, width = moe_ops.check_args(x, router_logits, topk_weights, topk_ids, w_gate_up, w_down, top_k,
                                         activation)  # fmt: skip
     hidden = x.shape[-1]
@@ -412,7 +418,7 @@ def moe(
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=dev)
     if tokens == 0:
         return out.view(x.shape)
-    ready = tma_ready(xs, w_gate_up, w_down)
+    ready = tma_ready(xs, w_gate_up, w_down) and not weight_input
     cfg = cfg or config(tokens, top_k, experts, width, hidden, _sms(dev), ready)
     e_block, k_block = triton.next_power_of_2(experts), triton.next_power_of_2(top_k)
     chunk = max(1, min(triton.next_power_of_2(tokens), ONE_HOT_ELEMENTS // (e_block * k_block), CHUNK_TOKENS))
@@ -453,8 +459,9 @@ def moe(
                 _moe_gemm_kernel[(blocks * triton.cdiv(n, g.bn),)](
                     a, w, dst, rows, ends, totals, weights, n, k, experts, a.stride(0), w.stride(0), w.stride(1),
                     w.stride(2), n * w.stride(1), dst.stride(0), blocks, min(g.group or blocks, blocks), A_ROW_DIV=top_k if gated else 1, BN=g.bn,
-                    BK=g.bk, EVEN_K=k % g.bk == 0, GATED=gated, ACT=ACT_IDS[activation], WEIGHTED=not gated,
-                    num_warps=g.warps, num_stages=g.stages, **common,
+                    BK=g.bk, EVEN_K=k % g.bk == 0, GATED=gated, ACT=ACT_IDS[activation],
+                    WEIGHTED=not gated and not weight_input, SCALE_A=gated and weight_input, num_warps=g.warps,
+                    num_stages=g.stages, **common,
                 )  # fmt: skip
         _moe_sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](part, out, hidden, K=top_k, BLOCK=SUM_BLOCK)
     return out.view(x.shape)

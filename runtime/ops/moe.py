@@ -7,7 +7,8 @@ routing-weighted sum over each token's experts.
 x [..., H] (T tokens); routing either from ``router_logits`` [..., E] (softmax in float32 over
 the experts, the ``top_k`` largest) or given as ``topk_weights`` / ``topk_ids`` [..., top_k];
 ``renormalize`` divides each token's weights by their sum (top-k then softmax is softmax then
-top-k renormalized: the same weights). The experts are the stacked tensors a transformers
+top-k renormalized: the same weights); ``weight_input``: the weight scales each expert's input
+(Llama 4) instead of its output. The experts are the stacked tensors a transformers
 experts module holds, used in place: ``w_gate_up`` [E, 2I, H] (gate rows, then up rows) and
 ``w_down`` [E, H, I]. ``activation``: "silu", "gelu" or "gelu_tanh", applied to the gate half.
 
@@ -103,9 +104,12 @@ def act_and_mul(gate_up: Tensor, activation: str) -> Tensor:
 def moe_reference(
     x: Tensor, router_logits: Tensor | None, topk_weights: Tensor | None, topk_ids: Tensor | None,
     w_gate_up: Tensor, w_down: Tensor, top_k: int, renormalize: bool, activation: str = "silu",
+    weight_input: bool = False,
 ) -> Tensor:  # fmt: skip
     """``y[t] = sum_j w[t, j] * down_e(act_and_mul(gate_up_e(x[t])))`` with ``e = ids[t, j]``
-    (:func:`route`), summed in float32 and rounded once; see the module docstring."""
+    (:func:`route`), summed in float32 and rounded once; see the module docstring. With
+    ``weight_input`` the weight scales the expert's input instead (rounded to x's dtype):
+    ``y[t] = sum_j down_e(act_and_mul(gate_up_e(w[t, j] * x[t])))``."""
     check_args(x, router_logits, topk_weights, topk_ids, w_gate_up, w_down, top_k, activation)
     rows = x.reshape(-1, x.shape[-1])
     weights, ids = route(router_logits, topk_weights, topk_ids, top_k, renormalize)
@@ -113,14 +117,17 @@ def moe_reference(
     for e in range(w_gate_up.shape[0]):
         routed = ids == e
         share = (weights * routed).sum(dim=-1, keepdim=True)  # [T, 1]: this expert's weight per token
-        h = act_and_mul(F.linear(rows, w_gate_up[e]), activation)
-        out += torch.where(routed.any(dim=-1, keepdim=True), share * F.linear(h, w_down[e]).float(), 0.0)
+        inputs = (rows.float() * share).to(rows.dtype) if weight_input else rows
+        h = act_and_mul(F.linear(inputs, w_gate_up[e]), activation)
+        down = F.linear(h, w_down[e]).float()
+        out += torch.where(routed.any(dim=-1, keepdim=True), down if weight_input else share * down, 0.0)
     return out.to(x.dtype).view(x.shape)
 
 
 def _moe_fake(
     x: Tensor, router_logits: Tensor | None, topk_weights: Tensor | None, topk_ids: Tensor | None,
     w_gate_up: Tensor, w_down: Tensor, top_k: int, renormalize: bool, activation: str = "silu",
+    weight_input: bool = False,
 ) -> Tensor:  # fmt: skip
     check_args(x, router_logits, topk_weights, topk_ids, w_gate_up, w_down, top_k, activation)
     return x.new_empty(x.shape)
@@ -129,6 +136,7 @@ def _moe_fake(
 def triton_check(
     x: Tensor, router_logits: Tensor | None, topk_weights: Tensor | None, topk_ids: Tensor | None,
     w_gate_up: Tensor, w_down: Tensor, top_k: int, renormalize: bool, activation: str = "silu",
+    weight_input: bool = False,
 ) -> str | None:  # fmt: skip
     """The Triton kernels: bf16/fp16 input and weights, weights with unit stride along one of
     their last two dims (as stored, or a transposed view), at most ``MAX_EXPERTS`` experts, every

@@ -10,7 +10,8 @@ import torch
 
 EXPERTS, WIDTH, TOP_K = 4, 16, 2
 NAMES = ("router_logits", "topk_weights", "topk_ids", "w_gate_up", "w_down", "top_k", "renormalize", "activation",
-         "correction_bias", "scoring", "select", "n_group", "topk_group", "group_top", "routed_scaling")
+         "weight_input", "correction_bias", "scoring", "select", "n_group", "topk_group", "group_top",
+         "routed_scaling")
 ROUTER = {"scoring": "sigmoid", "select": "scores", "n_group": 2, "topk_group": 1, "group_top": 2, "routed_scaling": 2.5}
 
 
@@ -29,7 +30,7 @@ def moe_arg(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Ge
         return torch.randn(EXPERTS, generator=gen, device=device) * 0.1
     if name in ROUTER:
         return ROUTER[name]
-    return {"top_k": TOP_K, "renormalize": True, "activation": "silu"}[name]
+    return {"top_k": TOP_K, "renormalize": True, "activation": "silu", "weight_input": False}[name]
 
 
 def experts(count: int, width: int, hidden: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,3 +119,13 @@ def test_cuda_graph_replays_other_routings(gen: torch.Generator, how: str, token
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, moe.moe_reference(*static))
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+@pytest.mark.parametrize("weight_input", [False, True])
+def test_transposed_weights_and_the_weight_on_the_input(gen: torch.Generator, weight_input: bool, tokens: int) -> None:
+    """Weights stored [E, H, 2I] / [E, I, H] (read through transposed views: strided along k,
+    never TMA) and, Llama 4's way, the routing weight scaling each expert's input."""
+    args = list(args_for(tokens, 16, 1 if weight_input else 2, gen, renormalize=False))
+    args[4], args[5] = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in args[4:6])  # type: ignore[union-attr]
+    check((*args, weight_input))

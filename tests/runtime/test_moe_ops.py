@@ -183,6 +183,23 @@ def test_kernel_reads_transposed_weights(triton_moe: types.ModuleType, gen: torc
     assert_close(triton_moe.moe(*args), moe.moe_reference(*args))
 
 
+def test_weight_on_the_input_scales_each_experts_input(gen: torch.Generator) -> None:
+    """``weight_input``: ``sum_j down_e(act(gate_e(w x)) * up_e(w x))``, per pair from the definition;
+    its negative twin, the weight on the output, differs (the experts are not linear)."""
+    x, _, gate_up, down = sample(gen)
+    weights, ids = routing(5, 2, gen, 8)
+    got = moe.moe_reference(x, None, weights, ids, gate_up, down, 2, False, "silu", True)
+    want = sum(per_pair(x * weights[:, j:j + 1], torch.ones(5, 1), ids[:, j:j + 1], gate_up, down) for j in range(2))
+    assert_close(got, want)
+    assert not torch.allclose(got, moe.moe_reference(x, None, weights, ids, gate_up, down, 2, False, "silu"))
+
+
+def test_kernel_scales_the_input_by_the_weight(triton_moe: types.ModuleType, gen: torch.Generator) -> None:
+    x, _, gate_up, down = sample(gen, 9, 8, 16, 32, F16)
+    args = (x, None, *routing(9, 1, gen, 8), gate_up, down, 1, False, "silu", True)
+    assert_close(triton_moe.moe(*args), moe.moe_reference(*args))
+
+
 def test_kernel_skips_experts_that_receive_no_token(triton_moe: types.ModuleType, gen: torch.Generator) -> None:
     """Tokens routed to 3 of 16 experts: the other experts' blocks are empty; their weights are
     NaN, so reading any of them would show."""
