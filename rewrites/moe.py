@@ -6,6 +6,11 @@ experts and the weighted sum over each token's experts.
     ... renormalize, sort / gather, grouped_mm or bmm,                     2, True, "silu")
     silu(gate) * up, down GEMM, * weights, scatter, sum ...
 
+    %scores = aten.sigmoid(%logits); ... groups ...          %r = fxr.moe_route(%logits, %bias, 8,
+    %ids = aten.topk(%choice, 8)[1]                   ->           "sigmoid", "scores", 8, 4, 2, True, 2.5)
+    %w = %scores.gather(1, %ids) ... * 2.5                   %moe = fxr.moe(%x, None, %r[0], %r[1], ...)
+    ... experts as above ...
+
 Why a graph pass and not a rule: transformers 5 runs an experts module through
 ``use_experts_implementation``, and each implementation spells the same function differently:
 ``batched_mm`` gathers each pair's weights and calls ``bmm``; ``grouped_mm`` sorts the pairs by
@@ -16,19 +21,27 @@ compile under ``fullgraph=True`` (it iterates over a data-dependent ``nonzero``)
 spelling would enumerate versions; instead the pass binds the block by its interface and proves
 its function:
 
-1. **Routing** (from each ``aten.topk`` over the last dim): softmax, then top-k, then an
-   optional renormalization (a division by the values' own sum, in place or not) and casts; or
-   top-k of the logits, then softmax (the same weights as softmax, top-k, renormalize). Then the
-   op takes the logits. Any other scoring (sigmoid, biased selection) binds as given routing:
-   the op takes the weights and ids the experts read, and the router stays as written.
+1. **Routing** (from each ``aten.topk`` over the last dim, :mod:`.moe_router`): the router
+   bound by what it computes. A softmax router ``fxr.moe`` computes itself (softmax then top-k,
+   renormalized or not, or top-k of the logits then softmax) hands it the logits; any other
+   router ``fxr.moe_route`` states (sigmoid, a correction bias, groups, scaling, Llama 4's dense
+   scores) is in the block, and ``fxr.moe`` takes that op's weights and ids. A router neither
+   can state binds as given routing: the op takes the weights and ids the experts read, and
+   the router stays as written (a near miss says why). A router whose experts do not fuse
+   becomes ``fxr.moe_route`` alone.
 2. **Experts**: walking forward from the routing in graph order, the first floating ``[T, H]``
    value that depends on the ids, the weights and two 3-D weights read from graph inputs is the
    block's output (followed through casts and reshapes that keep ``[T, H]``). Walking back from
-   it, the block is every node up to the routing, the two weights, scalars and the first
-   ``[T, H]`` value that does not depend on the routing: the hidden states.
+   it, the block is every node up to the routing, the two weights, scalars and the ``[T, H]``
+   values that do not depend on the routing: the hidden states (wherever the code reshaped
+   them). The routing weight scales the experts' input (``weight_input``) when it reaches the
+   gate/up GEMM.
 3. **Guards**: the block reads nothing else, nothing outside it reads a value inside it, it
-   mutates none of its inputs, it holds one activation (SiLU or GELU), and the weights are laid
-   out as ``[E, 2I, H]`` (gate rows, then up rows) and ``[E, H, I]``.
+   mutates none of its inputs, it holds one activation (SiLU or GELU), the weights are laid
+   out as ``[E, 2I, H]`` (gate rows, then up rows) and ``[E, H, I]`` or stored transposed
+   (``[E, H, 2I]``, ``[E, I, H]``: the op reads transposed views), and the router chooses
+   among as many experts as there are (an extra "no expert" class would hand the op ids out of
+   range).
 4. **Proof**: the block, copied into a standalone graph, and ``fxr.moe``'s reference run on
    fresh random hidden states and routing (the model's own expert weights, random ones where
    these are all zero or not parameters) and must agree within the dtype's tolerance
@@ -226,6 +239,9 @@ def _bind(gm: fx.GraphModule, routing: Routing) -> Block | None:
     t = meta.tensor(routing.ids)
     if t is None or t.dim() != 2:
         return None
+    if routing.router is None and routing.logits is None and not meta.same_shape(routing.weights, routing.ids):
+        raise _Miss(f"the experts read weights {list(meta.tensor(routing.weights).shape)} beside ids "
+                    f"{list(t.shape)}: not given routing fxr.moe takes", routing.weights)  # fmt: skip
     tokens = t.shape[0]
     output, weights = _find_output(routing, tokens)
     if output is None:
@@ -406,7 +422,10 @@ def _check(gm: fx.GraphModule, block: Block) -> str | None:
     router = block.routing.router
     with torch.no_grad():  # the block mutates none of its inputs (checked): run it on them
         want = sub(*values)[0]
-        routed = moe_route_reference(*map(value, router.args())) if router is not None else (None, None)
+        routed: tuple[Any, Any] = (None, None)
+        if router is not None:  # the weights rounded as the code rounds them
+            w, ids = moe_route_reference(*map(value, router.args()))
+            routed = (w.to(meta.tensor(router.weights).dtype), ids)
         experts = tuple(value(w).transpose(1, 2) if block.transposed else value(w)
                         for w in (block.w_gate_up, block.w_down))  # fmt: skip
         got = moe_reference(*map(value, block.args(*routed, experts=experts)))
@@ -466,14 +485,20 @@ def _replace(graph: fx.Graph, block: Block, fake_mode: Any, result: PassResult) 
                              note=block.describe().strip("()")))  # fmt: skip
 
 
-def _route_call(graph: fx.Graph, router: moe_router.Router, fake_mode: Any, pos: int) -> tuple[fx.Node, fx.Node]:
-    """``fxr.moe_route`` on the router's arguments at the insert point: (weights, ids) nodes."""
+def _route_call(graph: fx.Graph, router: moe_router.Router, fake_mode: Any, pos: int,
+                rounded: bool = True) -> tuple[fx.Node, fx.Node]:  # fmt: skip
+    """``fxr.moe_route`` on the router's arguments at the insert point: (weights, ids) nodes; the
+    weights cast to the dtype the code gives them (``rounded``), else float32."""
     route = graph.call_function(torch.ops.fxr.moe_route.default, router.args())
     _finish(route, router.topk, ROUTE_RULE, pos, fake_mode)
     picks = []
     for i in (0, 1):
         picks.append(graph.call_function(operator.getitem, (route, i)))
         _finish(picks[-1], router.topk, ROUTE_RULE, pos, fake_mode)
+    dtype = meta.tensor(router.weights).dtype
+    if rounded and dtype != torch.float32:
+        picks[0] = graph.call_function(CAST, (picks[0], dtype))
+        _finish(picks[0], router.topk, ROUTE_RULE, pos, fake_mode)
     return picks[0], picks[1]
 
 
@@ -491,7 +516,7 @@ def _replace_router(graph: fx.Graph, router: moe_router.Router, fake_mode: Any, 
     first = min(outside, key=_pos) if outside else router.ids.next
     pos = _pos(first)
     with graph.inserting_before(first):
-        weights, ids = _route_call(graph, router, fake_mode, pos)
+        weights, ids = _route_call(graph, router, fake_mode, pos, rounded=False)
         if router.dense:  # zero but at the ids
             zeros = graph.call_function(torch.ops.aten.zeros_like.default, (router.logits,), {"dtype": torch.float32})
             weights = graph.call_function(torch.ops.aten.scatter.src, (zeros, -1, ids, weights))
