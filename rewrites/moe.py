@@ -202,9 +202,10 @@ def fuse_moe(gm: fx.GraphModule, site_filter: SiteFilter | None = None) -> PassR
             else:
                 result.rejected.append(Rejected(ROUTE_RULE, topk.name, meta.source_line(topk), refusal))
         for why, rule in ((router_miss, ROUTE_RULE), (miss, RULE)):
-            if why is not None:
+            if why is not None:  # the experts' miss names the module around the router and the experts
+                module = meta.module_path(topk) if rule == ROUTE_RULE else meta.common_module((topk, why.at))
                 result.near_misses.append(NearMiss(rule, topk.name, meta.source_line(topk), why.at.name, why.reason,
-                                                   meta.module_path(topk)))  # fmt: skip
+                                                   module or meta.module_path(topk)))  # fmt: skip
     return result
 
 
@@ -254,6 +255,10 @@ def _bind(gm: fx.GraphModule, routing: Routing) -> Block | None:
                     "out of their range)", routing.topk)  # fmt: skip
     nodes, reads = _walk_back(output, routing, tokens, hidden_size)
     stops = set(routing.inputs)
+    unknown = [n for n in reads if not meta.is_tensor(n) and meta.value(n) is not None and meta.hint(meta.value(n)) is None]
+    if unknown:
+        raise _Miss(f"the experts run on sizes read from tensors at run time (`{unknown[0].name}`: the tokens "
+                    "each expert got), which fxr.moe does not take", output)  # fmt: skip
     missing = [n for n in routing.inputs if n not in reads]
     if missing:
         raise _Miss(f"the experts do not read the routing's `{missing[0].name}`", missing[0])
@@ -308,8 +313,11 @@ def _find_output(routing: Routing, tokens: Any) -> tuple[fx.Node | None, tuple[f
 
 
 def _weight_input(n: fx.Node) -> fx.Node | None:
-    """The 3-D floating graph input (parameter) that ``n`` is, or a view of, else None."""
-    while n.op == "call_function" and n.target in _WEIGHT_VIEWS or n.op == "call_method" and n.target in _WEIGHT_VIEW_METHODS:
+    """The 3-D floating graph input (parameter) that ``n`` is, a view of, or one expert of
+    (``w[i]``: experts run one by one), else None."""
+    while (n.op == "call_function" and (n.target in _WEIGHT_VIEWS or n.target is operator.getitem
+                                        and isinstance(n.args[1], int))
+           or n.op == "call_method" and n.target in _WEIGHT_VIEW_METHODS):  # fmt: skip
         n = n.args[0]
     t = meta.tensor(n)
     ok = n.op in ("placeholder", "get_attr") and t is not None and t.dim() == 3 and t.dtype.is_floating_point
