@@ -68,7 +68,7 @@ import torch.fx as fx
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite import meta
-from fxrewrite.canonicalize import CAST, GELU, PERMUTE, RESHAPE, SILU, SUM, TOPK
+from fxrewrite.canonicalize import CAST, CLAMP, GELU, MUL, PERMUTE, RESHAPE, SIGMOID, SILU, SLICE, SUM, TOPK
 from fxrewrite.passes import SiteFilter
 from fxrewrite.report import NearMiss, PassResult, Rejected, Site
 from fxrewrite.rewrites import moe_router
@@ -132,6 +132,11 @@ class Block:
     activation: str
     transposed: bool = False  # the weights are stored [E, H, 2I] / [E, I, H]: the op reads transposed views
     weight_input: bool = False  # the routing weight scales the experts' input (reaches the gate/up GEMM)
+    b_gate_up: fx.Node | None = None  # [E, 2I], added to the gate/up GEMM's output
+    b_down: fx.Node | None = None  # [E, H], added to the down GEMM's output
+    interleaved: bool = False  # gate and up rows alternate
+    alpha: float = 1.702  # the clamped SwiGLU's
+    limit: float = 7.0
 
     def args(self, weights: Any = None, ids: Any = None, experts: tuple[Any, Any] | None = None) -> tuple[Any, ...]:
         """``fxr.moe``'s arguments; with a router, ``weights`` and ``ids`` are its outputs;
@@ -142,11 +147,14 @@ class Block:
         else:
             given = (None, r.weights, r.ids) if r.logits is None else (r.logits, None, None)
         w_gate_up, w_down = experts or (self.w_gate_up, self.w_down)
-        return (self.x, *given, w_gate_up, w_down, r.top_k, r.renormalize, self.activation, self.weight_input)
+        return (self.x, *given, w_gate_up, w_down, r.top_k, r.renormalize, self.activation, self.weight_input,
+                self.b_gate_up, self.b_down, self.interleaved, self.alpha, self.limit)  # fmt: skip
 
     def describe(self) -> str:
         r = self.routing
-        layout = (", transposed weights" if self.transposed else "") + (", weight on the input" if self.weight_input else "")
+        layout = "".join(f", {name}" for name, on in (
+            ("transposed weights", self.transposed), ("weight on the input", self.weight_input),
+            ("biases", self.b_gate_up is not None or self.b_down is not None), ("interleaved", self.interleaved)) if on)
         return f"({r.describe()}, top_k={r.top_k}, renormalize={r.renormalize}, {self.activation}{layout})"
 
 
@@ -266,7 +274,9 @@ def _bind(gm: fx.GraphModule, routing: Routing) -> Block | None:
     if len(hidden) != 1:
         raise _Miss(f"the experts read {len(hidden)} [T, {hidden_size}] values from before the router, "
                     "not one (the hidden states)", output)  # fmt: skip
-    others = [n for n in reads if _tensors(n) and n not in stops and n not in (hidden[0], w_gate_up, w_down)]
+    b_gate_up, b_down = _biases(reads, nodes, w_gate_up, w_down, transposed)
+    known = (hidden[0], w_gate_up, w_down, b_gate_up, b_down)
+    others = [n for n in reads if _tensors(n) and n not in stops and n not in known]
     if others:
         names = ", ".join(f"`{n.name}`" for n in others[:3])
         raise _Miss(f"the experts also read {names}, not hidden states, routing or expert weights", others[0])
@@ -278,18 +288,49 @@ def _bind(gm: fx.GraphModule, routing: Routing) -> Block | None:
         target = writes(n)
         if target is not None and target not in inside:
             raise _Miss(f"`{n.name}` overwrites the block's input `{target.name}` in place", n)
-    acts = [n for n in nodes if n.target in (SILU, GELU)]
-    if len(acts) != 1:
-        raise _Miss(f"the experts hold {len(acts)} activations (SiLU or GELU), fxr.moe one", output)
-    approximate = acts[0].kwargs.get("approximate", "none")
-    activation = "silu" if acts[0].target is SILU else "gelu_tanh" if approximate == "tanh" else "gelu"
+    activation, alpha, limit = _activation([n for n in nodes if n not in routing.scores], output)
+    interleaved = any(n.target is SLICE and n.args[4] == 2 for n in nodes)
     x = meta.tensor(hidden[0])
     if meta.tensor(output).dtype != x.dtype:
         raise _Miss(f"the block returns {meta.tensor(output).dtype}, its input is {x.dtype}", output)
     gemm = next((n for n in nodes if _weight_input(n) is None and any(_weight_input(a) is w_gate_up
                                                                       for a in n.all_input_nodes)), output)  # fmt: skip
     weight_input = routing.weights in moe_router.upstream(gemm, set(nodes) | {routing.weights})
-    return Block(routing, nodes, output, hidden[0], w_gate_up, w_down, activation, transposed, weight_input)
+    return Block(routing, nodes, output, hidden[0], w_gate_up, w_down, activation, transposed, weight_input,
+                 b_gate_up, b_down, interleaved, alpha, limit)  # fmt: skip
+
+
+def _activation(nodes: list[fx.Node], output: fx.Node) -> tuple[str, float, float]:
+    """(activation, alpha, limit): one SiLU or GELU; or a clamped SwiGLU (``gate.clamp(max=l)``,
+    ``up.clamp(-l, l)``, ``gate * sigmoid(gate * alpha)``; the proof checks the rest)."""
+    acts = [n for n in nodes if n.target in (SILU, GELU)]
+    if len(acts) == 1:
+        approximate = acts[0].kwargs.get("approximate", "none")
+        return ("silu" if acts[0].target is SILU else "gelu_tanh" if approximate == "tanh" else "gelu"), 1.702, 7.0
+    number = (int, float)
+    gates = [n for n in nodes if n.target is CLAMP and n.args[1] is None and isinstance(n.args[2], number)]
+    ups = [n for n in nodes if n.target is CLAMP and isinstance(n.args[1], number) and isinstance(n.args[2], number)
+           and n.args[1] == -n.args[2]]  # fmt: skip
+    sigmoids = [n for n in nodes if n.target is SIGMOID and n.args[0].target is MUL and n.args[0].args[0] in gates
+                and isinstance(n.args[0].args[1], number)]  # fmt: skip
+    if not acts and len(gates) == len(ups) == len(sigmoids) == 1 and gates[0].args[2] == ups[0].args[2]:
+        return "clamped_swiglu", float(sigmoids[0].args[0].args[1]), float(gates[0].args[2])
+    raise _Miss(f"the experts hold {len(acts)} activations (SiLU or GELU) and no clamped SwiGLU, fxr.moe one", output)
+
+
+def _biases(reads: list[fx.Node], nodes: list[fx.Node], w_gate_up: fx.Node, w_down: fx.Node,
+            transposed: bool) -> tuple[fx.Node | None, fx.Node | None]:  # fmt: skip
+    """The experts' biases among the block's graph inputs: ``[E, 2I]`` (gate/up) and ``[E, H]``
+    (down); where both have one shape, the one read first is the gate/up's."""
+    e, i2, h = map(meta.dim_key, meta.tensor(w_gate_up).shape)
+    if transposed:
+        i2, h = h, i2
+    first = {n: min((_pos(u) for u in n.users if u in set(nodes)), default=0) for n in reads}
+    found = sorted((n for n in reads if n.op in ("placeholder", "get_attr") and (t := meta.tensor(n)) is not None
+                    and t.dim() == 2 and tuple(map(meta.dim_key, t.shape)) in ((e, i2), (e, h))), key=first.get)  # fmt: skip
+    gate_up = next((n for n in found if tuple(map(meta.dim_key, meta.tensor(n).shape)) == (e, i2)), None)
+    down = next((n for n in found if n is not gate_up and tuple(map(meta.dim_key, meta.tensor(n).shape)) == (e, h)), None)
+    return gate_up, down
 
 
 def _find_output(routing: Routing, tokens: Any) -> tuple[fx.Node | None, tuple[fx.Node, ...]]:
@@ -449,7 +490,7 @@ def _sample(gm: fx.GraphModule, n: fx.Node, block: Block, gen: torch.Generator) 
         return meta.hint(meta.value(n))
     shape = tuple(int(meta.hint(d)) for d in t.shape)
     device = t.device if t.device.type != "meta" else torch.device("cpu")
-    if n in (block.w_gate_up, block.w_down):
+    if n in (block.w_gate_up, block.w_down, block.b_gate_up, block.b_down):
         real = n.meta.get("fxr_param") if n.op == "placeholder" else getattr(gm, str(n.target), None)
         if isinstance(real, torch.Tensor) and bool(real.detach().ne(0).any()):
             return real.detach()

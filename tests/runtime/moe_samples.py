@@ -10,7 +10,7 @@ import torch
 
 EXPERTS, WIDTH, TOP_K = 4, 16, 2
 NAMES = ("router_logits", "topk_weights", "topk_ids", "w_gate_up", "w_down", "top_k", "renormalize", "activation",
-         "weight_input", "correction_bias", "scoring", "select", "n_group", "topk_group", "group_top",
+         "weight_input", "b_gate_up", "b_down", "interleaved", "alpha", "limit", "correction_bias", "scoring", "select", "n_group", "topk_group", "group_top",
          "routed_scaling")
 ROUTER = {"scoring": "sigmoid", "select": "scores", "n_group": 2, "topk_group": 1, "group_top": 2, "routed_scaling": 2.5}
 
@@ -30,6 +30,9 @@ def moe_arg(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Ge
         return torch.randn(EXPERTS, generator=gen, device=device) * 0.1
     if name in ROUTER:
         return ROUTER[name]
+    defaults = {"b_gate_up": None, "b_down": None, "interleaved": False, "alpha": 1.702, "limit": 7.0}
+    if name in defaults:
+        return defaults[name]
     return {"top_k": TOP_K, "renormalize": True, "activation": "silu", "weight_input": False}[name]
 
 

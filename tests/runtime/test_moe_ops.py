@@ -66,7 +66,7 @@ def test_reference_is_the_routing_weighted_sum_of_each_tokens_experts(
     assert_close(got, per_pair(x, weights, ids, gate_up, down))
 
 
-@pytest.mark.parametrize("activation", moe.ACTIVATIONS)
+@pytest.mark.parametrize("activation", [a for a in moe.ACTIVATIONS if a != "clamped_swiglu"])  # its own test below
 def test_activation_is_applied_to_the_gate_half(gen: torch.Generator, activation: str) -> None:
     x, _, gate_up, down = sample(gen)
     weights, ids = routing(5, 3, gen, 8)
@@ -197,6 +197,54 @@ def test_weight_on_the_input_scales_each_experts_input(gen: torch.Generator) -> 
 def test_kernel_scales_the_input_by_the_weight(triton_moe: types.ModuleType, gen: torch.Generator) -> None:
     x, _, gate_up, down = sample(gen, 9, 8, 16, 32, F16)
     args = (x, None, *routing(9, 1, gen, 8), gate_up, down, 1, False, "silu", True)
+    assert_close(triton_moe.moe(*args), moe.moe_reference(*args))
+
+
+def clamped_experts(gen: torch.Generator, count: int, width: int, hidden: int, dtype: torch.dtype,
+                    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """gpt-oss's experts: weights stored [E, H, 2I] / [E, I, H] with gate and up interleaved,
+    a bias per expert on each GEMM (read through transposed views, as the op takes them)."""
+    gate_up = (torch.randn((count, hidden, 2 * width), generator=gen) * hidden**-0.5).to(dtype)
+    down = (torch.randn((count, width, hidden), generator=gen) * width**-0.5).to(dtype)
+    b_gate_up = torch.randn((count, 2 * width), generator=gen).to(dtype)
+    b_down = torch.randn((count, hidden), generator=gen).to(dtype)
+    return gate_up.transpose(1, 2), down.transpose(1, 2), b_gate_up, b_down
+
+
+def gpt_oss_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, experts: tuple[torch.Tensor, ...],
+                    limit: float = 7.0) -> torch.Tensor:  # fmt: skip
+    """gpt-oss's experts as transformers writes them, one pair at a time."""
+    gate_up_t, down_t, b_gate_up, b_down = (e.transpose(1, 2) if e.dim() == 3 else e for e in experts)
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate_up = x[t] @ gate_up_t[e] + b_gate_up[e]
+            gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(min=-limit, max=limit)
+            h = (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+            out[t] += float(w[t, j]) * (h @ down_t[e] + b_down[e]).float()
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_clamped_swiglu_experts_with_biases_interleaved(gen: torch.Generator, dtype: torch.dtype) -> None:
+    x = torch.randn((6, 32), generator=gen).to(dtype) * 4  # past the clamp
+    experts = clamped_experts(gen, 8, 16, 32, dtype)
+    weights, ids = routing(6, 2, gen, 8)
+    got = moe.moe_reference(x, None, weights, ids, experts[0], experts[1], 2, False, "clamped_swiglu", False,
+                            experts[2], experts[3], True, 1.702, 7.0)  # fmt: skip
+    assert_close(got, gpt_oss_experts(x, weights, ids, experts))
+    halves = moe.moe_reference(x, None, weights, ids, experts[0], experts[1], 2, False, "clamped_swiglu", False,
+                               experts[2], experts[3], False)  # fmt: skip
+    assert not torch.allclose(got.float(), halves.float())  # negative twin: gate and up as halves
+
+
+def test_kernel_clamped_swiglu_biases_interleaved(triton_moe: types.ModuleType, gen: torch.Generator) -> None:
+    x = torch.randn((13, 32), generator=gen).half() * 4
+    experts = clamped_experts(gen, 8, 16, 32, F16)
+    args = (x, None, *routing(13, 2, gen, 8), experts[0], experts[1], 2, False, "clamped_swiglu", False, experts[2],
+            experts[3], True, 1.702, 7.0)  # fmt: skip
+    assert moe.triton_check(*args) is None
     assert_close(triton_moe.moe(*args), moe.moe_reference(*args))
 
 
