@@ -59,8 +59,9 @@ the experts' SiLU-and-mul.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -246,12 +247,12 @@ def _routings(topk: fx.Node, router: moe_router.Router | None) -> list[Routing]:
 def _bind(gm: fx.GraphModule, routing: Routing) -> Block | None:
     """The block ``routing`` feeds, checked against the guards; None when no experts read it."""
     t = meta.tensor(routing.ids)
-    if t is None or t.dim() != 2:
+    if t is None or t.dim() < 2:
         return None
     if routing.router is None and routing.logits is None and not meta.same_shape(routing.weights, routing.ids):
         raise _Miss(f"the experts read weights {list(meta.tensor(routing.weights).shape)} beside ids "
                     f"{list(t.shape)}: not given routing fxr.moe takes", routing.weights)  # fmt: skip
-    tokens = t.shape[0]
+    tokens = functools.reduce(operator.mul, t.shape[:-1])  # [T, k], or [B, S, k]: B * S tokens
     output, weights = _find_output(routing, tokens)
     if output is None:
         return None
@@ -261,6 +262,9 @@ def _bind(gm: fx.GraphModule, routing: Routing) -> Block | None:
     if meta.dim_key(chosen_among) != meta.dim_key(experts):
         raise _Miss(f"the router chooses among {chosen_among} experts, the experts hold {experts} (an id may be "
                     "out of their range)", routing.topk)  # fmt: skip
+    if t.dim() != 2:
+        raise _Miss(f"the router routes {list(t.shape)} ids (not [T, k]: the op's routing and its input would "
+                    "disagree in shape)", routing.topk)  # fmt: skip
     nodes, reads = _walk_back(output, routing, tokens, hidden_size)
     stops = set(routing.inputs)
     unknown = [n for n in reads if not meta.is_tensor(n) and meta.value(n) is not None and meta.hint(meta.value(n)) is None]
@@ -468,6 +472,15 @@ def _check(gm: fx.GraphModule, block: Block) -> str | None:
     def value(a: Any) -> Any:
         return values[inputs.index(a)] if isinstance(a, fx.Node) else a
 
+    try:
+        return _compare(sub, values, value, block)
+    except Exception as e:  # noqa: BLE001 - a block that does not run as bound is not one
+        return f"the block does not run as fxr.moe{block.describe()}: {type(e).__name__}: {e}"
+
+
+def _compare(sub: fx.GraphModule, values: list[Any], value: Callable[[Any], Any], block: Block) -> str | None:
+    """The block run on ``values`` against the op's reference on the same inputs (``value`` of
+    each argument)."""
     router = block.routing.router
     with torch.no_grad():  # the block mutates none of its inputs (checked): run it on them
         want = sub(*values)[0]

@@ -5,12 +5,10 @@ transposed weights), and the families whose router fuses alone (an extra "no exp
 experts written as a loop over ``split``). Built as the coverage sweep builds them
 (``bench/coverage.py``: the default config shrunk, random weights), called on 8 tokens; exact
 counts of ``fxr.moe`` and ``fxr.moe_route``, no ``topk`` left, no near miss of either, outputs
-against eager (bf16: as close to the float32 model as eager bf16 is, on the tokens no routing
-near-tie reaches)."""
+against eager (largest error relative to the largest value, as test_moe_families.py)."""
 
 from __future__ import annotations
 
-import copy
 import functools
 import sys
 from pathlib import Path
@@ -20,7 +18,7 @@ import torch
 from helpers.rewrites import BF16, F32, fused, fused_nodes, misses
 
 from fxrewrite import models
-from fxrewrite.testing import Compiled, compile_once, routing_near_ties
+from fxrewrite.testing import Compiled, compile_once
 
 BENCH = str(Path(__file__).resolve().parents[2] / "bench")
 if BENCH not in sys.path:
@@ -33,7 +31,7 @@ import coverage  # noqa: E402  (bench/coverage.py: the sweep's builder)
 FAMILIES: dict[str, tuple[int, int, tuple[object, ...], str | None]] = {
     "glm4_moe": (1, 1, ("sigmoid", "scores", 1, True), None),
     "hy_v3": (1, 1, ("sigmoid", "scores", 1, True), None),
-    "kolibri1": (2, 2, ("sigmoid", "logits", 1, True), None),
+    "kolibri1": (2, 2, ("sigmoid", "logits", 1, False), None),  # norm_topk_prob off by default
     "ernie4_5_moe": (1, 1, ("softmax", "scores", 1, True), None),
     "llama4_text": (2, 2, ("sigmoid", "logits", 1, False), None),
     "aria_text": (2, 0, (), None),  # top-k of the logits then softmax: fxr.moe routes itself
@@ -44,17 +42,15 @@ TOLERANCE = {F32: 1e-5, BF16: 2e-2}
 
 
 @functools.cache
-def compiled(family: str, dtype: torch.dtype) -> tuple[Compiled, torch.nn.Module, torch.nn.Module, torch.Tensor]:
-    """The family compiled in ``dtype``, its float32 model, the ``dtype`` model, the input ids."""
-    ref32, _ = coverage.build(family)
+def compiled(family: str, dtype: torch.dtype) -> Compiled:
+    model, _ = coverage.build(family)
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1))
-    low = copy.deepcopy(ref32).to(dtype)
-    return compile_once(copy.deepcopy(low), ids), ref32, low, ids
+    return compile_once(model.to(dtype), ids)
 
 
 @pytest.mark.parametrize(("family", "dtype"), CASES, ids=lambda v: str(v).replace("torch.", ""))
 def test_routers_fuse_with_their_experts(family: str, dtype: torch.dtype) -> None:
-    r, ref32, low, ids = compiled(family, dtype)
+    r = compiled(family, dtype)
     moes, routes, route_args, experts_miss = FAMILIES[family]
     counts = fused(r.counts())
     assert (counts.get("moe", 0), counts.get("moe_route", 0)) == (moes, routes), counts
@@ -64,11 +60,4 @@ def test_routers_fuse_with_their_experts(family: str, dtype: torch.dtype) -> Non
     for node in fused_nodes(r, "moe_route"):
         assert (node.args[3], node.args[4], node.args[5], node.args[8]) == route_args
     out, eager = models.hidden_states(r.output).float(), models.hidden_states(r.eager).float()
-    if dtype is F32:
-        assert ((out - eager).abs().max() / eager.abs().max()).item() < TOLERANCE[F32]
-        return
-    keep = ~routing_near_ties(ref32, low, ids, causal=(1, 8)).reshape(-1)
-    with torch.no_grad():
-        ref = models.hidden_states(ref32(ids)).float().reshape(8, -1)
-    err, err_eager = ((v.reshape(8, -1) - ref)[keep].abs().max().item() for v in (out, eager))
-    assert keep.sum() >= 2 and err <= max(2 * err_eager, TOLERANCE[BF16] * ref.abs().max().item()), (err, err_eager)
+    assert ((out - eager).abs().max() / eager.abs().max()).item() < TOLERANCE[dtype]
