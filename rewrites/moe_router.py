@@ -83,7 +83,7 @@ class Router:
     topk_group: int = 1
     group_top: int = 2
     renormalize: bool = False
-    routed_scaling: float = 1.0
+    routed_scaling: float | fx.Node = 1.0  # a node: a float the graph reads (lifted)
     dense: bool = False  # the weights are [..., E], zero but at the ids (:func:`densify`)
 
     def args(self) -> tuple[Any, ...]:
@@ -110,7 +110,9 @@ class Router:
         if self.n_group > 1:
             parts.append(f"{self.topk_group} of {self.n_group} groups by top-{self.group_top}")
         parts.append(f"renormalize={self.renormalize}")
-        if self.routed_scaling != 1.0:
+        if isinstance(self.routed_scaling, fx.Node):
+            parts.append(f"scaling=`{self.routed_scaling.name}`")
+        elif self.routed_scaling != 1.0:
             parts.append(f"scaling={self.routed_scaling:g}")
         if self.dense:
             parts.append("dense weights")
@@ -130,7 +132,7 @@ class Selection:
     start: fx.Node
     chain: tuple[fx.Node, ...]
     renormalize: bool
-    scaling: float
+    scaling: float | fx.Node
     act: fx.Node | None
     dense: bool = False  # the values scattered into a [T, E] of -inf first (Llama 4): dense weights
 
@@ -221,7 +223,7 @@ def _gather_args(n: fx.Node) -> tuple[fx.Node, int, fx.Node] | None:
     return None
 
 
-def _weights_chain(start: fx.Node) -> tuple[list[fx.Node], bool, float, fx.Node | None]:
+def _weights_chain(start: fx.Node) -> tuple[list[fx.Node], bool, float | fx.Node, fx.Node | None]:
     """The nodes from ``start`` (top-k values or gathered scores) to the weights the experts read:
     casts, one softmax or sigmoid, renormalizations, products with numbers; and whether it
     renormalizes, the scaling, the activation if any."""
@@ -244,7 +246,9 @@ def _weights_chain(start: fx.Node) -> tuple[list[fx.Node], bool, float, fx.Node 
         elif act is None and not renormalize and (u.target is SIGMOID or u.target is SOFTMAX and u.args[1] == -1):
             act = u
             renormalize = renormalize or u.target is SOFTMAX
-        elif factor is not None:
+        elif isinstance(factor, fx.Node) and scaling == 1.0:
+            scaling = factor  # a float the graph reads (lifted): the op takes it as it is
+        elif isinstance(factor, float) and not isinstance(scaling, fx.Node):
             scaling *= factor
         else:
             break
@@ -261,8 +265,8 @@ def _renormalization(node: fx.Node) -> list[fx.Node] | None:
         return None
     denom, nodes = total, [total]
     u = next(iter(total.users))
-    eps_add = u.target in _ADD and isinstance(u.args[1], (int, float))
-    eps_clamp = u.target is CLAMP and isinstance(u.args[1], (int, float)) and u.args[2] is None
+    eps_add = u.target in _ADD and _scalar(u.args[1])
+    eps_clamp = u.target is CLAMP and _scalar(u.args[1]) and u.args[2] is None
     if (eps_add or eps_clamp) and len(u.users) == 1:
         denom = u
         nodes.append(u)
@@ -272,17 +276,23 @@ def _renormalization(node: fx.Node) -> list[fx.Node] | None:
     return nodes + [div]
 
 
+def _scalar(a: Any) -> bool:
+    """A number, or a node computing one (a float the graph reads)."""
+    return isinstance(a, (int, float)) and not isinstance(a, bool) or isinstance(a, fx.Node) and not meta.is_tensor(a)
+
+
 def _is_divide(n: fx.Node) -> bool:
     return (n.op == "call_function" and n.target in _DIVIDES) or (n.op == "call_method" and n.target == "div_")
 
 
-def _number_factor(u: fx.Node, node: fx.Node) -> float | None:
-    """The number ``u`` multiplies ``node`` by (``node * c``, ``node / c``), else None."""
+def _number_factor(u: fx.Node, node: fx.Node) -> float | fx.Node | None:
+    """The number ``u`` multiplies ``node`` by (``node * c``, ``node / c``; a scalar node the
+    graph computes, for a product), else None."""
     if u.op != "call_function" or len(u.args) != 2 or u.args[0] is not node:
         return None
     c = u.args[1]
     if isinstance(c, fx.Node):
-        c = meta.constant(c)
+        return c if u.target in _MULTIPLIES and not meta.is_tensor(c) and meta.value(c) is not None else None
     if not isinstance(c, (int, float)) or isinstance(c, bool):
         return None
     if u.target in _MULTIPLIES:
