@@ -439,7 +439,9 @@ def _roles(weights: Sequence[fx.Node], output: fx.Node) -> tuple[fx.Node, fx.Nod
         if isinstance(h, int) and h % 2 == 0 and down == (e, h // 2, i2):
             return a, b, True
     shapes = " and ".join(str(tuple(meta.tensor(w).shape)) for w in weights)
-    raise _Miss(f"expert weights {shapes} are not [E, 2I, H] and [E, H, I], nor stored transposed", output)
+    (e, a, b), other = (tuple(map(meta.dim_key, meta.tensor(w).shape)) for w in weights)
+    kind = " (one projection in, one out: experts without a gate)" if other in ((e, b, a), (e, a, b)) else ""
+    raise _Miss(f"expert weights {shapes} are not [E, 2I, H] and [E, H, I], nor stored transposed{kind}", output)
 
 
 def _tensors(n: fx.Node) -> bool:

@@ -61,3 +61,30 @@ def test_routers_fuse_with_their_experts(family: str, dtype: torch.dtype) -> Non
         assert (node.args[3], node.args[4], node.args[5], node.args[8]) == route_args
     out, eager = models.hidden_states(r.output).float(), models.hidden_states(r.eager).float()
     assert ((out - eager).abs().max() / eager.abs().max()).item() < TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["none", "piecewise"])
+@pytest.mark.parametrize("family", ["glm4_moe", "kolibri1", "llama4_text", "gpt_oss"])
+def test_on_the_gpu_triton_serves_router_and_experts(family: str, mode: str) -> None:
+    """bf16 on CUDA, eager and in piecewise CUDA graphs: fxr.moe_route and fxr.moe served by
+    their Triton kernels (no fallback) at 8, 5 and 1 tokens, outputs as test_moe_families.py's."""
+    import fxrewrite
+    from fxrewrite.runtime import providers
+
+    torch._dynamo.reset()
+    providers.reset_counts()
+    model, _ = coverage.build(family)
+    model = model.to("cuda", BF16)
+    backend = fxrewrite.Backend(mode=mode, capture_sizes=(1, 2, 4, 8), max_capture_size=8)
+    compiled_model = backend.compile(model)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for tokens in (8, 5, 1):
+            ids = torch.randint(0, 256, (1, tokens), device="cuda", generator=gen)
+            out, eager = (models.hidden_states(m(ids)).float() for m in (compiled_model, model))
+            assert ((out - eager).abs().max() / eager.abs().max()).item() < TOLERANCE[BF16]
+    served = providers.served()
+    for op in ("moe_route", "moe"):
+        assert served[op].get("triton", 0) > 0 and served[op].get("fallbacks") == {}, (op, served[op])
