@@ -318,7 +318,7 @@ class _Capture:
 
         seen = copy.deepcopy(gm)
         for a, b in zip(gm.graph.nodes, seen.graph.nodes):
-            b.meta = a.meta
+            b.meta = dict(a.meta)
         canonicalize(seen)
         self.before.append(candidates(seen))
         return self.inner(gm, example_inputs)

@@ -5,14 +5,21 @@ float32 reference next to eager bf16's (issue 19). GPU only.
     source .devkit/setup.sh && python3 bench/gpu_families.py [--families llama,qwen3] [--modes none,full]
         [--capture-sizes 1,2,4,8,16,24,32] [--jobs 4] [--json out.json] [--no-all | --no-own] [--no-poison]
     python3 bench/gpu_families.py --child llama:none,llama:piecewise   # cases in this process, rows as JSON
+    python3 bench/gpu_families.py --device cpu --families falcon --jobs 1  # a check of this script on CPU
 
 Cases: each family of ``fxrewrite.models.MODELS``, the MoE families included (tiny config: hidden
-512, 8 heads of 64, 2 KV heads, 2 layers, vocab 1024, random weights) in each mode (none,
-piecewise, full), compiled with ``Backend(mode=...).compile(model)`` (``dynamic=True``,
+512, 8 heads of 64, 2 KV heads, 2 layers, vocab 1024, random weights), and the families of
+:data:`COVERAGE_FAMILIES` (GPT-NeoX, StarCoder2, Falcon, Phi, gpt-oss, GLM-4.5-MoE, Llama 4: other
+shapes of model code), built as ``bench/coverage.py`` builds every transformers family (its
+``build(family, Shape(...))`` at the same hidden size, heads and vocabulary; one layer of each
+kind, at least two; SDPA where the family has it, else its eager attention, as gpt-oss), in each
+mode (none, piecewise, full), compiled with ``Backend(mode=...).compile(model)`` (``dynamic=True``,
 ``fullgraph=True``) and called with input ids of shapes (1, 9), (4, 17), (1, 1), (8, 1), each twice
 (the second call replays); modes piecewise and full capture the token counts ``--capture-sizes`` (a
 graph whose batch and sequence are both dynamic runs eagerly: the runner captures one dynamic
-dimension; the table says how many graphs replayed).
+dimension; the table says how many graphs replayed), and how many pieces were captured: a piece
+that is not (a capture hazard, a capture that failed) runs eagerly, and the lines above the table
+say which piece, which op, its source line and why (``Runner.stats()["eager_pieces"]``).
 
 Processes: every case first runs in a process of its own (a sticky CUDA error costs one row),
 then one process runs every case one after another, as a serving process compiling several
@@ -35,17 +42,22 @@ import argparse
 import concurrent.futures
 import copy
 import datetime
+import functools
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
 
 FAMILY_SHAPE = dict(layers=2, hidden=512, heads=8, kv_heads=2, vocab=1024)
+# families that are not Llama-shaped, built by bench/coverage.py at FAMILY_SHAPE's size (issue 34)
+COVERAGE_FAMILIES = ("gpt_neox", "starcoder2", "falcon", "phi", "gpt_oss", "glm4_moe", "llama4_text")
 SHAPES = ((1, 9), (4, 17), (1, 1), (8, 1))
 MODES = ("none", "piecewise", "full")
 MARK = "RESULT "
@@ -56,6 +68,48 @@ def _rel(out: torch.Tensor, ref: torch.Tensor, keep: torch.Tensor | None = None)
     diff = (out.float() - ref).abs()
     diff = diff if keep is None else diff[keep]
     return (diff.max() / ref.abs().max()).item() if diff.numel() else 0.0
+
+
+@functools.cache
+def _coverage() -> Any:
+    """bench/coverage.py, loaded by path: a ``coverage`` package (coverage.py, pytest-cov's) may own the name."""
+    spec = importlib.util.spec_from_file_location("fxrewrite_bench_coverage", Path(__file__).with_name("coverage.py"))
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # type: ignore[arg-type,union-attr]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def build(family: str) -> torch.nn.Module:
+    """``family`` in float32 at FAMILY_SHAPE: from ``fxrewrite.models`` (the CLI's families), else
+    as bench/coverage.py builds it (:data:`COVERAGE_FAMILIES`, or any transformers family)."""
+    from fxrewrite import models
+
+    if family in models.MODELS:
+        return models.build(family, dtype=torch.float32, **FAMILY_SHAPE)
+    coverage = _coverage()
+    shape = coverage.Shape(hidden=FAMILY_SHAPE["hidden"], heads=FAMILY_SHAPE["heads"], kv_heads=FAMILY_SHAPE["kv_heads"],
+                           vocab=FAMILY_SHAPE["vocab"])  # fmt: skip
+    model, _attention = coverage.build(family, shape)
+    return model
+
+
+def piece_counts(runtime: list[dict[str, Any]]) -> tuple[int, int, list[str]]:
+    """Over a case's graphs: pieces captured, pieces to capture (splitting pieces run eagerly by
+    design and are not counted), and why each piece that is not captured is not (a graph the
+    runner does not capture at all counts all its pieces)."""
+    captured, total, why = 0, 0, []
+    for r in runtime:
+        eager = r.get("eager_pieces", [])
+        names = {e["piece"] for e in eager}
+        n = r["captured_pieces"] + len(names)
+        total += n
+        if r.get("reason"):
+            why.append(f"graph not captured: {r['reason']}")
+            continue
+        captured += r["captured_pieces"]
+        why += [f"{e['piece']} ({'every size' if e['sizes'] == 'all' else 'sizes ' + str(e['sizes'])}): "
+                f"{e['op']} at {e['source']}: {e['reason']}" for e in eager]  # fmt: skip
+    return captured, total, sorted(set(why))
 
 
 def run_case(family: str, mode: str, poison: bool, device: str = "cuda",
@@ -72,7 +126,7 @@ def run_case(family: str, mode: str, poison: bool, device: str = "cuda",
     providers.reset_counts()  # verification's calls are counted apart (providers.counting)
     if poison and device.type == "cuda":
         poison_allocator(device)
-    ref32 = models.build(family, dtype=torch.float32, **FAMILY_SHAPE).to(device)
+    ref32 = build(family).to(device)
     eager16 = copy.deepcopy(ref32).to(torch.bfloat16)
     model = copy.deepcopy(eager16)  # merge_siblings re-lays its weights
     backend = fxrewrite.Backend(mode=mode, capture_sizes=capture_sizes, max_capture_size=max(capture_sizes))
@@ -100,6 +154,7 @@ def run_case(family: str, mode: str, poison: bool, device: str = "cuda",
     report = backend.report
     served = providers.served()
     runtime = [g.runtime for g in report.graphs if g.runtime]
+    pieces_captured, pieces_total, not_captured = piece_counts(runtime)
     return {
         "family": family, "mode": mode, "ok": True,
         "fused": report.fused_ops(),
@@ -113,6 +168,7 @@ def run_case(family: str, mode: str, poison: bool, device: str = "cuda",
         "captured": sum(1 for r in runtime if r.get("cudagraphs") and r.get("replays")),
         "graph_reasons": sorted({r["reason"] for r in runtime if r.get("reason")}),
         "eager_calls": sum(r.get("eager_calls", 0) for r in runtime),
+        "pieces_captured": pieces_captured, "pieces": pieces_total, "not_captured": not_captured,
         "err": err, "err_eager": err_eager, "ratio": err / err_eager if err_eager else float("inf"),
         "compile_s": compile_s, "routing_ties": ties,
     }
@@ -122,10 +178,10 @@ def _emit(row: dict[str, Any]) -> None:
     print(MARK + json.dumps(row, default=str), flush=True)
 
 
-def _child(cases: list[tuple[str, str]], poison: bool, sizes: tuple[int, ...]) -> int:
+def _child(cases: list[tuple[str, str]], poison: bool, sizes: tuple[int, ...], device: str) -> int:
     for family, mode in cases:
         try:
-            row = run_case(family, mode, poison, capture_sizes=sizes)
+            row = run_case(family, mode, poison, device, capture_sizes=sizes)
         except Exception as e:  # noqa: BLE001 - a row says what broke; a sticky CUDA error ends the process
             traceback.print_exc()
             row = {"family": family, "mode": mode, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -159,11 +215,11 @@ def _fmt_counts(d: dict[str, Any]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ["process", "family", "mode", "status", "fused ops", "served by", "fallbacks", "graphs replayed",
-            "err fused", "err eager bf16", "ratio", "tokens left out (routing near-ties)"]
+            "pieces captured", "err fused", "err eager bf16", "ratio", "tokens left out (routing near-ties)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if not r["ok"]:
-            lines.append(f"| {r['process']} | {r['family']} | {r['mode']} | ERROR {r['error'][:160]} |" + " |" * 8)
+            lines.append(f"| {r['process']} | {r['family']} | {r['mode']} | ERROR {r['error'][:160]} |" + " |" * 9)
             continue
         providers = sorted({p for e in r["served"].values() for p in e})
         fallbacks = sum(n for e in r["fallbacks"].values() for n in e.values())
@@ -171,13 +227,16 @@ def table(rows: list[dict[str, Any]]) -> str:
             r["process"], r["family"], r["mode"], "ok" if not r["near_misses"] else f"{len(r['near_misses'])} near misses",
             _fmt_counts(r["fused"]), ", ".join(providers) or "-", str(fallbacks),
             f"{r['captured']}/{r['graphs']}" if r["mode"] != "none" else "-",
+            (f"{r['pieces_captured']}/{r['pieces']}" + (" (see above)" if r["not_captured"] else ""))
+            if r["mode"] != "none" else "-",
             f"{r['err']:.2e}", f"{r['err_eager']:.2e}", f"{r['ratio']:.2f}", str(r.get("routing_ties", 0))]) + " |")
     return "\n".join(lines)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--families", default=None, help="comma-separated (default: fxrewrite.models.MODELS)")
+    p.add_argument("--families", default=None,
+                   help="comma-separated (default: fxrewrite.models.MODELS, then COVERAGE_FAMILIES)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--no-all", action="store_true", help="skip the all-in-one process")
@@ -186,19 +245,21 @@ def main() -> int:
     p.add_argument("--capture-sizes", default="1,2,4,8,16,24,32", help="token counts captured (modes piecewise, full)")
     p.add_argument("--jobs", type=int, default=4, help="own-process cases run at a time")
     p.add_argument("--no-poison", action="store_true", help="do not poison the allocator before each case")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a check of this script")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
         sizes = tuple(int(v) for v in args.capture_sizes.split(","))
-        return _child([tuple(c.split(":")) for c in args.child.split(",")], not args.no_poison, sizes)  # type: ignore[misc]
-    if not torch.cuda.is_available():
-        print("needs CUDA", file=sys.stderr)
+        cases = [tuple(c.split(":")) for c in args.child.split(",")]
+        return _child(cases, not args.no_poison, sizes, args.device)  # type: ignore[arg-type]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("needs CUDA (--device cpu checks this script: piecewise and full emulate their graphs)", file=sys.stderr)
         return 2
     from fxrewrite.models import MODELS
 
-    families = args.families.split(",") if args.families else list(MODELS)
+    families = args.families.split(",") if args.families else list(MODELS) + list(COVERAGE_FAMILIES)
     cases = [(f, m) for f in families for m in args.modes.split(",")]
-    extra = ["--capture-sizes", args.capture_sizes] + (["--no-poison"] if args.no_poison else [])
+    extra = ["--capture-sizes", args.capture_sizes, "--device", args.device] + (["--no-poison"] if args.no_poison else [])
     rows = []
     if not args.no_own:
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # processes on one GPU, not timed
@@ -215,7 +276,10 @@ def main() -> int:
             print(f"{r['process']} {r['family']} {r['mode']}: fallbacks {r['fallbacks']} near misses "
                   f"{r['near_misses']} rejected {r['rejected']} graphs not captured {r['graph_reasons']} "
                   f"verification's own fallbacks {r['verification_fallbacks']}")
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        for why in r.get("not_captured", []) if r["ok"] else ():
+            print(f"{r['process']} {r['family']} {r['mode']}: not captured: {why}")
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (graphs emulated)"
+    print(f"\n{device}, torch {torch.__version__}, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"FXREWRITE_PROVIDER={os.environ.get('FXREWRITE_PROVIDER', '')!r}")
     print(table(rows))

@@ -32,6 +32,7 @@ from fxrewrite.rule import Rule
 from fxrewrite.runtime import providers, unguarded
 from fxrewrite.runtime.cudagraph import build_runner
 from fxrewrite.runtime.dispatch import check_capture_sizes
+from fxrewrite.runtime.fold_constants import fold_constants
 from fxrewrite.verify import verify_match
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,9 @@ def pipeline_steps(config: Config, library: Sequence[Step] | None = None) -> lis
 
 
 def pipeline(config: Config, library: Sequence[Step] | None = None) -> list[Pass]:
-    """The ordered passes for ``config``: canonicalize, :func:`pipeline_steps`, cleanup."""
+    """The ordered passes for ``config``: canonicalize, :func:`pipeline_steps`, fold_constants
+    (tensors built from Python values evaluated once: after the rules, so they match the graph as
+    written; in every mode, see :mod:`fxrewrite.runtime.fold_constants`), cleanup."""
     steps = pipeline_steps(config, library)
     passes = [Pass("canonicalize", _canonicalize_pass)]
     for step in steps:
@@ -132,6 +135,7 @@ def pipeline(config: Config, library: Sequence[Step] | None = None) -> list[Pass
             passes.append(step.bind(config))
         elif step.rules:
             passes.append(Pass(step.name, _rules_pass(step.rules, config)))
+    passes.append(Pass("fold_constants", fold_constants))
     passes.append(Pass("cleanup", _cleanup_pass))
     return passes
 
@@ -235,7 +239,8 @@ class Backend:
             if _on_cuda(gm) and (note := _prebuild()(graph_calls(gm, _prebuild().wants))):
                 graph_report.notes.append(note)
         else:
-            pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs), lint=self.config.lint)
+            pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs), lint=self.config.lint,
+                             strict=bool(self.config.strict))
             graph_report = pm.run(gm)
             if cached is not None:
                 cached.store(graph_report)

@@ -70,6 +70,13 @@ class Config:
                      FXREWRITE_CACHE=0. Not read while ``dump_dir`` is set (dumps need the passes).
     cache_dir:       where (env FXREWRITE_CACHE_DIR; default ``~/.cache/fxrewrite``); Triton's
                      cache goes to ``<cache_dir>/triton`` unless TRITON_CACHE_DIR is set.
+    strict:          a pass that raises fails the compile (env FXREWRITE_STRICT=1). Off: the
+                     graph goes on as the pass found it, without that pass, and the report
+                     says which pass raised, at which node, and what (``Report.failures``).
+    strict_capture:  modes piecewise and full: raise when a piece cannot be captured (a capture
+                     hazard, a capture that fails) or a call has shapes the runner cannot serve;
+                     off, such a piece or call runs eagerly and the report says why
+                     (``eager_pieces``). Unset: as ``strict`` (env FXREWRITE_STRICT=1 turns both on).
     """
 
     rules: Sequence[Any] | None = None
@@ -91,17 +98,22 @@ class Config:
     max_positions: int = 32768
     cache: bool | None = None
     cache_dir: str | None = None
+    strict: bool | None = None
+    strict_capture: bool | None = None
 
     def resolved(self) -> Config:
         """Fill unset fields from the environment and defaults."""
         env = os.environ
+        strict = self.strict if self.strict is not None else env.get("FXREWRITE_STRICT", "0") not in ("", "0")
         return dataclasses.replace(
             self,
             dump_dir=self.dump_dir if self.dump_dir is not None else env.get("FXREWRITE_DUMP_DIR") or None,
             verify=self.verify if self.verify is not None else env.get("FXREWRITE_VERIFY", "1") not in ("", "0"),
             provider=self.provider if self.provider is not None else env.get("FXREWRITE_PROVIDER") or None,
             cache=self.cache if self.cache is not None else env.get("FXREWRITE_CACHE", "1") not in ("", "0"),
+            strict=strict,
             cache_dir=self.cache_dir or env.get("FXREWRITE_CACHE_DIR") or str(_default_cache_dir()),
+            strict_capture=self.strict_capture if self.strict_capture is not None else strict,
             capture_sizes=tuple(self.capture_sizes)
             if self.capture_sizes is not None
             else default_capture_sizes(self.max_capture_size),

@@ -235,7 +235,7 @@ def _attribute(gm: fx.GraphModule, target: str) -> Any:
 # --------------------------------------------------------------------------- the configuration
 
 
-_NOT_KEYED = frozenset({"dump_dir", "progress", "cache", "cache_dir"})
+_NOT_KEYED = frozenset({"dump_dir", "progress", "cache", "cache_dir", "strict_capture"})
 
 
 def config_fingerprint(config: Any) -> list[Any]:

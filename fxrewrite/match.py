@@ -165,8 +165,10 @@ class _Walker:
     def fail(self, st: _State, reason: str | Callable[[], str], at: Any) -> None:
         """Record a failure if it got further than the best so far (``reason`` may be a callable,
         evaluated only then: most anchors fail at once and their reasons are never shown)."""
-        done = sum(1 for p in st.nodes if p.op == "call_function")  # elided casts count as matched
-        progress = done / max(self.cr.op_count, 1)
+        # A cast the graph does not have (elided) matched nothing: it counts on neither side,
+        # or a product of two products, cast-free in float32, would be half of an RMSNorm.
+        done = sum(1 for p in st.nodes if p.op == "call_function" and p not in st.elided)
+        progress = done / max(self.cr.op_count - len(st.elided), 1)
         if self.best is None or progress > self.best.progress:
             text = reason() if callable(reason) else reason
             self.best = Failure(text, at if isinstance(at, fx.Node) else None, progress)

@@ -12,7 +12,7 @@ import logging
 import operator
 import re
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -239,6 +239,22 @@ def written_args(node: fx.Node) -> list[Any]:
                 out.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
     return out
 
+
+
+def outside_transforms(graph: fx.Graph) -> Iterator[fx.Node]:
+    """The nodes of ``graph`` that run outside every functorch transform. Dynamo inlines
+    ``torch.vmap`` (``grad``, ``jvp``) as calls that enter and leave a nesting level around the
+    body, which runs on batched tensors (Mamba's associative scan in transformers): a fused op
+    has no batching rule, so passes leave those bodies as Dynamo traced them."""
+    depth = 0
+    for n in graph.nodes:
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        if name.endswith("_increment_nesting"):
+            depth += 1
+        elif name.endswith("_decrement_nesting"):
+            depth -= 1
+        elif depth == 0:
+            yield n
 
 
 def is_impure(node: fx.Node) -> bool:

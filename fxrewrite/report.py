@@ -46,6 +46,15 @@ class Rejected:
 
 
 @dataclasses.dataclass
+class PassFailure:
+    """A pass that raised: the graph went on as the pass found it (``Config.strict`` raises)."""
+
+    name: str
+    error: str
+    site: str = ""  # the node it was at, with its source line, when the pass says
+
+
+@dataclasses.dataclass
 class PassRecord:
     name: str
     ms: float
@@ -78,6 +87,7 @@ class GraphReport:
     fused_ops: dict[str, int] = dataclasses.field(default_factory=dict)
     runtime: dict[str, Any] = dataclasses.field(default_factory=dict)
     rewrite_ms: float = 0.0
+    failures: list[PassFailure] = dataclasses.field(default_factory=list)
 
     def add(self, name: str, ms: float, result: PassResult, nodes_after: int) -> None:
         self.passes.append(PassRecord(name, ms, result.matches, nodes_after))
@@ -121,6 +131,10 @@ class Report:
     def rejected(self) -> list[Rejected]:
         return [r for g in self.graphs for r in g.rejected]
 
+    @property
+    def failures(self) -> list[PassFailure]:
+        return [f for g in self.graphs for f in g.failures]
+
     def rules(self) -> dict[str, int]:
         """Rule name -> matched sites, over all graphs."""
         return dict(collections.Counter(s.rule for s in self.sites))
@@ -146,6 +160,7 @@ class Report:
             "sites": [dataclasses.asdict(s) for s in self.sites],
             "near_misses": [dataclasses.asdict(m) for m in self.near_misses],
             "rejected": [dataclasses.asdict(r) for r in self.rejected],
+            "failures": [dataclasses.asdict(f) for f in self.failures],
             "nodes_before": sum(g.nodes_before for g in self.graphs),
             "nodes_after": sum(g.nodes_after for g in self.graphs),
             "rewrite_ms": sum(g.rewrite_ms for g in self.graphs),
@@ -184,12 +199,16 @@ class Report:
                 out.append("near misses: none")
             for r in g.rejected:
                 out.append(f"REJECTED {r.rule} at {r.site} ({r.source}): {r.reason}")
+            for f in g.failures:
+                at = f" at {f.site}" if f.site else ""
+                out.append(f"PASS FAILED {f.name}{at}: {f.error} (the graph went on as the pass found it)")
             if notes:
                 out.extend(f"note: {note}" for note in g.notes)
             elif g.notes:
                 out.append(f"notes: {len(g.notes)} (not shown)")
             if g.runtime:
-                out.append("runtime: " + ", ".join(f"{k}={v}" for k, v in g.runtime.items()))
+                out.append("runtime: " + ", ".join(f"{k}={v}" for k, v in g.runtime.items() if k != "eager_pieces"))
+                out.extend(_eager_piece(p) for p in g.runtime.get("eager_pieces", ()))
         if self.providers:
             out.append("providers: " + json.dumps(self.providers, default=str))
         if self.verification_providers:
@@ -209,6 +228,12 @@ class Report:
             lines.append(f"cache miss: {c['misses']} graphs, stored {c['stored']}")
         lines += [f"cache: not stored ({n}x): {why}" for why, n in c["not_stored"].items()]
         return lines
+
+
+def _eager_piece(p: dict[str, Any]) -> str:
+    """A piece the CUDA-graph runner runs eagerly, as one line: where, why, at which sizes."""
+    sizes = "every size" if p["sizes"] == "all" else "sizes " + ", ".join(map(str, p["sizes"]))
+    return f"runs eagerly at {sizes}: {p['piece']}, {p['op']} at {p['source']}: {p['reason']}"
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:

@@ -35,6 +35,7 @@ from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 from fxrewrite import meta
 from fxrewrite.canonicalize import CAST, noop_source
 from fxrewrite.match import Failure, Match, inplace_blocker, match_at
+from fxrewrite.passes import mark_site
 from fxrewrite.report import NearMiss, PassResult, Rejected, Site
 from fxrewrite.rule import Bindings, Rule
 
@@ -85,16 +86,20 @@ def apply_rules(
         for anchor in index.get(cr.anchor_targets):
             if anchor in erased or (prune and not _may_match(cr.anchor, anchor)):
                 continue
-            found = match_at(rule, anchor)
-            if isinstance(found, Failure):
-                if found.progress >= near_miss_min:
-                    at = found.at.name if found.at is not None else ""
-                    rule_misses[anchor] = NearMiss(rule.name, anchor.name, meta.source_line(anchor), at, found.reason,
-                                                     meta.module_path(anchor))
-                continue
-            refusal = verify(found) if verify is not None else None
-            if refusal is None:
-                refusal = _replace(gm.graph, found, fake_mode, result, erased, index)
+            try:
+                found = match_at(rule, anchor)
+                if isinstance(found, Failure):
+                    if found.progress >= near_miss_min:
+                        at = found.at.name if found.at is not None else ""
+                        rule_misses[anchor] = NearMiss(rule.name, anchor.name, meta.source_line(anchor), at,
+                                                       found.reason, meta.module_path(anchor))  # fmt: skip
+                    continue
+                refusal = verify(found) if verify is not None else None
+                if refusal is None:
+                    refusal = _replace(gm.graph, found, fake_mode, result, erased, index)
+            except Exception as e:
+                mark_site(e, anchor)  # the report names the site (fxrewrite.passes)
+                raise
             if refusal is not None:
                 result.rejected.append(Rejected(rule.name, anchor.name, meta.source_line(anchor), refusal))
         # One site, one miss: an attempt at a node whose consumer is an anchor that nearly matched
@@ -116,6 +121,7 @@ class Anchors:
         self.by_target: dict[Any, list[fx.Node]] = {}
         for i, n in enumerate(graph.nodes):
             n.meta["_fxr_pos"] = i * 4
+        for n in meta.outside_transforms(graph):  # no anchor inside a vmapped body
             if n.op == "call_function":
                 self.by_target.setdefault(n.target, []).append(n)
         self.unsorted: set[Any] = set()

@@ -19,9 +19,8 @@ the same object as ``torch._C._nn.scaled_dot_product_attention`` that Dynamo rec
 or a string ``"mylib::attention"`` / ``"mylib.attention.default"``. A configured op absent from
 the graph is not an error here: it is listed in ``SplitGraph.missing`` for the caller to judge.
 
-Two read-only analyses serve the CUDA-graph runtime: :func:`find_capture_hazards` (host syncs,
-device transfers and data-dependent shapes, which capture forbids) and
-:func:`mutated_placeholders` (inputs written in place).
+What the CUDA-graph runtime asks of the pieces (host syncs, device transfers, inputs written in
+place) lives beside it, in :mod:`fxrewrite.runtime.hazards`.
 
 Example::
 
@@ -40,15 +39,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.split_module import split_module
-
-from fxrewrite import meta
 
 logger = logging.getLogger(__name__)
 
@@ -193,190 +189,3 @@ def _source(arg: Any, position: dict[Node, int], owner: dict[Node, int]) -> Sour
     if arg.op == "call_module" and arg in owner:
         return Source("piece", owner[arg])
     raise ValueError(f"unexpected node {arg.format_node()} feeding a piece of the split graph")
-
-
-# ----------------------------------------------------------------------------------------
-# Analyses for CUDA-graph capture.
-
-@dataclasses.dataclass(frozen=True)
-class Hazard:
-    """An op that cannot run inside CUDA-graph capture, where it comes from and why."""
-
-    node: str
-    op: str
-    reason: str
-    source: str
-
-    def __str__(self) -> str:
-        return f"{self.op} (node {self.node}): {self.reason}\n    at {self.source}"
-
-
-class CaptureHazardError(RuntimeError):
-    """Raised before capture when a piece to be captured holds :class:`Hazard` s."""
-
-    def __init__(self, hazards: Sequence[Hazard]) -> None:
-        self.hazards = tuple(hazards)
-        body = "\n".join(f"  {h}" for h in hazards)
-        super().__init__(
-            f"{len(hazards)} op(s) cannot be captured in a CUDA graph (they sync with the host, "
-            f"move data between devices or have data-dependent shapes):\n{body}\n"
-            "Make them splitting ops (run eagerly), move them out of the model, or use mode='none'."
-        )
-
-
-_HOST_METHODS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "nonzero",
-                 "synchronize", "pin_memory", "masked_select", "unique"}
-_HOST_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "_unique", "_unique2",
-             "unique_consecutive", "unique_dim", "equal", "is_nonzero", "allclose", "bincount",
-             "argwhere", "repeat_interleave"}
-_HOST_FUNCTIONS = {torch.nonzero, torch.masked_select, torch.unique, torch.unique_consecutive,
-                   torch.equal, torch.allclose, torch.is_nonzero, torch.bincount, torch.argwhere,
-                   torch.cuda.synchronize, torch.cuda.empty_cache, print}
-_TRANSFERS = {"to", "cuda", "cpu", "copy_", "_to_copy", "tensor", "as_tensor", "type"}
-_ITEMS = {"item", "_local_scalar_dense"}
-
-
-def _qualified(target: Any) -> str:
-    """"ns::name" of a torch op (OpOverload or OpOverloadPacket), "" for anything else."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name
-    return ""
-
-
-def _op_name(node: Node) -> str:
-    t = node.target
-    if node.op == "call_method":
-        return str(t)
-    return _qualified(t).split("::")[-1] or getattr(t, "__name__", str(t))
-
-
-def _where(node: Node) -> str:
-    """The innermost frame of the node's stack trace: 'File "...", line N, in f | code'."""
-    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines()]
-    frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
-    if not frames:
-        return "(no stack trace)"
-    i = frames[-1]
-    return " | ".join(ln for ln in lines[i:i + 2] if ln)
-
-
-def _value(node: Any) -> Any:
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, Node) else None
-
-
-def _devices(value: Any) -> set[str]:
-    out: set[str] = set()
-    torch.utils._pytree.tree_map(
-        lambda v: out.add(v.device.type) if isinstance(v, torch.Tensor) else None, value
-    )
-    return out
-
-
-def _empty(value: Any) -> bool:
-    """A tensor with no elements whatever the symbols (``torch.tensor([], device="cuda")``, as
-    transformers' KV caches start): copying it to the device launches nothing."""
-    return isinstance(value, torch.Tensor) and any(isinstance(d, int) and d == 0 for d in value.shape)
-
-
-def _reason(node: Node, host_scalars: Collection[str]) -> str | None:
-    name = _op_name(node)
-    value = _value(node)
-    arg0 = node.args[0] if node.args else None
-    if name in _ITEMS:
-        if isinstance(arg0, Node) and arg0.op == "placeholder" and arg0.name in host_scalars:
-            return None  # a host scalar: read on the CPU at capture, value frozen (checked per call)
-        return "reads a device value on the host (sync); its value would be frozen at capture"
-    if node.op == "call_method" and name in _HOST_METHODS:
-        return "syncs with the host"
-    if node.op == "call_function" and (node.target in _HOST_FUNCTIONS or (
-            _qualified(node.target).startswith("aten::") and name in _HOST_OPS)):
-        return "syncs with the host or has a data-dependent result"
-    if name in _TRANSFERS and not _empty(value):  # no bytes move: no copy is launched
-        src = {d for a in (*node.args, *node.kwargs.values()) for d in _devices(_value(a))} or {"cpu"}
-        involved = src | _devices(value)
-        if "cpu" in involved and len(involved) > 1:
-            return "copies between host and device (a sync, or a pageable copy capture forbids)"
-    symbolic = (torch.Tensor, torch.SymInt, torch.SymBool)  # a SymFloat is a value, not a shape
-    if any(free_unbacked_symbols(v) for v in torch.utils._pytree.tree_leaves(value) if isinstance(v, symbolic)):
-        return "has a data-dependent shape or value (unbacked symbol)"
-    return None
-
-
-def find_capture_hazards(gm: GraphModule, host_scalars: Collection[str] | None = None) -> list[Hazard]:
-    """Every op of ``gm`` that CUDA-graph capture cannot hold, with its source line.
-
-    Flagged: host reads (``.item()``, ``.tolist()``, ``_local_scalar_dense``, ``bool(t)``),
-    ops with data-dependent output shapes (``nonzero``, ``masked_select``, ``unique``, any node
-    whose example value has an unbacked symbol), syncs (``torch.cuda.synchronize``), printing,
-    and copies between host and device (``.cpu()``, ``.to("cpu")`` of a device tensor,
-    ``.to("cuda")`` / ``torch.tensor(..., device="cuda")`` from host memory).
-
-    Allowed: ``.item()`` of a placeholder named in ``host_scalars``: Dynamo lifts float module
-    attributes (RMSNorm eps, attention scaling) to CPU scalar tensors read with ``.item()``
-    under ``dynamic=True``. Reading a CPU tensor does not touch the GPU, but the value becomes
-    a kernel argument at capture: the runtime checks it is unchanged at every call. By default
-    ``host_scalars`` are the placeholders of ``gm`` holding a one-element CPU tensor.
-
-    Example::
-
-        >>> def f(x):
-        ...     return x * x.sum().item()
-        >>> [h.op for h in find_capture_hazards(torch.fx.symbolic_trace(f))]
-        ['call_method item']
-    """
-    if host_scalars is None:
-        host_scalars = {
-            p.name for p in gm.graph.find_nodes(op="placeholder")
-            if isinstance(v := _value(p), torch.Tensor) and v.device.type == "cpu"
-            and v.numel() == 1
-        }
-    return [
-        Hazard(n.name, f"{n.op} {_op_name(n)}", reason, _where(n))
-        for n in _call_nodes(gm.graph)
-        if (reason := _reason(n, host_scalars)) is not None
-    ]
-
-
-_VIEWS = {"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "expand",
-          "narrow", "select", "t", "as_strided", "view_as", "unflatten", "unbind", "split",
-          "chunk", "slice", "diagonal", "movedim", "getitem", "detach", "alias", "contiguous"}
-def is_trivial(gm: GraphModule) -> bool:
-    """True when ``gm`` launches no kernel of its own: only views, getitems and scalar math.
-
-    Such a piece is not worth a CUDA graph (an empty capture is an error on some versions).
-
-        >>> is_trivial(torch.fx.symbolic_trace(lambda x: x.view(-1).transpose(0, 0)))
-        True
-    """
-    for node in _call_nodes(gm.graph):
-        name = _op_name(node)
-        if name in _VIEWS or name in _ITEMS:
-            continue
-        if ("example_value" in node.meta or "val" in node.meta) and not _devices(_value(node)):
-            continue
-        return False
-    return True
-
-
-def mutated_placeholders(gm: GraphModule) -> set[str]:
-    """Names of the placeholders that ``gm`` writes in place, directly or through a view.
-
-    Example::
-
-        >>> def f(x, y):
-        ...     x[0].add_(1)
-        ...     return y + 1
-        >>> sorted(mutated_placeholders(torch.fx.symbolic_trace(f)))
-        ['x']
-    """
-    mutated: set[str] = set()
-    for node in _call_nodes(gm.graph):
-        for base in meta.written_args(node):
-            while isinstance(base, Node) and base.op != "placeholder" and base.args and (
-                    _op_name(base) in _VIEWS) and isinstance(base.args[0], Node):
-                base = base.args[0]
-            if isinstance(base, Node) and base.op == "placeholder":
-                mutated.add(base.name)
-    return mutated

@@ -94,7 +94,7 @@ def merge_sibling_linears(gm: fx.GraphModule) -> PassResult:
     fake_mode = meta.fake_mode_of(gm.graph)
     groups: dict[tuple, list[fx.Node]] = defaultdict(list)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for n in gm.graph.nodes:
+    for n in meta.outside_transforms(gm.graph):
         if n.op == "call_function" and n.target is LINEAR:
             key = _group_key(n)
             if key is not None:

@@ -173,7 +173,7 @@ def fuse_moe(gm: fx.GraphModule, site_filter: SiteFilter | None = None) -> PassR
     result = PassResult()
     fake_mode = meta.fake_mode_of(gm.graph)
     moe_router.number(gm.graph)
-    for topk in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is TOPK]:
+    for topk in [n for n in meta.outside_transforms(gm.graph) if n.op == "call_function" and n.target is TOPK]:
         if topk.graph is None:
             continue  # erased with an earlier block
         router: moe_router.Router | None = None

@@ -21,7 +21,10 @@ not captured (Dynamo compiles ``s0 >= 2``; 0 and 1 get graphs of their own). Eit
    KV slot 0) or pads its own metadata. No value suits every model: repeating the last row
    instead writes a padded row's different keys over the last real token's slot.
 Beyond the largest size the original graph runs eagerly (``eager_calls``). A static graph
-(``dynamic=False``) has one size; another shape is a ShapeError (Dynamo recompiles first).
+(``dynamic=False``) has one size (size 0 in the runner's tables, "its static shape" in messages);
+a call with shapes the graph was not compiled for runs eagerly (``shape_mismatch``), or is a
+ShapeError under ``Config.strict_capture`` (Dynamo recompiles first: only a caller that skips its
+guards, ``Backend.unguarded``, meets this).
 
 Static addresses: a CUDA graph reads its inputs where they were at capture.
 - Parameters and buffers (Dynamo's ``_dynamo_static_input_type``, ``nn.Parameter``,
@@ -41,15 +44,22 @@ Host scalars: under ``dynamic=True`` and plain ``torch.compile`` Dynamo lifts fl
 (RMSNorm eps, attention scaling) to CPU scalar tensors read with ``.item()`` (``Backend.compile``
 makes them constants instead: ``Config.specialize_floats``). That does not sync the GPU, so capture
 allows it, but the value becomes a kernel argument, frozen at capture: each call compares the
-values (about 0.5 us each); a changed one makes the call eager, with a warning. Any other host
-sync, transfer or data-dependent shape in a captured piece is a :class:`CaptureHazardError` at
-build, naming the op and its source line.
+values (about 0.5 us each); a changed one makes the call eager, with a warning.
+
+Containment: no capture problem reaches the caller unless ``Config.strict_capture`` (env
+``FXREWRITE_STRICT=1``; the test suite turns it on) asks for errors. A piece holding any other
+host sync, transfer or data-dependent shape (:mod:`fxrewrite.runtime.hazards`) runs eagerly, as a
+splitting piece does; a capture that raises makes its piece run eagerly at that size and every
+smaller one (:mod:`fxrewrite.runtime.pieces`); a failure outside any piece makes the whole graph
+run eagerly. ``stats()["eager_pieces"]`` names each such piece, the op and its source line, and
+the warning log says the same. Strict: a :class:`CaptureHazardError` at build, a RuntimeError
+naming the piece, op and source line at capture.
 
 Capture: at the first call or ``Runner.capture()``, largest size first, the split module runs
 once per size on the static buffers; each captured piece gets an eager warm-up, a capture on a
 side stream and a replay (later warm-ups must read real values, e.g. indices; the last piece
-skips it). Splitting pieces do not run then: they return zeros shaped like their outputs, so
-attention's writes (a KV cache) happen in real steps only. Parameters or buffers a captured
+skips it). Splitting pieces (and pieces run eagerly) do not run then: they return zeros shaped
+like their outputs, so attention's writes (a KV cache) happen in real steps only. Parameters or buffers a captured
 piece writes (full mode: the KV caches) are never written by capture: warm-ups write zeroed
 scratch tensors in their place (one per shape, freed after capture); only where a piece that
 writes them is replayed at capture (not the last) are they saved to host memory and restored.
@@ -75,17 +85,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import gc
 import logging
 import operator
 import sys
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fxrewrite.config import Config
 from fxrewrite.runtime.dispatch import (
@@ -96,14 +104,9 @@ from fxrewrite.runtime.dispatch import (
     check_capture_sizes,
     pad_zeros,
 )
-from fxrewrite.split import (
-    CaptureHazardError,
-    Piece,
-    find_capture_hazards,
-    is_trivial,
-    mutated_placeholders,
-    split_graph,
-)
+from fxrewrite.runtime.hazards import CaptureHazardError, find_capture_hazards, is_trivial, mutated_placeholders
+from fxrewrite.runtime.pieces import CapturedPiece, EagerPiece, capture_context
+from fxrewrite.split import Piece, split_graph
 
 try:
     from tqdm import tqdm
@@ -111,16 +114,6 @@ except ImportError:  # a nicety: without tqdm the capture is only logged
     tqdm = None
 
 logger = logging.getLogger(__name__)
-
-def _weak(t: Any) -> Any:
-    """A tensor at ``t``'s address that does not own its memory (``t`` itself if impossible)."""
-    make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
-    if not isinstance(t, torch.Tensor) or not t.is_cuda or make is None:
-        return t
-    st = t.untyped_storage()
-    storage = make(st.data_ptr(), t.device, st.nbytes())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
-
 
 def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """``d.copy_(s)`` for each pair, one ``torch._foreach_copy_`` per (dtype, device) group: on
@@ -141,150 +134,11 @@ def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
             torch._foreach_copy_(ds, ss)
 
 
-def _clear_cublas_workspaces() -> None:
-    """Drop cuBLAS's cached per-stream workspaces, around each capture.
-
-    A GEMM captured with a workspace cached by an earlier eager call bakes in an address the
-    graph does not own: whoever clears the cache later (Inductor's CUDA-graph trees do, around
-    each warm-up and recording) frees it, and the replay writes freed memory (an illegal memory
-    access, or another tensor's values). Cleared before capture_begin, the captured GEMMs
-    allocate their workspace inside the graph's pool, which lives as long as the graphs do.
-    Cleared again after capture_end (as Inductor does), that block goes back to the pool, free
-    for later captures (sequential, like all of the pool), not to eager GEMMs on the stream."""
-    torch._C._cuda_clearCublasWorkspaces()
-
-
 def _picker(idx: Sequence[int]) -> Any:
     """``args -> tuple(args[i] for i in idx)``, in C (the per-call check of ~300 parameters)."""
     if len(idx) > 1:
         return operator.itemgetter(*idx)
     return lambda args: tuple(args[i] for i in idx)
-
-
-@contextlib.contextmanager
-def _capturing(device: torch.device) -> Iterator[None]:
-    """Side stream, gc frozen and disabled, for the whole capture loop."""
-    torch.cuda.synchronize(device)
-    gc_was_enabled = gc.isenabled()
-    gc.freeze()
-    gc.disable()
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    try:
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            yield
-    finally:
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
-        if gc_was_enabled:
-            gc.enable()
-        gc.unfreeze()
-
-
-class _PieceRunner:
-    """Stands in the split module for one captured piece: captures it per size, then replays.
-
-    Per size: [static inputs, positions copied in from eager pieces, outputs, CUDA graph or
-    None (CPU: the piece runs eagerly and its results are copied into the fixed outputs)].
-    """
-
-    def __init__(self, piece: Piece, runner: Runner, eager_pieces: Collection[int], static: Collection[int],
-                 last: bool) -> None:  # fmt: skip
-        self.fn, self.piece_name, self._runner = piece.submodule.forward, piece.name, runner
-        self._graphs: dict[int, list[Any]] = {}
-        self._from_eager = [k for k, s in enumerate(piece.sources) if s.kind == "piece" and s.index in eager_pieces]
-        self._keep = {k for k, s in enumerate(piece.sources) if s.kind != "piece" or s.index in eager_pieces}
-        # parameters / buffers this piece writes (a KV cache, in full mode): its warm-up writes
-        # scratch tensors instead; only the replay after capture would write them, and the last
-        # piece of a step skips that replay (no later piece reads its values)
-        names = mutated_placeholders(piece.submodule)
-        phs = piece.submodule.graph.find_nodes(op="placeholder")
-        self.writes = [k for k, (s, ph) in enumerate(zip(piece.sources, phs))
-                       if ph.name in names and s.kind == "input" and s.index in static]  # fmt: skip
-        self.written_inputs = {piece.sources[k].index for k in self.writes}
-        self.last = last
-
-    def __call__(self, *args: Any) -> Any:
-        runner = self._runner
-        entry = self._graphs.get(runner._size)
-        if entry is None:
-            if not runner._capturing:
-                raise RuntimeError(f"{self.piece_name} has no graph for size {runner._size}")
-            entry = self._graphs[runner._size] = self._capture(args, runner._size)
-            return entry[2]
-        static, copied, outputs, graph = entry
-        for k in copied:
-            if not isinstance(static[k], torch.Tensor):
-                if args[k] != static[k]:
-                    raise RuntimeError(f"input {k} of {self.piece_name} was {static[k]!r} at capture, now "
-                                       f"{args[k]!r}: the captured graph would be wrong")
-            elif args[k].data_ptr() != static[k].data_ptr():
-                static[k].copy_(args[k])
-                runner._counts["activation_copies"] += 1
-        if graph is not None:
-            graph.replay()
-        else:
-            for dst, src in zip(tree_flatten(outputs)[0], tree_flatten(self.fn(*static))[0]):
-                if isinstance(dst, torch.Tensor):
-                    dst.copy_(src)
-        return outputs
-
-    def _capture(self, args: Sequence[Any], size: int) -> list[Any]:
-        runner, static = self._runner, list(args)
-        for k in self._from_eager:
-            if isinstance(a := args[k], torch.Tensor):
-                static[k] = runner._take(("piece", self.piece_name, k), a.shape, _dense_strides(a.shape, a), a)
-                static[k].copy_(a)
-        warm = list(static)
-        for k in self.writes:
-            warm[k] = runner._scratch(static[k])
-        if not runner.on_cuda:
-            return [static, self._from_eager, self.fn(*warm), None]
-        self.fn(*warm)  # warm-up: lazy inits, library handles, workspaces
-        graph = torch.cuda.CUDAGraph()
-        _clear_cublas_workspaces()  # the capture's GEMMs take theirs from the pool (see below)
-        graph.capture_begin(pool=runner._pool)
-        try:
-            outputs = self.fn(*static)
-        except Exception as e:
-            with contextlib.suppress(Exception):
-                graph.capture_end()
-            _clear_cublas_workspaces()
-            raise RuntimeError(f"capture of {self.piece_name} at size {size} failed: {e}") from e
-        graph.capture_end()
-        _clear_cublas_workspaces()
-        if not self.last:
-            graph.replay()  # capture computes nothing: later pieces' warm-ups must not read garbage (indices)
-        return [static, self._from_eager, outputs, graph]
-
-    def release(self, size: int) -> None:
-        """Drop ownership of the pool tensors of ``size`` (outputs, inputs from captured pieces)."""
-        if entry := self._graphs.get(size):
-            entry[0] = [a if k in self._keep else _weak(a) for k, a in enumerate(entry[0])]
-            entry[2] = tree_map(_weak, entry[2])
-
-
-class _SplittingPiece:
-    """Stands in the split module for a splitting piece: runs it eagerly, except during capture,
-    where it returns zeros shaped like its outputs. A splitting op's effects (a KV-cache write)
-    then happen only in real steps, and its values are never needed to capture the next piece."""
-
-    def __init__(self, piece: Piece, runner: Runner) -> None:
-        self.fn, self.piece_name, self._runner = piece.submodule.forward, piece.name, runner
-        leaves, self._spec = tree_flatten(piece.submodule.graph.output_node().args[0])
-        fakes = [leaf.meta.get("example_value") if isinstance(leaf, torch.fx.Node) else leaf for leaf in leaves]
-        known = all(f is not None or not isinstance(leaf, torch.fx.Node) for f, leaf in zip(fakes, leaves))
-        self._fakes = fakes if known else None
-
-    def __call__(self, *args: Any) -> Any:
-        runner = self._runner
-        if runner._capturing and self._fakes is not None:
-            with contextlib.suppress(TypeError, KeyError, AttributeError):
-                return tree_unflatten([runner.dispatch.materialize(v, runner._size or None) for v in self._fakes],
-                                      self._spec)
-        if runner._capturing:
-            logger.warning("%s: no shape metadata, so it runs for real during capture", self.piece_name)
-        return self.fn(*args)
 
 
 def _with_stand_ins(split: GraphModule, stand_ins: dict[str, Any]) -> GraphModule:
@@ -320,7 +174,7 @@ class Runner:
 
     def __init__(self, gm: GraphModule, example_inputs: Sequence[Any], config: Config) -> None:
         config = config.resolved()
-        self.gm, self.mode, self._progress = gm, config.mode, config.progress
+        self.gm, self.mode, self._progress, self.strict = gm, config.mode, config.progress, config.strict_capture
         self._counts: collections.Counter = collections.Counter()
         self._reasons: collections.Counter = collections.Counter()
         self._last = (0, 0)
@@ -331,6 +185,8 @@ class Runner:
         self.on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
         self.module: GraphModule | None = None
         self.split, self.dispatch, self._pieces, self._restore = None, None, [], []
+        self.eager_pieces: set[int] = set()  # pieces that run eagerly (splitting, trivial, not captured)
+        self._not_captured: list[dict[str, Any]] = []  # pieces with hazards, for the report
         if self.mode == "none":
             return
         if self.mode not in ("piecewise", "full"):
@@ -338,19 +194,21 @@ class Runner:
         sizes = check_capture_sizes(config)
         self.split = split_graph(gm, config.splitting_ops if self.mode == "piecewise" else ())
         pieces = [p for p in self.split.pieces if not p.is_splitting and not is_trivial(p.submodule)]
-        eager = {p.index for p in self.split.pieces} - {p.index for p in pieces}
-        used = {s.index for p in pieces for s in p.sources if s.kind == "input"}
-        self.dispatch = d = Dispatch(gm, example_inputs, used, sizes, config.pad_inputs, self.on_cuda)
-        hosts = {s.name for s in d.inputs if s.kind == "host"}
-        hazards = [h for p in pieces for h in find_capture_hazards(p.submodule, hosts)]
-        if hazards:
-            raise CaptureHazardError(hazards)
+        d = self._dispatch(gm, example_inputs, pieces, sizes, config.pad_inputs)
+        capturable = self._capturable(pieces, {s.name for s in d.inputs if s.kind == "host"})
+        if len(capturable) < len(pieces):  # the inputs of pieces run eagerly are not the runner's
+            pieces = capturable
+            d = self._dispatch(gm, example_inputs, pieces, sizes, config.pad_inputs)
+            if not pieces and not d.reason:
+                d.reason = "no piece can be captured (eager_pieces says why)"
+        self.eager_pieces = {p.index for p in self.split.pieces} - {p.index for p in pieces}
         if d.reason:
             logger.warning("CUDA graphs off, the graph runs eagerly: %s", d.reason)
         statics = {i for i, spec in enumerate(d.inputs) if spec.kind == "static"}
-        self._pieces = [_PieceRunner(p, self, eager, statics, last=p is pieces[-1]) for p in pieces]
-        stand_ins = dict(zip((p.name for p in pieces), self._pieces))
-        stand_ins.update((p.name, _SplittingPiece(p, self)) for p in self.split.pieces if p.is_splitting)
+        self._pieces = [CapturedPiece(p, self, statics, last=p is pieces[-1]) for p in pieces]
+        stand_ins: dict[str, Any] = dict(zip((p.name for p in pieces), self._pieces))
+        stand_ins.update((p.name, EagerPiece(p, self)) for p in self.split.pieces
+                         if p.is_splitting or p.name in {r["piece"] for r in self._not_captured})  # fmt: skip
         self.module = _with_stand_ins(self.split.module, stand_ins)
         self._forward = self._lone_piece() or self.module.forward
         # parameters/buffers that a piece replayed during capture writes: saved and restored
@@ -368,6 +226,26 @@ class Runner:
         written = mutated_placeholders(gm)
         self._written = [i for i in self._managed if d.inputs[i].name in written]
         self._device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
+
+    def _dispatch(self, gm: GraphModule, example_inputs: Sequence[Any], pieces: Sequence[Piece], sizes: Sequence[int],
+                  pad: bool) -> Dispatch:  # fmt: skip
+        used = {s.index for p in pieces for s in p.sources if s.kind == "input"}
+        self.dispatch = Dispatch(gm, example_inputs, used, sizes, pad, self.on_cuda)
+        return self.dispatch
+
+    def _capturable(self, pieces: Sequence[Piece], hosts: Collection[str]) -> list[Piece]:
+        """The pieces without capture hazards. The others run eagerly, each hazard logged and
+        listed in ``stats()["eager_pieces"]``; under ``strict_capture`` they raise
+        :class:`CaptureHazardError`."""
+        found = {p.index: find_capture_hazards(p.submodule, hosts) for p in pieces}
+        if self.strict and any(found.values()):
+            raise CaptureHazardError([h for p in pieces for h in found[p.index]])
+        for p in pieces:
+            for h in found[p.index]:
+                logger.warning("%s runs eagerly (not captured): %s", p.name, h)
+                self._not_captured.append({"piece": p.name, "sizes": "all", "op": h.op, "node": h.node,
+                                           "source": h.source, "reason": h.reason})
+        return [p for p in pieces if not found[p.index]]
 
     # -- buffers ------------------------------------------------------------------------
 
@@ -413,7 +291,7 @@ class Runner:
         self._captured = True
         sizes = sorted(self.dispatch.sizes, reverse=True) or [0]
         t0, reserved = time.perf_counter(), torch.cuda.memory_reserved(self._device) if self.on_cuda else 0
-        ctx = _capturing(self._device) if self.on_cuda else contextlib.nullcontext()
+        ctx = capture_context(self._device) if self.on_cuda else contextlib.nullcontext()
         saved = [t.to("cpu", copy=True) for t in self._restore]
         try:
             with ctx, torch.inference_mode(False), torch.no_grad():
@@ -431,7 +309,10 @@ class Runner:
                         p.release(size)
         except Exception as e:
             self.dispatch.reason = f"capture failed: {type(e).__name__}: {e}"  # later calls run eagerly
-            raise
+            if self.strict:
+                raise
+            logger.warning("%s; the graph runs eagerly (strict_capture would raise)", self.dispatch.reason)
+            return
         finally:
             self._capturing = False
             self._scratches.clear()
@@ -443,7 +324,7 @@ class Runner:
                         if tuple(s.get("segment_pool_id", ())) == tuple(self._pool)]
             self.pool_bytes = sum(segments) if segments else torch.cuda.memory_reserved(self._device) - reserved
         logger.info("captured %d graphs (%d pieces x %d sizes) in %.2f s; pool %.1f MiB, buffers %.1f MiB",
-                    len(self._pieces) * len(sizes), len(self._pieces), len(sizes), self.capture_s,
+                    sum(p.graphs() for p in self._pieces), len(self._pieces), len(sizes), self.capture_s,
                     self.pool_bytes / 2**20, self._buffer_bytes() / 2**20)
 
     def _buffer_bytes(self) -> int:
@@ -459,7 +340,15 @@ class Runner:
         if d.reason:
             return self._eager(args, "unsupported")
         n = d.token_count(args)
-        d.check(args, n)
+        try:
+            d.check(args, n)
+        except ShapeError as e:
+            if self.strict:
+                raise
+            try:  # the graph's code may serve it (a token count below Dynamo's range, say)
+                return self._eager(args, "shape_mismatch", str(e))
+            except Exception as failed:  # noqa: BLE001 - it does not: say why, with the graph's error
+                raise e from failed
         size = d.select(n)
         if size is None:
             return self._eager(args, "beyond_max" if n > d.sizes[-1] else "not_captured")
@@ -468,6 +357,8 @@ class Runner:
         if [args[i].item() for i in self._host_idx] != self._host_values:
             return self._eager(args, "host_scalar_changed")
         self.capture()
+        if d.reason:  # the capture failed outside any one piece
+            return self._eager(args, "unsupported")
         before = (counts["static_input_copies"], counts["activation_copies"])
         if torch.is_grad_enabled():  # no autograd here: an output may view a parameter
             with torch.no_grad():
@@ -515,11 +406,12 @@ class Runner:
 
         return forward
 
-    def _eager(self, args: Sequence[Any], reason: str) -> Any:
+    def _eager(self, args: Sequence[Any], reason: str, detail: str = "") -> Any:
         self._counts["eager_calls"] += 1
         self._reasons[reason] += 1
-        if reason in ("static_input_moved", "host_scalar_changed") and self._reasons[reason] == 1:
-            logger.warning("%s: this call and the next such ones run eagerly (stats: eager_reasons)", reason)
+        if reason in ("static_input_moved", "host_scalar_changed", "shape_mismatch") and self._reasons[reason] == 1:
+            logger.warning("%s%s: this call and the next such ones run eagerly (stats: eager_reasons)", reason,
+                           f" ({detail})" if detail else "")
         self._last = (0, 0)
         return self.gm(*args)
 
@@ -570,8 +462,12 @@ class Runner:
         graphs, captured, capture_s, pool_bytes (the shared pool's segments), buffer_bytes
         (static input buffers), capture_saved_bytes (parameters/buffers saved to host and restored
         around capture: written by a piece replayed then); calls, replays, padded_calls, eager_calls and eager_reasons
-        (beyond_max, not_captured, static_input_moved, host_scalar_changed, unsupported);
+        (beyond_max, not_captured, static_input_moved, host_scalar_changed, shape_mismatch, unsupported);
         static_input_copies and activation_copies, in all and in the last call (``_last``).
+        eager_pieces: the pieces not captured at some or every size, one entry per hazard or failed
+        capture (piece, sizes: "all" or the token counts, op, node, source line, reason);
+        eager_piece_calls (calls of such a piece at replay); piece_input_changed (replays where a
+        piece ran eagerly because a value its graph froze had changed).
         """
         d, split, c = self.dispatch, self.split, self._counts
         return {
@@ -584,10 +480,10 @@ class Runner:
             "pad_inputs": bool(d is not None and d.pad),
             "inputs": dict(collections.Counter(s.kind for s in d.inputs)) if d is not None else {},
             "pieces": len(split.pieces) if split else 1,
-            "captured_pieces": len(self._pieces),
+            "captured_pieces": sum(p.failure is None for p in self._pieces),
             "splitting_pieces": split.num_splitting if split else 0,
             "missing_splitting_ops": [getattr(o, "__name__", str(o)) for o in split.missing] if split else [],
-            "graphs": sum(len(p._graphs) for p in self._pieces),
+            "graphs": sum(p.graphs() for p in self._pieces),
             "captured": self._captured, "capture_s": self.capture_s,
             "pool_bytes": self.pool_bytes, "buffer_bytes": self._buffer_bytes(),
             "capture_saved_bytes": sum(t.numel() * t.element_size() for t in self._restore),
@@ -595,14 +491,17 @@ class Runner:
             "eager_reasons": dict(self._reasons),
             "static_input_copies": c["static_input_copies"], "static_input_copies_last": self._last[0],
             "activation_copies": c["activation_copies"], "activation_copies_last": self._last[1],
+            "eager_pieces": self._not_captured + [p.failure.row() for p in self._pieces if p.failure is not None],
+            "eager_piece_calls": c["eager_piece_calls"], "piece_input_changed": c["piece_input_changed"],
         }
 
 
 def build_runner(gm: GraphModule, example_inputs: Sequence[Any], config: Config) -> Runner:
     """Wrap the rewritten ``gm`` for ``config.mode`` ("none", "piecewise" or "full").
 
-    Raises :class:`CaptureHazardError` when a piece to be captured holds an op capture cannot
-    hold. Capture itself happens at the first call, or at ``runner.capture()``. Example::
+    A piece holding an op capture cannot hold runs eagerly (``stats()["eager_pieces"]`` says
+    which op, where); under ``config.strict_capture`` that raises :class:`CaptureHazardError`.
+    Capture itself happens at the first call, or at ``runner.capture()``. Example::
 
         runner = build_runner(gm, example_inputs, Config(mode="full", capture_sizes=(4, 8)))
         out = runner(*args)

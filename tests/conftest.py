@@ -17,6 +17,10 @@ import torch
 # The compile cache stays off in the suite (tests patch rules and kernels in place, which no cache
 # key can see) except where a test turns it on with a directory of its own (tests/fxrewrite/test_cache.py).
 os.environ.setdefault("FXREWRITE_CACHE", "0")
+# A pass that raises fails the compile in the suite (users get the graph as the pass found it,
+# and a report line): a bug in a pass must not hide behind that. Likewise a piece that cannot be
+# captured (Config.strict_capture follows Config.strict): the tests of containment turn it off.
+os.environ.setdefault("FXREWRITE_STRICT", "1")
 
 if not torch.cuda.is_available():
     # Without CUDA, Triton kernels run only interpreted, on CPU tensors. The flag must be set

@@ -88,10 +88,11 @@ def test_planted_near_miss_says_where_and_why(fn: Callable[..., Any], tokens: in
     assert miss.site == "mul_1", "the site is the anchor: the weight product"
 
 
-@pytest.mark.parametrize(("near_miss_min", "reported"), [(0.5, False), (0.25, True)])
+@pytest.mark.parametrize(("near_miss_min", "reported"), [(0.5, False), (0.1, True)])
 def test_near_misses_below_the_threshold_are_not_reported(near_miss_min: float, reported: bool) -> None:
-    """A defect right under the anchor (2 of 8 pattern ops matched: the product and the elided
-    cast) is noise at the default threshold, and shown when the threshold is lowered."""
+    """A defect right under the anchor (1 of the 7 pattern ops a float32 graph can have matched:
+    the product; the elided cast counts on neither side) is noise at the default threshold, and
+    shown when the threshold is lowered."""
     r = compile_norm(_only_out(after_mul=torch.abs), config=Config(near_miss_min=near_miss_min))
     planted = "target `abs` interposed (`h_1`) where `mul` was expected"
     assert (planted in [m.reason for m in r.report.near_misses]) is reported

@@ -39,7 +39,7 @@ def names(config: Config, **kw: object) -> list[str]:
 @pytest.mark.parametrize("mode", ["none", "piecewise", "full"])
 def test_the_library_in_its_order_with_gemms_selected_for_replayed_graphs_only(mode: str) -> None:
     gemm = ["select_gemm"] if mode != "none" else []
-    want = ["canonicalize", "merge_siblings", "fuse_moe", *LIBRARY_GROUPS, *gemm, "fold_rotary", "cleanup"]
+    want = ["canonicalize", "merge_siblings", "fuse_moe", *LIBRARY_GROUPS, *gemm, "fold_rotary", "fold_constants", "cleanup"]
     assert names(Config(mode=mode)) == want
     assert [name for name, _ in default_rule_groups(mode)] == LIBRARY_GROUPS + gemm
 
@@ -53,13 +53,13 @@ def test_user_rules_follow_the_last_rule_group_in_every_mode() -> None:
 
 def test_rules_replace_the_rule_groups_and_keep_the_graph_passes() -> None:
     """fuse_moe is a graph pass that fuses: replaced with the rule groups."""
-    assert names(Config(rules=(DOUBLE,))) == ["canonicalize", "merge_siblings", "rules", "fold_rotary", "cleanup"]
-    assert names(Config(rules=(DOUBLE,), merge_siblings=False)) == ["canonicalize", "rules", "fold_rotary", "cleanup"]
+    assert names(Config(rules=(DOUBLE,))) == ["canonicalize", "merge_siblings", "rules", "fold_rotary", "fold_constants", "cleanup"]
+    assert names(Config(rules=(DOUBLE,), merge_siblings=False)) == ["canonicalize", "rules", "fold_rotary", "fold_constants", "cleanup"]
 
 
 def test_no_rules_runs_none_of_the_library() -> None:
-    assert names(Config(rules=())) == ["canonicalize", "cleanup"]
-    assert names(Config(rules=(), extra_rules=(DOUBLE,))) == ["canonicalize", "user_rules", "cleanup"]
+    assert names(Config(rules=())) == ["canonicalize", "fold_constants", "cleanup"]
+    assert names(Config(rules=(), extra_rules=(DOUBLE,))) == ["canonicalize", "user_rules", "fold_constants", "cleanup"]
 
 
 def test_a_graph_pass_gets_the_config_fields_it_names() -> None:
@@ -71,7 +71,7 @@ def test_a_graph_pass_gets_the_config_fields_it_names() -> None:
 
     library = (RuleGroup("empty", []), GraphPass("positions", count_positions, options=("max_positions",)))
     passes = fxrewrite.pipeline(Config(max_positions=77), library)
-    assert [p.name for p in passes] == ["canonicalize", "positions", "cleanup"]  # an empty group: no pass
+    assert [p.name for p in passes] == ["canonicalize", "positions", "fold_constants", "cleanup"]  # an empty group: no pass
     passes[1].fn(torch.fx.symbolic_trace(torch.nn.Identity()))
     assert seen == [77]
 

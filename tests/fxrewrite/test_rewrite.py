@@ -8,6 +8,8 @@ model decoded garbage from an empty cache.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 import fxrewrite
@@ -43,6 +45,50 @@ def test_dead_code_drops_unread_pure_nodes_and_keeps_writes() -> None:
     assert dead_code(gm) == 1
     kept = {str(n.target) for n in gm.graph.nodes if n.op in ("call_method", "call_function")}
     assert kept == {"mul_", str(torch.relu_), "<built-in function add>"}
+
+
+def test_dead_code_keeps_the_state_changes_dynamo_records_as_unread_calls() -> None:
+    """``torch.vmap`` inlined by Dynamo: its nesting level is entered and left by calls nobody
+    reads (Mamba's associative scan in transformers); dropping them broke every batched call."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.vmap(lambda row: row * row.sum())(x) + 1
+
+    backend = fxrewrite.Backend(progress=False)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(backend.compile(f)(x), f(x))
+    kept = [str(n.target) for n in backend.graphs[0].graph.nodes if n.op == "call_function"]
+    assert any("_vmap_increment_nesting" in t for t in kept) and any("_vmap_decrement_nesting" in t for t in kept)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def test_no_rule_matches_inside_a_vmapped_body() -> None:
+    """A fused op has no batching rule: an RMSNorm inside ``torch.vmap`` stays as traced, the
+    same norm outside it fuses (the twin)."""
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        inside = torch.vmap(lambda row: _rms(row, w))(x)
+        return inside + _rms(x, w)
+
+    backend = fxrewrite.Backend(progress=False)
+    x, w = torch.randn(4, 3, 16), torch.randn(16)
+    torch.testing.assert_close(backend.compile(f)(x, w), f(x, w))
+    assert backend.report.fused_ops() == {"rms_norm": 1}
+    assert not backend.report.rejected and not backend.report.near_misses  # the body was not tried
+
+
+def test_pure_calls_are_known_pure_and_unknown_functions_are_not() -> None:
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    pure = [graph.call_function(t, (x,)) for t in (torch.ops.aten.relu.default, torch.sin, torch.nn.functional.silu)]
+    pure.append(graph.call_function(operator.getitem, (x, 0)))
+    unknown = graph.call_function(torch._C._functorch._vmap_increment_nesting, (x, "error"))
+    assert not any(meta.is_impure(n) for n in pure)
+    assert meta.is_impure(unknown)
 
 
 def test_written_args_names_the_tensors_written() -> None:

@@ -1,4 +1,5 @@
-"""Splitting at attention ops (fxrewrite.split) on Dynamo graphs, and the capture analyses.
+"""Splitting at attention ops (fxrewrite.split) on Dynamo graphs (the capture analyses of the
+pieces: tests/runtime/test_hazards.py).
 
 The graph fixtures (recording backend, toy attention models, custom attention ops, tiny Llama)
 live in tests/helpers/graphs.py, shared with tests/runtime/test_cudagraph*.py.
@@ -6,23 +7,14 @@ live in tests/helpers/graphs.py, shared with tests/runtime/test_cudagraph*.py.
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fxrewrite.split import (
-    Source,
-    find_capture_hazards,
-    is_trivial,
-    mutated_placeholders,
-    split_graph,
-)
+from fxrewrite.runtime.hazards import find_capture_hazards
+from fxrewrite.split import Source, split_graph
 from helpers.graphs import SDPA, Recorded, TinyLlama, ToyAttention, llama_inputs, record, seeded, toy_inputs
 
 
@@ -161,115 +153,3 @@ def test_adjacent_and_leading_splitting_ops_make_no_empty_piece() -> None:
     torch.testing.assert_close(sg(q), f(q))
 
 
-# ---------------------------------------------------------------------------------------
-# Analyses: capture hazards, in-place writes, trivial pieces
-
-
-def fake_graph(f: Callable[..., Any], *inputs: tuple[Sequence[int], str]) -> torch.fx.GraphModule:
-    """symbolic_trace ``f``; fill node metadata from fake inputs (shape, device): no GPU needed."""
-    gm = torch.fx.symbolic_trace(f)
-    shape_env = ShapeEnv(allow_scalar_outputs=True, allow_dynamic_output_shape_ops=True)
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
-    with mode:
-        fakes = [torch.empty(shape, device=device) for shape, device in inputs]
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
-    return gm
-
-
-def test_hazards_flag_host_syncs_and_transfers() -> None:
-    def f(x: torch.Tensor) -> Any:
-        a = x * x.sum().item()
-        b = x.cpu() + 1
-        c = x.to("cpu")
-        d = x.tolist()
-        ok = x.to("cuda:0").float().view(-1)
-        return a, b, c, d, ok
-
-    hazards = find_capture_hazards(fake_graph(f, ((4,), "cuda:0")))
-    assert [h.op for h in hazards] == ["call_method item", "call_method cpu", "call_method to", "call_method tolist"]
-    assert "host" in hazards[0].reason and "host and device" in hazards[1].reason
-
-
-def test_hazards_flag_a_host_list_to_the_device_but_not_an_empty_one() -> None:
-    # transformers' KV caches start as torch.tensor([], device=...): no bytes move, no copy runs
-    graph = torch.fx.Graph()
-    with FakeTensorMode():
-        values = {"empty": torch.empty(0, device="cuda:0"), "full": torch.empty(2, device="cuda:0")}
-    for name, data in (("empty", []), ("full", [1.0, 2.0])):
-        node = graph.call_function(torch.tensor, (data,), {"device": "cuda:0"})
-        node.name, node.meta["example_value"] = name, values[name]
-    graph.output(None)
-    assert [h.node for h in find_capture_hazards(torch.fx.GraphModule({}, graph))] == ["full"]
-
-
-def test_hazards_flag_data_dependent_shapes() -> None:
-    def f(x: torch.Tensor) -> Any:
-        return torch.nonzero(x), x.nonzero(), torch.ops.aten.masked_select.default(x, x > 0), x.unique()
-
-    hazards = find_capture_hazards(torch.fx.symbolic_trace(f))
-    assert [h.op for h in hazards] == ["call_function nonzero", "call_method nonzero",
-                                       "call_function masked_select", "call_method unique"]
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        rec = record(lambda x: torch.nonzero(x).float().sum(0), [(torch.randn(4),)], dynamic=False)
-    assert [h.node for h in find_capture_hazards(rec.gm)][:1] == ["nonzero"]
-
-
-def test_hazards_allow_host_scalars_but_not_device_items() -> None:
-    def f(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-        return x * eps.item()
-
-    gm = fake_graph(f, ((4,), "cuda:0"), ((), "cpu"))
-    assert find_capture_hazards(gm) == []  # eps: a one-element CPU placeholder
-    assert [h.node for h in find_capture_hazards(gm, host_scalars=())] == ["item"]
-
-
-def test_hazards_name_the_source_line_in_dynamo_graphs() -> None:
-    def f(x: torch.Tensor) -> torch.Tensor:
-        return x * x.amax().item()  # the flagged line
-
-    with torch._dynamo.config.patch(capture_scalar_outputs=True):
-        rec = record(f, [(torch.randn(4),)], dynamic=False)
-    (hazard,) = find_capture_hazards(rec.gm)
-    assert hazard.op == "call_method item" and "x.amax().item()" in hazard.source
-    assert "test_split.py" in hazard.source and "x.amax().item()" in str(hazard)
-
-
-def test_hazards_flag_synchronize_and_print() -> None:
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    graph.call_function(torch.cuda.synchronize)
-    graph.call_function(print, (x,))
-    graph.output(x)
-    hazards = find_capture_hazards(torch.fx.GraphModule({}, graph), host_scalars=())
-    assert [h.op for h in hazards] == ["call_function synchronize", "call_function print"]
-
-
-def test_llama_has_only_host_scalar_items(llama: Recorded) -> None:
-    assert find_capture_hazards(llama.gm) == []
-    items = [n for n in call_nodes(llama.gm) if n.target == "item"]
-    flagged = find_capture_hazards(llama.gm, host_scalars=())
-    assert len(flagged) == len(items)  # 0 when Dynamo specialized the floats (dynamic=False)
-
-
-def test_mutated_placeholders_through_views_operators_and_schemas() -> None:
-    def f(x: torch.Tensor, buf: torch.Tensor, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        buf[0].add_(1)
-        x.add_(1)
-        torch.ops.fxrtest.attn_out(y, y, y, out.view(out.shape))
-        return y * 2
-
-    gm = torch.fx.symbolic_trace(f)
-    assert mutated_placeholders(gm) == {"x", "buf", "out"}
-    def g(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        b[0] += 1  # Dynamo: getitem, operator.iadd, operator.setitem
-        c.mul_(2)
-        return a + 1
-
-    rec = record(g, [(torch.randn(3), torch.randn(3), torch.randn(3))], dynamic=False)
-    assert mutated_placeholders(rec.gm) == {"l_b_", "l_c_"}
-
-
-def test_is_trivial() -> None:
-    assert is_trivial(torch.fx.symbolic_trace(lambda x: x.view(-1).transpose(0, 0)))
-    assert not is_trivial(torch.fx.symbolic_trace(lambda x: x.view(-1) + 1))
-    assert not is_trivial(torch.fx.symbolic_trace(lambda x: operator.add(x, 1)))

@@ -202,3 +202,17 @@ def test_siblings_without_a_gated_product_stay_one_group() -> None:
 
     r = check(NotGated(), torch.randn(4, 64), expect={})
     assert [s.module for s in sites(r, "merge_siblings")] == ["gate_proj + up_proj + router"]
+
+
+def test_an_activation_read_by_something_other_than_a_product_is_no_gated_pair() -> None:
+    """``dropout(gelu(fc1(x)))`` (BioGPT, BART): the activation's one reader is a call of one
+    positional argument, not a product; the siblings merge as one group, and the pass does not
+    trip over the reader's arguments."""
+
+    class DropoutAfterAct(SharedExpert):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = F.dropout(F.gelu(self.gate_proj(x)), p=0.1, training=False)
+            return h + self.up_proj(x), self.router(x)
+
+    r = check(DropoutAfterAct(), torch.randn(4, 64), expect={})
+    assert [s.module for s in sites(r, "merge_siblings")] == ["gate_proj + up_proj + router"]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from fxrewrite.config import Config
 from fxrewrite.runtime.cudagraph import Runner, build_runner, copy_all
 from fxrewrite.runtime.dispatch import Dispatch, ShapeError, check_capture_sizes, pad_zeros, select_size
-from fxrewrite.split import CaptureHazardError
+from fxrewrite.runtime.hazards import CaptureHazardError
 from helpers.graphs import (
     CAPTURE_SIZES,
     SDPA,

@@ -21,7 +21,7 @@ import torch
 from fxrewrite.config import Config
 from fxrewrite.runtime.cudagraph import Runner, build_runner, copy_all
 from fxrewrite.runtime.dispatch import ShapeError
-from fxrewrite.split import CaptureHazardError
+from fxrewrite.runtime.hazards import CaptureHazardError
 from helpers.graphs import (
     CachedAttention,
     Recorded,
@@ -229,10 +229,10 @@ def test_through_torch_compile() -> None:
 CUBLAS_CLEARED = """
 import sys, torch
 from fxrewrite.config import Config
-from fxrewrite.runtime import cudagraph
+from fxrewrite.runtime import cudagraph, pieces
 
 if sys.argv[1] == "unfixed":
-    cudagraph._clear_cublas_workspaces = lambda: None
+    pieces._clear_cublas_workspaces = lambda: None
 torch.manual_seed(0)
 w1 = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16) / 64
 w2 = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16) / 128

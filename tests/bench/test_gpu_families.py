@@ -1,0 +1,48 @@
+"""CPU tests of ``bench/gpu_families.py``'s plumbing: a family that is not Llama-shaped (Falcon, built
+as bench/coverage.py builds it) through ``run_case`` on CPU (piecewise: captures emulated), its row
+and table line, and how pieces not captured are counted and explained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gpu_families as gf
+
+pytest.importorskip("transformers")
+
+
+def test_falcon_runs_piecewise_on_cpu_with_every_piece_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gf, "FAMILY_SHAPE", dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256))
+    monkeypatch.setattr(gf, "SHAPES", ((1, 9), (1, 9)))
+    row = gf.run_case("falcon", "piecewise", poison=False, device="cpu", capture_sizes=(4, 8, 16))
+    assert type(gf.build("falcon")).__name__ == "FalconForCausalLM"
+    # 2 layers: before, between and after the two attentions; Falcon's list indices are constants
+    assert row["ok"] and (row["pieces_captured"], row["pieces"], row["not_captured"]) == (3, 3, [])
+    # the 1.10x goal is the GPU's (its kernels); here only the plumbing of the errors
+    assert row["fused"]["rotary_embedding"] == 2 and 0 < row["err_eager"] < 0.05 and 0 < row["err"] < 0.05
+    assert row["ratio"] == row["err"] / row["err_eager"]
+    line = gf.table([dict(row, process="own")]).splitlines()[-1]
+    assert line.startswith("| own | falcon | piecewise | ok | ") and " | 3/3 | " in line
+
+
+def test_pieces_not_captured_are_counted_with_their_reasons() -> None:
+    hazard = {"piece": "submod_2", "sizes": "all", "op": "call_method item", "node": "item",
+              "source": "File m.py, line 3", "reason": "syncs with the host"}
+    failed = {"piece": "submod_4", "sizes": [8, 4], "op": "call_function fragile", "node": "fragile",
+              "source": "File m.py, line 9", "reason": "capture failed: RuntimeError: no"}
+    runtime = [{"captured_pieces": 1, "eager_pieces": [hazard, failed], "reason": None},
+               {"captured_pieces": 2, "eager_pieces": [], "reason": "captured pieces read 2 dynamic dimensions"}]
+    captured, total, why = gf.piece_counts(runtime)
+    assert (captured, total) == (1, 5)
+    assert why == ["graph not captured: captured pieces read 2 dynamic dimensions",
+                   "submod_2 (every size): call_method item at File m.py, line 3: syncs with the host",
+                   "submod_4 (sizes [8, 4]): call_function fragile at File m.py, line 9: capture failed: RuntimeError: no"]
+
+
+@pytest.mark.parametrize("family", gf.COVERAGE_FAMILIES)
+def test_each_new_family_builds_at_the_bench_shape(family: str) -> None:
+    model = gf.build(family)
+    vocab, hidden = model.get_input_embeddings().weight.shape
+    assert (vocab, hidden) == (gf.FAMILY_SHAPE["vocab"], gf.FAMILY_SHAPE["hidden"])
+    assert next(model.parameters()).dtype == torch.float32 and not model.training
