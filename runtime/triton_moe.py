@@ -190,13 +190,21 @@ def _expert_of(b, ends_ptr, totals_ptr, E, E_BLOCK: tl.constexpr, BM: tl.constex
 
 
 @triton.jit
-def _epilogue(acc, acc_up, weights_ptr, pair, mmask, dtype: tl.constexpr, GATED: tl.constexpr,
+def _epilogue(acc, acc_up, weights_ptr, pair, mmask, alpha, limit, dtype: tl.constexpr, GATED: tl.constexpr,
               ACT: tl.constexpr, WEIGHTED: tl.constexpr):  # fmt: skip
     """The reference's roundings: GEMM outputs in ``dtype``; gated: ``act(gate) * up`` in
-    ``dtype``; weighted: times the pair's float32 routing weight."""
+    ``dtype`` (the clamped SwiGLU (3) rounds after each of its steps); weighted: times the
+    pair's float32 routing weight."""
     y = acc.to(dtype).to(tl.float32)
     if GATED:
-        y = _activation(y, ACT).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        if ACT == 3:
+            g = tl.minimum(y, limit)
+            u = tl.minimum(tl.maximum(up, -limit), limit)
+            s = (1.0 / (1.0 + tl.exp(-(g * alpha).to(dtype).to(tl.float32)))).to(dtype).to(tl.float32)
+            y = (u + 1.0).to(dtype).to(tl.float32) * (g * s).to(dtype).to(tl.float32)
+        else:
+            y = _activation(y, ACT).to(dtype).to(tl.float32) * up
     if WEIGHTED:
         y = y * tl.load(weights_ptr + pair, mask=mmask, other=0.0)[:, None]
     return y
@@ -204,14 +212,20 @@ def _epilogue(acc, acc_up, weights_ptr, pair, mmask, dtype: tl.constexpr, GATED:
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, ends_ptr, totals_ptr, weights_ptr, N, K, E,
-                     a_stride, w_stride_e, w_stride_n, out_stride, n_blocks, group,
+                     a_stride, w_stride_e, w_stride_n, w_stride_k, w_up, out_stride, n_blocks, group,
+                     bias_ptr, bias_stride_e, bias_stride_n, bias_up, alpha, limit,
                      A_ROW_DIV: tl.constexpr, E_BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-                     WEIGHTED: tl.constexpr):  # fmt: skip
+                     WEIGHTED: tl.constexpr, SCALE_A: tl.constexpr = False, HAS_BIAS: tl.constexpr = False):  # fmt: skip
     """Program (b, n) (:func:`_block_of`): block b's ``BM`` sorted rows, all pairs of one expert,
-    times that expert's weight rows ``n*BN ..`` (and with ``GATED`` the up rows ``N + n*BN ..``).
-    A row of ``a`` is ``pair // A_ROW_DIV`` (x: the pair's token; h: the pair itself); the output
-    row is the pair."""
+    times that expert's weight rows ``n*BN ..`` (and with ``GATED`` the up rows, ``w_up``
+    elements further). A row of ``a`` is ``pair // A_ROW_DIV`` (x: the pair's token; h: the pair
+    itself); the output row is the pair. Weights may be strided along k (a transposed view:
+    ``w_stride_k`` != 1, ``w_stride_n`` == 1). ``SCALE_A``: each row of ``a`` times its pair's
+    routing weight first, rounded to ``a``'s dtype (the weight on the expert's input).
+    ``HAS_BIAS``: the expert's bias added to each rounded GEMM output (the up bias ``bias_up``
+    elements after the gate's), rounded again. Interleaved gate/up rows: ``w_stride_n`` twice
+    the row stride, ``w_up`` one row."""
     b, n_tile, expert, valid = _block_of(tl.program_id(0), n_blocks, group, N, ends_ptr, totals_ptr, E, E_BLOCK,
                                          BM, BN)  # fmt: skip
     if expert < E:
@@ -224,18 +238,29 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, ends_ptr, totals_ptr, weig
         w_rows = w_ptr + expert.to(tl.int64) * w_stride_e + cols.to(tl.int64) * w_stride_n
         acc = tl.zeros([BM, BN], tl.float32)
         acc_up = acc
+        if SCALE_A:
+            scale = tl.load(weights_ptr + pair, mask=mmask, other=0.0)[:, None]
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
             a_mask, w_mask = mmask[:, None], nmask[:, None]
             if not EVEN_K:
                 a_mask, w_mask = a_mask & (ks < K)[None, :], w_mask & (ks < K)[None, :]
             a = tl.load(a_rows[:, None] + ks[None, :], mask=a_mask, other=0.0)
-            w = tl.load(w_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
+            if SCALE_A:
+                a = (a.to(tl.float32) * scale).to(a_ptr.dtype.element_ty)
+            w = tl.load(w_rows[:, None] + ks[None, :] * w_stride_k, mask=w_mask, other=0.0)
             acc += tl.dot(a, tl.trans(w))
             if GATED:
-                u = tl.load(w_rows[:, None] + N * w_stride_n + ks[None, :], mask=w_mask, other=0.0)
+                u = tl.load(w_rows[:, None] + w_up + ks[None, :] * w_stride_k, mask=w_mask, other=0.0)
                 acc_up += tl.dot(a, tl.trans(u))
-        y = _epilogue(acc, acc_up, weights_ptr, pair, mmask, a_ptr.dtype.element_ty, GATED, ACT, WEIGHTED)
+        if HAS_BIAS:
+            dt = a_ptr.dtype.element_ty
+            b_cols = bias_ptr + expert.to(tl.int64) * bias_stride_e + cols * bias_stride_n
+            acc = (acc.to(dt).to(tl.float32) + tl.load(b_cols, mask=nmask, other=0.0).to(tl.float32)[None, :]).to(dt)
+            if GATED:
+                b_up = tl.load(b_cols + bias_up, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                acc_up = (acc_up.to(dt).to(tl.float32) + b_up).to(dt)
+        y = _epilogue(acc, acc_up, weights_ptr, pair, mmask, alpha, limit, a_ptr.dtype.element_ty, GATED, ACT, WEIGHTED)
         out = out_ptr + pair[:, None] * out_stride + cols[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
@@ -259,7 +284,7 @@ def _gather_kernel(x_ptr, x_stride, out_ptr, rows_ptr, ends_ptr, totals_ptr, H, 
 
 @triton.jit
 def _moe_gemm_tma_kernel(a_desc, w_desc, out_ptr, rows_ptr, ends_ptr, totals_ptr, weights_ptr, N, K, E,
-                         out_stride, n_blocks, group, E_BLOCK: tl.constexpr, BM: tl.constexpr,
+                         out_stride, n_blocks, group, alpha, limit, E_BLOCK: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
                          WEIGHTED: tl.constexpr):  # fmt: skip
     """The GEMMs of prefill sizes with both operands through TMA (Hopper's tensor memory
@@ -284,12 +309,13 @@ def _moe_gemm_tma_kernel(a_desc, w_desc, out_ptr, rows_ptr, ends_ptr, totals_ptr
         cols = n_tile * BN + tl.arange(0, BN)
         nmask = (cols < N)[None, :]
         if GATED:
-            y = _epilogue(acc, acc_up, weights_ptr, m, mmask, out_ptr.dtype.element_ty, GATED, ACT, WEIGHTED)
+            y = _epilogue(acc, acc_up, weights_ptr, m, mmask, alpha, limit, out_ptr.dtype.element_ty, GATED, ACT,
+                          WEIGHTED)  # fmt: skip
             out = out_ptr + (b * BM + m).to(tl.int64)[:, None] * out_stride + cols[None, :]
             tl.store(out, y.to(out_ptr.dtype.element_ty), mask=nmask)
         else:
             pair = tl.load(rows_ptr + b * BM + m, mask=mmask, other=0).to(tl.int64)
-            y = _epilogue(acc, acc_up, weights_ptr, pair, mmask, a_desc.dtype, GATED, ACT, WEIGHTED)
+            y = _epilogue(acc, acc_up, weights_ptr, pair, mmask, alpha, limit, a_desc.dtype, GATED, ACT, WEIGHTED)
             out = out_ptr + pair[:, None] * out_stride + cols[None, :]
             tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask)
 
@@ -399,11 +425,14 @@ def _device_of(x: Tensor) -> contextlib.AbstractContextManager[object]:
 def moe(
     x: Tensor, router_logits: Tensor | None, topk_weights: Tensor | None, topk_ids: Tensor | None,
     w_gate_up: Tensor, w_down: Tensor, top_k: int, renormalize: bool, activation: str = "silu",
-    cfg: MoeConfig | None = None,
+    weight_input: bool = False, b_gate_up: Tensor | None = None, b_down: Tensor | None = None,
+    interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0, *, cfg: MoeConfig | None = None,
 ) -> Tensor:  # fmt: skip
-    """``fxr::moe`` (see :mod:`fxrewrite.runtime.ops.moe`); ``cfg`` overrides :func:`config`."""
+    """``fxr::moe`` (see :mod:`fxrewrite.runtime.ops.moe`); ``cfg`` overrides :func:`config`. The
+    weight on the experts' input, biases and interleaved gate/up take the pointer kernels (the
+    TMA kernel reads x unscaled and stores GEMM outputs without biases)."""
     experts, width = moe_ops.check_args(x, router_logits, topk_weights, topk_ids, w_gate_up, w_down, top_k,
-                                        activation)  # fmt: skip
+                                        activation, b_gate_up, b_down)  # fmt: skip
     hidden = x.shape[-1]
     xs = x.reshape(-1, hidden)
     xs = xs if xs.stride(-1) == 1 else xs.contiguous()
@@ -411,7 +440,8 @@ def moe(
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=dev)
     if tokens == 0:
         return out.view(x.shape)
-    ready = tma_ready(xs, w_gate_up, w_down)
+    plain = not weight_input and b_gate_up is None and b_down is None and not interleaved
+    ready = tma_ready(xs, w_gate_up, w_down) and plain
     cfg = cfg or config(tokens, top_k, experts, width, hidden, _sms(dev), ready)
     e_block, k_block = triton.next_power_of_2(experts), triton.next_power_of_2(top_k)
     chunk = max(1, min(triton.next_power_of_2(tokens), ONE_HOT_ELEMENTS // (e_block * k_block), CHUNK_TOKENS))
@@ -445,14 +475,21 @@ def moe(
             CHUNK_BLOCK=min(triton.next_power_of_2(chunks), max(1, ONE_HOT_ELEMENTS // e_block)), **common,
         )  # fmt: skip
         if tma:
-            _gemms_tma(xs, w_gate_up, w_down, h, part, rows, ends, totals, weights, cfg, top_k, activation, blocks)
+            _gemms_tma(xs, w_gate_up, w_down, h, part, rows, ends, totals, weights, cfg, top_k, activation, blocks,
+                       alpha, limit)  # fmt: skip
         else:
-            for a, w, dst, g, gated in ((xs, w_gate_up, h, cfg.gate_up, True), (h, w_down, part, cfg.down, False)):
+            gemms = ((xs, w_gate_up, b_gate_up, h, cfg.gate_up, True), (h, w_down, b_down, part, cfg.down, False))
+            for a, w, b, dst, g, gated in gemms:
                 n, k = dst.shape[1], a.shape[1]
+                step = 2 if gated and interleaved else 1  # interleaved: gate rows 0, 2, ..., up rows 1, 3, ...
+                w_rows = (step * w.stride(1), w.stride(1) if step == 2 else n * w.stride(1))
+                b_cols = (0, 0, 0) if b is None else (b.stride(0), step * b.stride(1), b.stride(1) * (1 if step == 2 else n))
                 _moe_gemm_kernel[(blocks * triton.cdiv(n, g.bn),)](
-                    a, w, dst, rows, ends, totals, weights, n, k, experts, a.stride(0), w.stride(0), w.stride(1),
-                    dst.stride(0), blocks, min(g.group or blocks, blocks), A_ROW_DIV=top_k if gated else 1, BN=g.bn,
-                    BK=g.bk, EVEN_K=k % g.bk == 0, GATED=gated, ACT=ACT_IDS[activation], WEIGHTED=not gated,
+                    a, w, dst, rows, ends, totals, weights, n, k, experts, a.stride(0), w.stride(0), w_rows[0],
+                    w.stride(2), w_rows[1], dst.stride(0), blocks, min(g.group or blocks, blocks),
+                    b if b is not None else weights, *b_cols, float(alpha), float(limit), A_ROW_DIV=top_k if gated else 1,
+                    BN=g.bn, BK=g.bk, EVEN_K=k % g.bk == 0, GATED=gated, ACT=ACT_IDS[activation],
+                    WEIGHTED=not gated and not weight_input, SCALE_A=gated and weight_input, HAS_BIAS=b is not None,
                     num_warps=g.warps, num_stages=g.stages, **common,
                 )  # fmt: skip
         _moe_sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](part, out, hidden, K=top_k, BLOCK=SUM_BLOCK)
@@ -460,7 +497,8 @@ def moe(
 
 
 def _gemms_tma(xs: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor, part: Tensor, rows: Tensor, ends: Tensor,
-               totals: Tensor, weights: Tensor, cfg: MoeConfig, top_k: int, activation: str, blocks: int) -> None:  # fmt: skip
+               totals: Tensor, weights: Tensor, cfg: MoeConfig, top_k: int, activation: str, blocks: int,
+               alpha: float = 1.702, limit: float = 7.0) -> None:  # fmt: skip
     """x gathered into sorted order, then both GEMMs of :func:`_moe_gemm_tma_kernel`: ``h`` in
     sorted order, ``part`` per pair."""
     experts, hidden, bm = w_gate_up.shape[0], xs.shape[1], cfg.bm
@@ -476,6 +514,7 @@ def _gemms_tma(xs: Tensor, w_gate_up: Tensor, w_down: Tensor, h: Tensor, part: T
         w_desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [g.bn, g.bk])
         _moe_gemm_tma_kernel[(blocks * triton.cdiv(n, g.bn),)](
             a_desc, w_desc, dst, rows, ends, totals, weights, n, a.shape[1], experts, dst.stride(0), blocks,
-            min(g.group or blocks, blocks), E_BLOCK=e_block, BM=bm, BN=g.bn, BK=g.bk, GATED=gated,
+            min(g.group or blocks, blocks), float(alpha), float(limit), E_BLOCK=e_block, BM=bm, BN=g.bn, BK=g.bk,
+            GATED=gated,
             ACT=ACT_IDS[activation], WEIGHTED=not gated, num_warps=g.warps, num_stages=g.stages,
         )  # fmt: skip

@@ -7,16 +7,17 @@ twins), ``layernorm`` (LayerNorm, add + LayerNorm, in-place twin), ``activation`
 ``rotary`` (RoPE: the rotation with the model's tables, and the cache-indexed kernels' op),
 ``collective`` (all-reduce + add + RMSNorm, + FP8, for tensor parallelism), ``linear``
 (``F.linear`` with a decode-size GEMM), ``moe`` (a mixture-of-experts block: routing, experts,
-weighted sum).
+weighted sum), ``moe_route`` (its router alone: scores, biased and group-limited top-k).
 ``DEFS`` holds every definition, ``OPS`` every op name.
 """
 
-from fxrewrite.runtime.ops import activation, collective, layernorm, linear, moe, norm, quant, rotary
+from fxrewrite.runtime.ops import activation, collective, layernorm, linear, moe, moe_route, norm, quant, rotary
 from fxrewrite.runtime.providers import OpDef
 
 DEFS: tuple[OpDef, ...] = (
     norm.DEFS + layernorm.DEFS + activation.DEFS + quant.DEFS + rotary.DEFS + collective.DEFS + linear.DEFS + moe.DEFS
+    + moe_route.DEFS
 )
 OPS: tuple[str, ...] = tuple(op.name for op in DEFS)
 
-__all__ = ["DEFS", "OPS", "activation", "collective", "layernorm", "linear", "moe", "norm", "quant", "rotary"]
+__all__ = ["DEFS", "OPS", "activation", "collective", "layernorm", "linear", "moe", "moe_route", "norm", "quant", "rotary"]

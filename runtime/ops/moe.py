@@ -7,7 +7,10 @@ routing-weighted sum over each token's experts.
 x [..., H] (T tokens); routing either from ``router_logits`` [..., E] (softmax in float32 over
 the experts, the ``top_k`` largest) or given as ``topk_weights`` / ``topk_ids`` [..., top_k];
 ``renormalize`` divides each token's weights by their sum (top-k then softmax is softmax then
-top-k renormalized: the same weights). The experts are the stacked tensors a transformers
+top-k renormalized: the same weights); ``weight_input``: the weight scales each expert's input
+(Llama 4) instead of its output. gpt-oss's experts: ``b_gate_up`` / ``b_down`` biases per
+expert, gate and up ``interleaved`` (alternate rows), and the ``clamped_swiglu`` activation
+(``alpha``, ``limit``). The experts are the stacked tensors a transformers
 experts module holds, used in place: ``w_gate_up`` [E, 2I, H] (gate rows, then up rows) and
 ``w_down`` [E, H, I]. ``activation``: "silu", "gelu" or "gelu_tanh", applied to the gate half.
 
@@ -35,7 +38,7 @@ from torch import Tensor
 from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.providers import Kernel, OpDef
 
-ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh")
+ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 TRITON_MOE = "fxrewrite.runtime.triton_moe"
 """The ``triton`` provider's MoE kernels (imports Triton at the top)."""
 MAX_EXPERTS = 1024
@@ -44,7 +47,8 @@ MAX_EXPERTS = 1024
 
 def check_args(
     x: Tensor, router_logits: Tensor | None, topk_weights: Tensor | None, topk_ids: Tensor | None,
-    w_gate_up: Tensor, w_down: Tensor, top_k: int, activation: str,
+    w_gate_up: Tensor, w_down: Tensor, top_k: int, activation: str, b_gate_up: Tensor | None = None,
+    b_down: Tensor | None = None,
 ) -> tuple[int, int]:  # fmt: skip
     """(experts E, expert width I); ValueError naming what does not fit."""
     if w_gate_up.dim() != 3 or w_down.dim() != 3:
@@ -56,6 +60,9 @@ def check_args(
                          f"{tuple(w_down.shape)} [E, H, I] with H = x.shape[-1] = {x.shape[-1]}")  # fmt: skip
     if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
         raise ValueError(f"moe: expert weights are {w_gate_up.dtype} / {w_down.dtype}, x is {x.dtype}")
+    for name, b, want in (("b_gate_up", b_gate_up, (e, i2)), ("b_down", b_down, (e, h))):
+        if b is not None and (tuple(b.shape) != want or b.dtype != x.dtype):
+            raise ValueError(f"moe: {name} {b.dtype}{list(b.shape)} must be {x.dtype}{list(want)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe: activation {activation!r} is not one of {ACTIVATIONS}")
     if not 1 <= top_k <= e:
@@ -91,56 +98,77 @@ def route(router_logits: Tensor | None, topk_weights: Tensor | None, topk_ids: T
     return weights, ids
 
 
-def act_and_mul(gate_up: Tensor, activation: str) -> Tensor:
-    """``act(gate) * up`` of ``gate_up`` [..., 2I] (gate half first), in its dtype."""
+def act_and_mul(gate_up: Tensor, activation: str, interleaved: bool = False, alpha: float = 1.702,
+                limit: float = 7.0) -> Tensor:  # fmt: skip
+    """``act(gate) * up`` of ``gate_up`` [..., 2I] (gate half first; ``interleaved``: gate, up,
+    gate, up ...), in its dtype. ``clamped_swiglu``: the gate clamped from above and the up from
+    both sides at ``limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``."""
     i = gate_up.shape[-1] // 2
-    gate, up = gate_up[..., :i], gate_up[..., i:]
+    gate, up = (gate_up[..., 0::2], gate_up[..., 1::2]) if interleaved else (gate_up[..., :i], gate_up[..., i:])
     if activation == "silu":
         return F.silu(gate) * up
+    if activation == "clamped_swiglu":
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
     return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
 
 
 def moe_reference(
     x: Tensor, router_logits: Tensor | None, topk_weights: Tensor | None, topk_ids: Tensor | None,
     w_gate_up: Tensor, w_down: Tensor, top_k: int, renormalize: bool, activation: str = "silu",
+    weight_input: bool = False, b_gate_up: Tensor | None = None, b_down: Tensor | None = None,
+    interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
 ) -> Tensor:  # fmt: skip
     """``y[t] = sum_j w[t, j] * down_e(act_and_mul(gate_up_e(x[t])))`` with ``e = ids[t, j]``
-    (:func:`route`), summed in float32 and rounded once; see the module docstring."""
-    check_args(x, router_logits, topk_weights, topk_ids, w_gate_up, w_down, top_k, activation)
+    (:func:`route`), summed in float32 and rounded once; see the module docstring. With
+    ``weight_input`` the weight scales the expert's input instead (rounded to x's dtype):
+    ``y[t] = sum_j down_e(act_and_mul(gate_up_e(w[t, j] * x[t])))``. Biases ``b_gate_up`` [E, 2I]
+    and ``b_down`` [E, H] are added to each GEMM's output (rounded, then added: as code that adds
+    them after the GEMM rounds)."""
+    check_args(x, router_logits, topk_weights, topk_ids, w_gate_up, w_down, top_k, activation, b_gate_up, b_down)
     rows = x.reshape(-1, x.shape[-1])
     weights, ids = route(router_logits, topk_weights, topk_ids, top_k, renormalize)
     out = torch.zeros(rows.shape, dtype=torch.float32, device=x.device)
     for e in range(w_gate_up.shape[0]):
         routed = ids == e
         share = (weights * routed).sum(dim=-1, keepdim=True)  # [T, 1]: this expert's weight per token
-        h = act_and_mul(F.linear(rows, w_gate_up[e]), activation)
-        out += torch.where(routed.any(dim=-1, keepdim=True), share * F.linear(h, w_down[e]).float(), 0.0)
+        inputs = (rows.float() * share).to(rows.dtype) if weight_input else rows
+        gate_up = F.linear(inputs, w_gate_up[e])
+        h = act_and_mul(gate_up if b_gate_up is None else gate_up + b_gate_up[e], activation, interleaved, alpha, limit)
+        down = F.linear(h, w_down[e])
+        down = (down if b_down is None else down + b_down[e]).float()
+        out += torch.where(routed.any(dim=-1, keepdim=True), down if weight_input else share * down, 0.0)
     return out.to(x.dtype).view(x.shape)
 
 
 def _moe_fake(
     x: Tensor, router_logits: Tensor | None, topk_weights: Tensor | None, topk_ids: Tensor | None,
     w_gate_up: Tensor, w_down: Tensor, top_k: int, renormalize: bool, activation: str = "silu",
+    weight_input: bool = False, b_gate_up: Tensor | None = None, b_down: Tensor | None = None,
+    interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
 ) -> Tensor:  # fmt: skip
-    check_args(x, router_logits, topk_weights, topk_ids, w_gate_up, w_down, top_k, activation)
+    check_args(x, router_logits, topk_weights, topk_ids, w_gate_up, w_down, top_k, activation, b_gate_up, b_down)
     return x.new_empty(x.shape)
 
 
 def triton_check(
     x: Tensor, router_logits: Tensor | None, topk_weights: Tensor | None, topk_ids: Tensor | None,
     w_gate_up: Tensor, w_down: Tensor, top_k: int, renormalize: bool, activation: str = "silu",
+    weight_input: bool = False, b_gate_up: Tensor | None = None, b_down: Tensor | None = None,
+    interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
 ) -> str | None:  # fmt: skip
-    """The Triton kernels: bf16/fp16 input and weights, weights with unit stride along their
-    last dim, at most ``MAX_EXPERTS`` experts, every tensor on the input's device."""
+    """The Triton kernels: bf16/fp16 input and weights, weights with unit stride along one of
+    their last two dims (as stored, or a transposed view), at most ``MAX_EXPERTS`` experts, every
+    tensor on the input's device."""
     reason = constraints.check_half(x, w_gate_up, w_down)
     if reason:
         return reason
-    if w_gate_up.stride(-1) != 1 or w_down.stride(-1) != 1:
-        return "expert weights without unit stride along their last dim"
+    if any(w.stride(-1) != 1 and w.stride(-2) != 1 for w in (w_gate_up, w_down)):
+        return "expert weights without unit stride along their last two dims"
     if w_gate_up.shape[0] > MAX_EXPERTS:
         return f"{w_gate_up.shape[0]} experts, more than {MAX_EXPERTS}"
-    routing = [t for t in (router_logits, topk_weights, topk_ids) if t is not None]
-    return constraints.check_same_device(x, w_gate_up, w_down, *routing)
+    others = [t for t in (router_logits, topk_weights, topk_ids, b_gate_up, b_down) if t is not None]
+    return constraints.check_same_device(x, w_gate_up, w_down, *others)
 
 
 def _triton(*args: object) -> Tensor:

@@ -75,7 +75,7 @@ def fused_args(r: object) -> tuple[object, ...]:
 @pytest.mark.parametrize("inplace", [False, True], ids=["div", "inplace-div"])
 def test_softmax_top_k_renormalized_takes_the_logits(dynamic: bool | str, inplace: bool) -> None:
     r = check(MoE(inplace=inplace), x(), expect={"moe": 1}, dynamic=dynamic)
-    logits, weights, ids, gate_up, down, top_k, renormalize, act = fused_args(r)[1:]
+    logits, weights, ids, gate_up, down, top_k, renormalize, act = fused_args(r)[1:9]
     assert logits.target is torch.ops.aten.linear.default and weights is ids is None
     assert (gate_up.name, down.name) == ("l_self_parameters_gate_up_", "l_self_parameters_down_")
     assert (top_k, renormalize, act) == (2, True, "silu")
@@ -94,29 +94,34 @@ def test_top_k_then_softmax_is_the_renormalized_form() -> None:
     assert fused_args(r)[6:8] == (3, True)
 
 
-def test_sigmoid_scoring_keeps_its_router_and_hands_over_weights_and_ids() -> None:
-    """A router the op cannot compute (sigmoid, top-k, renormalized): the op takes the weights
-    and ids the experts read; the router stays as written."""
-    r = check(MoE(scoring="sigmoid"), x(), expect={"moe": 1})
+def test_sigmoid_scoring_routes_through_moe_route() -> None:
+    """A router fxr.moe cannot compute itself (sigmoid, top-k, renormalized) becomes
+    fxr.moe_route; fxr.moe reads its weights and ids."""
+    r = check(MoE(scoring="sigmoid"), x(), expect={"moe": 1, "moe_route": 1})
     logits, weights, ids = fused_args(r)[1:4]
-    assert logits is None and weights.target is torch.ops.aten.div.Tensor  # the renormalized weights
-    assert ids.target.__name__ == "getitem" and r.counts()["aten.topk"] == 1
-    assert fused_args(r)[7] is False  # renormalized already, by the router as written
-    assert not r.report.near_misses
+    (route,) = fused_nodes(r, "moe_route")
+    assert logits is None and weights.args == (route, 0) and ids.args == (route, 1)
+    assert route.args[0].target is torch.ops.aten.linear.default and route.args[2:] == (
+        2, "sigmoid", "scores", 1, 1, 2, True, 1.0)  # fmt: skip
+    assert fused_args(r)[7] is False  # renormalized already, by the router
+    assert r.counts()["aten.topk"] == r.counts()["aten.sigmoid"] == 0 and not r.report.near_misses
 
 
 def test_routing_read_outside_the_block_hands_over_weights_and_ids() -> None:
-    """Negative twin of taking the logits: the ids are also returned, so the router cannot go."""
+    """Negative twin of taking the logits: the ids are also returned, so fxr.moe takes given
+    weights and ids; the router alone becomes fxr.moe_route, whose ids are returned."""
 
     class Returns(MoE):
         def forward(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             w, ids = self.route(t)
             return batched(self, t, w, ids), ids
 
-    r = check(Returns(), x(), expect={"moe": 1})
+    r = check(Returns(), x(), expect={"moe": 1, "moe_route": 1})
     logits, weights, ids = fused_args(r)[1:4]
-    assert logits is None and weights is not None and ids is not None
-    assert r.counts()["aten.topk"] == 1 and not r.report.near_misses
+    (route,) = fused_nodes(r, "moe_route")
+    assert logits is None and weights.args == (route, 0) and ids.args == (route, 1)
+    assert r.counts()["aten.topk"] == 0 and not r.report.near_misses
+    assert [s.note for s in sites(r, "moe_route")] == ["softmax, top_k=2, renormalize=True"]
 
 
 # --------------------------------------------------------------------------- experts
@@ -148,8 +153,9 @@ def weighted_twice(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) 
 
 @pytest.mark.parametrize(("experts", "expect"), [(swapped, {}), (weighted_twice, {"silu_and_mul": 1})])
 def test_a_block_that_computes_something_else_is_a_near_miss(experts: Experts, expect: dict[str, int]) -> None:
-    """Negative twins of the proof: the structure binds, the numbers refuse (the experts'
-    SiLU-and-mul, where it has the gate first, still fuses)."""
+    """Negative twins of the proof: the structure binds, the numbers refuse (the router still
+    becomes fxr.moe_route, and the experts' SiLU-and-mul, where it has the gate first, fuses)."""
+    expect = {**expect, "moe_route": 1}
     r = check(MoE(experts=experts), x(), expect=expect)
     (miss,) = misses(r, "moe")
     assert miss.reason.startswith("the block does not compute fxr.moe(logits, top_k=2, renormalize=True, silu): "
@@ -157,10 +163,12 @@ def test_a_block_that_computes_something_else_is_a_near_miss(experts: Experts, e
 
 
 def with_bias(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """A bias per expert on the activation's output ([E, I]): not one the op adds (its biases
+    are on the GEMMs' outputs, ``ClampedSwiGLU`` below)."""
     k, flat = ids.shape[-1], ids.reshape(-1)
-    gate_up = torch.bmm(m.gate_up[flat], x.repeat_interleave(k, dim=0).unsqueeze(-1)).squeeze(-1) + m.bias[flat]
+    gate_up = torch.bmm(m.gate_up[flat], x.repeat_interleave(k, dim=0).unsqueeze(-1)).squeeze(-1)
     gate, up = gate_up.chunk(2, dim=-1)
-    out = torch.bmm(m.down[flat], (m.act(gate) * up).unsqueeze(-1)).squeeze(-1)
+    out = torch.bmm(m.down[flat], (m.act(gate) * up + m.bias[flat]).unsqueeze(-1)).squeeze(-1)
     return (out * w.reshape(-1, 1)).view(-1, k, out.shape[-1]).sum(dim=1)
 
 
@@ -168,6 +176,15 @@ def transposed(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> t
     """Weights stored [E, H, 2I] and [E, I, H] (gpt-oss's layout), multiplied from the left."""
     k, flat = ids.shape[-1], ids.reshape(-1)
     gate_up = torch.bmm(x.repeat_interleave(k, dim=0).unsqueeze(1), m.gate_up_t[flat]).squeeze(1)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.bmm((m.act(gate) * up).unsqueeze(1), m.down_t[flat]).squeeze(1)
+    return (out * w.reshape(-1, 1)).view(-1, k, out.shape[-1]).sum(dim=1)
+
+
+def mixed_layout(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """gate_up as stored [E, 2I, H], down stored transposed [E, I, H]: neither layout."""
+    k, flat = ids.shape[-1], ids.reshape(-1)
+    gate_up = torch.bmm(m.gate_up[flat], x.repeat_interleave(k, dim=0).unsqueeze(-1)).squeeze(-1)
     gate, up = gate_up.chunk(2, dim=-1)
     out = torch.bmm((m.act(gate) * up).unsqueeze(1), m.down_t[flat]).squeeze(1)
     return (out * w.reshape(-1, 1)).view(-1, k, out.shape[-1]).sum(dim=1)
@@ -182,14 +199,17 @@ def two_activations(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor)
 
 
 def overwrites_x(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return batched(m, x.mul_(1.0), w, ids)
+    """Scales its input by the routing in place (an in-place op the routing does not reach,
+    ``x.mul_(2.0)`` before the experts, stays outside the block and fuses)."""
+    return batched(m, x.mul_(w.sum(dim=-1, keepdim=True).to(x.dtype)), w, ids)
 
 
 MISSES = {  # experts, reason, what fuses still (the experts' SiLU-and-mul, where they have one)
     "bias": (with_bias, r"the experts also read `\w+bias\w*`, not hidden states, routing or expert weights"),
-    "transposed": (transposed, r"expert weights \(8, 32, 32\) and \(8, 16, 32\) are not \[E, 2I, H\] and \[E, H, I\] "
-                               r"\(transposed or interleaved storage\)"),
-    "two_activations": (two_activations, r"the experts hold 2 activations \(SiLU or GELU\), fxr.moe one"),
+    # with H = 2I the shapes also read as transposed storage: the proof refuses that reading
+    "mixed_layout": (mixed_layout, r"the block does not compute fxr.moe\(logits, top_k=2, renormalize=True, silu, "
+                                   r"transposed weights\): max abs error .*"),
+    "two_activations": (two_activations, r"the experts hold 2 activations \(SiLU or GELU\) and no clamped SwiGLU, fxr.moe one"),
     "overwrites_x": (overwrites_x, r"`mul_` overwrites the block's input `l_x_` in place"),
 }
 
@@ -198,12 +218,27 @@ MISSES = {  # experts, reason, what fuses still (the experts' SiLU-and-mul, wher
 def test_guards_name_what_the_op_cannot_stand_for(name: str) -> None:
     experts, reason = MISSES[name]
     model = MoE(experts=experts)
-    model.bias = torch.nn.Parameter(torch.randn(8, 32))
+    model.bias = torch.nn.Parameter(torch.randn(8, 16))
     model.gate_up_t = torch.nn.Parameter(model.gate_up.detach().transpose(1, 2).contiguous())
     model.down_t = torch.nn.Parameter(model.down.detach().transpose(1, 2).contiguous())
-    r = check(model, x(), expect={} if name == "two_activations" else {"silu_and_mul": 1})
+    r = check(model, x(), expect={"moe_route": 1} if name == "two_activations" else {"silu_and_mul": 1, "moe_route": 1})
     reasons = {m.reason for m in misses(r, "moe")}
     assert len(reasons) == 1 and re.fullmatch(reason, reasons.pop()), reasons
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_weights_stored_transposed_are_read_through_views(dtype: torch.dtype) -> None:
+    """[E, H, 2I] and [E, I, H] (gpt-oss's and Llama 4's layout, grouped_mm's ``is_transposed``):
+    the op reads transposed views of the parameters, no copy. Its negative twin, one weight of
+    each layout, is ``mixed_layout`` above."""
+    model = MoE(experts=transposed)
+    model.gate_up_t = torch.nn.Parameter(model.gate_up.detach().transpose(1, 2).contiguous())
+    model.down_t = torch.nn.Parameter(model.down.detach().transpose(1, 2).contiguous())
+    r = check(model.to(dtype), x(dtype=dtype), expect={"moe": 1})
+    gate_up, down = fused_args(r)[4:6]
+    assert gate_up.target is down.target is torch.ops.aten.transpose.int and gate_up.args[1:] == (1, 2)
+    assert (gate_up.args[0].name, down.args[0].name) == ("l_self_parameters_gate_up_t_", "l_self_parameters_down_t_")
+    assert [s.note for s in sites(r, "moe")] == ["logits, top_k=2, renormalize=True, silu, transposed weights"]
 
 
 def test_a_value_of_the_block_read_outside_it_is_a_near_miss() -> None:
@@ -216,7 +251,7 @@ def test_a_value_of_the_block_read_outside_it_is_a_near_miss() -> None:
             out = torch.bmm(self.down[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
             return (out * w.reshape(-1, 1)).view(-1, 2, out.shape[-1]).sum(dim=1), gate_up  # returned: cannot go
 
-    r = check(Leaky(), x(), expect={"silu_and_mul": 1})
+    r = check(Leaky(), x(), expect={"silu_and_mul": 1, "moe_route": 1})
     (miss,) = misses(r, "moe")
     assert miss.reason == "`gate_up` is read outside the MoE block by `output`"
 
@@ -232,3 +267,49 @@ def test_two_blocks_in_a_row_fuse_apart() -> None:
     first, second = MoE(), MoE(scoring="topk_softmax")
     r = check(lambda t: second(first(t) + t), x(), expect={"moe": 2})
     assert [s.note.split(",")[0] for s in sites(r, "moe")] == ["logits", "logits"]
+
+
+class ClampedSwiGLU(torch.nn.Module):
+    """gpt-oss: a router with a bias, top-k of the logits then softmax; experts stored
+    [E, H, 2I] / [E, I, H], gate and up interleaved, a bias per expert on each GEMM, the
+    clamped SwiGLU (``up_clamp``: the up half's clamp, one-sided in the negative twin)."""
+
+    def __init__(self, up_clamp: tuple[float | None, float] = (-7.0, 7.0), count: int = 8, hidden: int = 32,
+                 width: int = 16) -> None:  # fmt: skip
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, count)
+        self.gate_up = torch.nn.Parameter(torch.randn(count, hidden, 2 * width) * hidden**-0.5)
+        self.gate_up_bias = torch.nn.Parameter(torch.randn(count, 2 * width))
+        self.down = torch.nn.Parameter(torch.randn(count, width, hidden) * width**-0.5)
+        self.down_bias = torch.nn.Parameter(torch.randn(count, hidden))
+        self.up_clamp = up_clamp
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        top, ids = torch.topk(self.router(h), 2, dim=-1)
+        w = torch.softmax(top, dim=1, dtype=top.dtype)
+        flat = ids.reshape(-1)
+        gate_up = torch.bmm(h.repeat_interleave(2, dim=0).unsqueeze(1), self.gate_up[flat]).squeeze(1)
+        gate_up = gate_up + self.gate_up_bias[flat]
+        gate, up = gate_up[..., ::2].clamp(min=None, max=7.0), gate_up[..., 1::2].clamp(*self.up_clamp)
+        act = (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+        out = torch.bmm(act.unsqueeze(1), self.down[flat]).squeeze(1) + self.down_bias[flat]
+        return (out * w.reshape(-1, 1)).view(-1, 2, out.shape[-1]).sum(dim=1)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_clamped_swiglu_experts_with_biases_interleaved(dtype: torch.dtype) -> None:
+    r = check(ClampedSwiGLU().to(dtype), x(dtype=dtype) * 4, expect={"moe": 1})
+    args = fused_args(r)
+    assert args[1].target is torch.ops.aten.linear.default  # the router's logits, its bias included
+    assert args[8:] == ("clamped_swiglu", False, args[10], args[11], True, 1.702, 7.0)
+    assert (args[10].name, args[11].name) == ("l_self_parameters_gate_up_bias_", "l_self_parameters_down_bias_")
+    assert [s.note for s in sites(r, "moe")] == [
+        "logits, top_k=2, renormalize=True, clamped_swiglu, transposed weights, biases, interleaved"]
+    assert not r.report.near_misses
+
+
+def test_a_swiglu_clamped_otherwise_is_a_near_miss() -> None:
+    """Negative twin: the up half clamped from above only (the router alone still fuses)."""
+    r = check(ClampedSwiGLU(up_clamp=(None, 7.0)), x() * 4, expect={"moe_route": 1})
+    (miss,) = misses(r, "moe")
+    assert miss.reason.startswith("the experts hold 0 activations (SiLU or GELU) and no clamped SwiGLU"), miss.reason

@@ -76,7 +76,7 @@ def test_one_moe_per_layer_exact_counts_equal_eager_no_near_misses(
     assert relative_error(r) < TOLERANCE[dtype]
     assert r.report.near_misses == [] and r.report.rejected == []
     for node in fused_nodes(r, "moe"):
-        top_k, renormalize, activation = node.args[6:]
+        top_k, renormalize, activation = node.args[6:9]
         assert (top_k, renormalize, activation) == (2, RENORMALIZE[family], "silu")
         assert node.args[1] is not None  # routed from the logits: softmax and top-k inside the op
     assert [s.module for s in sites(r, "moe")] == [f"layers.{i}.mlp" for i in range(layers)]

@@ -77,3 +77,9 @@ def triton_moe() -> Iterator[types.ModuleType]:
 def triton_layernorm() -> Iterator[types.ModuleType]:
     """``fxrewrite.runtime.triton_layernorm`` interpreted (tests/runtime/test_layernorm_gpu.py runs it compiled)."""
     yield from _interpreted("fxrewrite.runtime.triton_layernorm", "_layer_norm_kernel")
+
+
+@pytest.fixture(scope="module")
+def triton_route() -> Iterator[types.ModuleType]:
+    """``fxrewrite.runtime.triton_route`` interpreted (tests/runtime/test_moe_route_gpu.py runs it compiled)."""
+    yield from _interpreted("fxrewrite.runtime.triton_route", "_moe_route_kernel")

@@ -1,13 +1,18 @@
-"""Sample arguments for ``fxr.moe`` by parameter name, shared by the generic op tests
-(``test_ops.py``, ``test_providers.py``) and the MoE tests: ``x`` of shape ``[..., H]``,
-``EXPERTS`` experts of width ``WIDTH``, ``TOP_K`` per token, routed from logits."""
+"""Sample arguments for ``fxr.moe`` and ``fxr.moe_route`` by parameter name, shared by the
+generic op tests (``test_ops.py``, ``test_providers.py``) and the MoE tests: ``x`` of shape
+``[..., H]``, ``EXPERTS`` experts of width ``WIDTH``, ``TOP_K`` per token, routed from logits;
+the router a DeepSeek-V3-style one (sigmoid, a correction bias, 2 groups of which 1 is kept,
+renormalized, scaled)."""
 
 from __future__ import annotations
 
 import torch
 
 EXPERTS, WIDTH, TOP_K = 4, 16, 2
-NAMES = ("router_logits", "topk_weights", "topk_ids", "w_gate_up", "w_down", "top_k", "renormalize", "activation")
+NAMES = ("router_logits", "topk_weights", "topk_ids", "w_gate_up", "w_down", "top_k", "renormalize", "activation",
+         "weight_input", "b_gate_up", "b_down", "interleaved", "alpha", "limit", "correction_bias", "scoring", "select", "n_group", "topk_group", "group_top",
+         "routed_scaling")
+ROUTER = {"scoring": "sigmoid", "select": "scores", "n_group": 2, "topk_group": 1, "group_top": 2, "routed_scaling": 2.5}
 
 
 def moe_arg(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> object:
@@ -21,7 +26,14 @@ def moe_arg(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Ge
         return experts(EXPERTS, WIDTH, hidden, dtype, gen)[0]
     if name == "w_down":
         return experts(EXPERTS, WIDTH, hidden, dtype, gen)[1]
-    return {"top_k": TOP_K, "renormalize": True, "activation": "silu"}[name]
+    if name == "correction_bias":
+        return torch.randn(EXPERTS, generator=gen, device=device) * 0.1
+    if name in ROUTER:
+        return ROUTER[name]
+    defaults = {"b_gate_up": None, "b_down": None, "interleaved": False, "alpha": 1.702, "limit": 7.0}
+    if name in defaults:
+        return defaults[name]
+    return {"top_k": TOP_K, "renormalize": True, "activation": "silu", "weight_input": False}[name]
 
 
 def experts(count: int, width: int, hidden: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

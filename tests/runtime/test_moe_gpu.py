@@ -119,3 +119,27 @@ def test_cuda_graph_replays_other_routings(gen: torch.Generator, how: str, token
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, moe.moe_reference(*static))
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+@pytest.mark.parametrize("weight_input", [False, True])
+def test_transposed_weights_and_the_weight_on_the_input(gen: torch.Generator, weight_input: bool, tokens: int) -> None:
+    """Weights stored [E, H, 2I] / [E, I, H] (read through transposed views: strided along k,
+    never TMA) and, Llama 4's way, the routing weight scaling each expert's input."""
+    args = list(args_for(tokens, 16, 1 if weight_input else 2, gen, renormalize=False))
+    args[4], args[5] = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in args[4:6])  # type: ignore[union-attr]
+    check((*args, weight_input))
+
+
+def test_gpt_oss_experts(gen: torch.Generator) -> None:
+    """Weights stored [E, H, 2I] / [E, I, H], gate and up interleaved, a bias per expert on each
+    GEMM, the clamped SwiGLU: the pointer kernels at decode and prefill sizes."""
+    for tokens in (1, 8, 1024):
+        x = torch.randn((tokens, 256), generator=gen, device="cuda").to(BF16) * 4
+        gate_up = torch.randn((16, 256, 256), generator=gen, device="cuda").to(BF16) * 256**-0.5
+        down = torch.randn((16, 128, 256), generator=gen, device="cuda").to(BF16) * 128**-0.5
+        biases = [torch.randn(shape, generator=gen, device="cuda").to(BF16) for shape in ((16, 256), (16, 256))]
+        args = (x, None, *routing(tokens, 4, gen, 16), gate_up.transpose(1, 2), down.transpose(1, 2), 4, False,
+                "clamped_swiglu", False, *biases, True, 1.702, 7.0)  # fmt: skip
+        providers.reset_counts()
+        check(args)

@@ -66,7 +66,7 @@ def test_reference_is_the_routing_weighted_sum_of_each_tokens_experts(
     assert_close(got, per_pair(x, weights, ids, gate_up, down))
 
 
-@pytest.mark.parametrize("activation", moe.ACTIVATIONS)
+@pytest.mark.parametrize("activation", [a for a in moe.ACTIVATIONS if a != "clamped_swiglu"])  # its own test below
 def test_activation_is_applied_to_the_gate_half(gen: torch.Generator, activation: str) -> None:
     x, _, gate_up, down = sample(gen)
     weights, ids = routing(5, 3, gen, 8)
@@ -138,9 +138,11 @@ def test_triton_check_names_what_the_kernels_cannot_serve(gen: torch.Generator) 
     assert moe.triton_check(x.float(), logits, None, None, gate_up.float(), down.float(), 2, True) == (
         "dtype float32 not bf16/fp16")  # fmt: skip
     assert moe.triton_check(x, logits, None, None, gate_up.half(), down, 2, True) == "dtype float16 != input dtype bfloat16"
-    strided = gate_up.transpose(1, 2).contiguous().transpose(1, 2)
+    transposed = gate_up.transpose(1, 2).contiguous().transpose(1, 2)  # [E, H, 2I] stored: served
+    assert moe.triton_check(x, logits, None, None, transposed, down, 2, True) is None
+    strided = torch.zeros((8, 32, 64), dtype=BF16)[:, :, ::2]
     assert moe.triton_check(x, logits, None, None, strided, down, 2, True) == (
-        "expert weights without unit stride along their last dim")  # fmt: skip
+        "expert weights without unit stride along their last two dims")  # fmt: skip
     many = moe.MAX_EXPERTS + 1
     gate_up, down = torch.zeros((many, 2, 32), dtype=BF16), torch.zeros((many, 32, 1), dtype=BF16)
     assert moe.triton_check(x, None, *routing(5, 2, gen, 8), gate_up, down, 2, True) == (
@@ -166,6 +168,82 @@ def test_kernel_against_the_reference(triton_moe: types.ModuleType, gen: torch.G
     x, logits, gate_up, down = sample(gen, tokens, count, width, hidden, F16)
     given = (None, *routing(tokens, top_k, gen, count)) if how == "given" else (logits, None, None)
     args = (x, *given, gate_up, down, top_k, renormalize, act)
+    assert moe.triton_check(*args) is None
+    assert_close(triton_moe.moe(*args), moe.moe_reference(*args))
+
+
+@pytest.mark.parametrize("how", ["logits", "given"])
+def test_kernel_reads_transposed_weights(triton_moe: types.ModuleType, gen: torch.Generator, how: str) -> None:
+    """Weights stored [E, H, 2I] and [E, I, H] (read as their transposed views): strided along k."""
+    x, logits, gate_up, down = sample(gen, 11, 8, 16, 48, F16)
+    gate_up, down = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (gate_up, down))
+    given = (logits, None, None) if how == "logits" else (None, *routing(11, 2, gen, 8))
+    args = (x, *given, gate_up, down, 2, True, "silu")
+    assert gate_up.stride(1) == 1 and not triton_moe.tma_ready(x, gate_up, down)
+    assert_close(triton_moe.moe(*args), moe.moe_reference(*args))
+
+
+def test_weight_on_the_input_scales_each_experts_input(gen: torch.Generator) -> None:
+    """``weight_input``: ``sum_j down_e(act(gate_e(w x)) * up_e(w x))``, per pair from the definition;
+    its negative twin, the weight on the output, differs (the experts are not linear)."""
+    x, _, gate_up, down = sample(gen)
+    weights, ids = routing(5, 2, gen, 8)
+    got = moe.moe_reference(x, None, weights, ids, gate_up, down, 2, False, "silu", True)
+    want = sum(per_pair(x * weights[:, j:j + 1], torch.ones(5, 1), ids[:, j:j + 1], gate_up, down) for j in range(2))
+    assert_close(got, want)
+    assert not torch.allclose(got, moe.moe_reference(x, None, weights, ids, gate_up, down, 2, False, "silu"))
+
+
+def test_kernel_scales_the_input_by_the_weight(triton_moe: types.ModuleType, gen: torch.Generator) -> None:
+    x, _, gate_up, down = sample(gen, 9, 8, 16, 32, F16)
+    args = (x, None, *routing(9, 1, gen, 8), gate_up, down, 1, False, "silu", True)
+    assert_close(triton_moe.moe(*args), moe.moe_reference(*args))
+
+
+def clamped_experts(gen: torch.Generator, count: int, width: int, hidden: int, dtype: torch.dtype,
+                    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """gpt-oss's experts: weights stored [E, H, 2I] / [E, I, H] with gate and up interleaved,
+    a bias per expert on each GEMM (read through transposed views, as the op takes them)."""
+    gate_up = (torch.randn((count, hidden, 2 * width), generator=gen) * hidden**-0.5).to(dtype)
+    down = (torch.randn((count, width, hidden), generator=gen) * width**-0.5).to(dtype)
+    b_gate_up = torch.randn((count, 2 * width), generator=gen).to(dtype)
+    b_down = torch.randn((count, hidden), generator=gen).to(dtype)
+    return gate_up.transpose(1, 2), down.transpose(1, 2), b_gate_up, b_down
+
+
+def gpt_oss_experts(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, experts: tuple[torch.Tensor, ...],
+                    limit: float = 7.0) -> torch.Tensor:  # fmt: skip
+    """gpt-oss's experts as transformers writes them, one pair at a time."""
+    gate_up_t, down_t, b_gate_up, b_down = (e.transpose(1, 2) if e.dim() == 3 else e for e in experts)
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate_up = x[t] @ gate_up_t[e] + b_gate_up[e]
+            gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(min=-limit, max=limit)
+            h = (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+            out[t] += float(w[t, j]) * (h @ down_t[e] + b_down[e]).float()
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_clamped_swiglu_experts_with_biases_interleaved(gen: torch.Generator, dtype: torch.dtype) -> None:
+    x = torch.randn((6, 32), generator=gen).to(dtype) * 4  # past the clamp
+    experts = clamped_experts(gen, 8, 16, 32, dtype)
+    weights, ids = routing(6, 2, gen, 8)
+    got = moe.moe_reference(x, None, weights, ids, experts[0], experts[1], 2, False, "clamped_swiglu", False,
+                            experts[2], experts[3], True, 1.702, 7.0)  # fmt: skip
+    assert_close(got, gpt_oss_experts(x, weights, ids, experts))
+    halves = moe.moe_reference(x, None, weights, ids, experts[0], experts[1], 2, False, "clamped_swiglu", False,
+                               experts[2], experts[3], False)  # fmt: skip
+    assert not torch.allclose(got.float(), halves.float())  # negative twin: gate and up as halves
+
+
+def test_kernel_clamped_swiglu_biases_interleaved(triton_moe: types.ModuleType, gen: torch.Generator) -> None:
+    x = torch.randn((13, 32), generator=gen).half() * 4
+    experts = clamped_experts(gen, 8, 16, 32, F16)
+    args = (x, None, *routing(13, 2, gen, 8), experts[0], experts[1], 2, False, "clamped_swiglu", False, experts[2],
+            experts[3], True, 1.702, 7.0)  # fmt: skip
     assert moe.triton_check(*args) is None
     assert_close(triton_moe.moe(*args), moe.moe_reference(*args))
 
