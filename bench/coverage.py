@@ -8,7 +8,7 @@ Families: every entry of transformers' causal-LM auto mapping (``MODEL_FOR_CAUSA
 Each is built from its default config shrunk to a tiny shape (:func:`shrunk_config`: hidden 64,
 4 heads of 16, 2 KV heads, vocabulary 256, 8 experts of which 2 per token; one layer of each
 kind its layer pattern has, at least 2), with random weights, SDPA attention where the family
-has it and its eager attention otherwise, and called on input ids ``[1, 8]`` without a cache.
+has it and its eager attention otherwise, and called on input ids ``[2, 16]`` without a cache.
 
 Per family, in float32 and in bf16: ``Backend().compile(model)`` (``fullgraph=True``,
 ``dynamic=True``) next to Dynamo's own ``eager`` backend. Status:
@@ -26,8 +26,10 @@ Candidate sites (:func:`candidates`, found in the graph after canonicalization a
 rewritten graph): norms (``rsqrt`` of a mean, ``layer_norm``, ``rms_norm``), gated activations
 (``act(a) * b`` with SiLU or GELU), rotations (``cat(-x2, x1)``, the ``rotate_half`` of RoPE, and
 its interleaved form), top-k routers (``topk``). A site is fused when the rewritten graph no longer
-holds it. Numerics: float32 output within the verification tolerances of eager's; bf16's largest
-error against the float32 eager output at most 1.10x eager bf16's.
+holds it. Numerics: float32 output within the verification tolerances of eager's; bf16's error
+against the float32 eager output (the mean absolute error over every logit; the largest error
+over one small batch is one rounding's luck, kept in the JSON as ``max_err``) at most 1.10x
+eager bf16's.
 
 Each family runs in a worker process (``--jobs`` of them) that imports torch once; a family that
 crashes or hangs its worker (``--timeout``) costs only its own row.
@@ -53,7 +55,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-TOKENS = 8
+BATCH, TOKENS = 2, 16
 BF16_RATIO = 1.10  # the goal: fxrewrite's bf16 error at most this times eager bf16's
 MARK = "ROW "
 
@@ -382,9 +384,11 @@ def run_dtype(model: torch.nn.Module, ids: torch.Tensor, ref32: torch.Tensor, dt
         row["err_vs_eager"] = err
         row["numerics_ok"] = bool(torch.allclose(out, eager, rtol=rtol, atol=atol))
     else:
-        err = (out - ref32).abs().max().item()
-        err_eager = (eager - ref32).abs().max().item()
+        # the mean over every logit: a largest error over one small batch is one rounding's luck
+        err = (out - ref32).abs().mean().item()
+        err_eager = (eager - ref32).abs().mean().item()
         row["err"], row["err_eager"] = err, err_eager
+        row["max_err"], row["max_err_eager"] = (out - ref32).abs().max().item(), (eager - ref32).abs().max().item()
         row["ratio"] = err / err_eager if err_eager else (1.0 if err == 0 else float("inf"))
         row["numerics_ok"] = row["ratio"] <= BF16_RATIO
     return row
@@ -405,7 +409,7 @@ def run_family(family: str, dtypes: tuple[torch.dtype, ...]) -> dict[str, Any]:
     row["params"] = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(1)
     vocab = getattr(model.config, "vocab_size", None) or getattr(model.config.get_text_config(), "vocab_size", TINY.vocab)
-    ids = torch.randint(0, min(vocab, TINY.vocab), (1, TOKENS), generator=g)
+    ids = torch.randint(0, min(vocab, TINY.vocab), (BATCH, TOKENS), generator=g)
     try:
         with torch.no_grad():
             ref32 = _logits(model(ids))
