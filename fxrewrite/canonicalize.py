@@ -300,7 +300,8 @@ class _Canon:
             return self.set(node, LINEAR, node.args, node.kwargs)
         if key in _MATMUL:
             return self.matmul(node)
-        if key in (("call_method", "view"), ("call_method", "reshape"), ("call_function", torch.reshape)):
+        if key in (("call_method", "view"), ("call_method", "reshape"), ("call_function", torch.reshape),
+                   ("call_method", "view_as"), ("call_method", "reshape_as")):
             return self.reshape(node)
         if key in (("call_method", "flatten"), ("call_function", torch.flatten)):
             x = node.args[0]
@@ -553,6 +554,9 @@ class _Canon:
 
     def reshape(self, node: fx.Node) -> None:
         x, shape = node.args[0], node.args[1:]
+        if node.target in ("view_as", "reshape_as"):  # the other tensor's shape, as ints where known
+            other = meta.tensor(shape[0]) if len(shape) == 1 else None
+            shape = [tuple(other.shape)] if other is not None and all(isinstance(s, int) for s in other.shape) else [None]
         if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
             shape = shape[0]
         elif len(shape) == 1 and isinstance(shape[0], fx.Node) and not isinstance(meta.value(shape[0]), int):
@@ -564,8 +568,13 @@ class _Canon:
         if meta.same_shape(node, x):
             return self.drop(node, x)
         t = meta.tensor(x)
-        if node.target == "view" and (t is None or not t.is_contiguous()):
+        if node.target in ("view", "view_as") and (t is None or not t.is_contiguous()):
             return
+        start = _merged_tail(t, meta.tensor(node))
+        if start is not None:
+            return self.set(node, FLATTEN, (x, start, -1))
+        if any(s is None for s in shape):
+            return  # x.reshape_as(y) of a symbolic shape that is not a flatten: kept as written
         self.set(node, RESHAPE, (x, list(shape)))
 
     def slice_(
@@ -632,6 +641,18 @@ class _Canon:
             bounds.append((start, min(start + n, size)))
             start += n
         self._split_users(node, bounds, self.neg_dim(x, dim))
+
+
+def _merged_tail(x: torch.Tensor | None, out: torch.Tensor | None) -> int | None:
+    """``start`` (negative) when ``out`` is ``x`` with its dims from ``start`` on merged into one
+    and at least one leading dim kept: what ``x.flatten(start)`` makes. Else None."""
+    if x is None or out is None or not 2 <= out.dim() < x.dim():
+        return None
+    keep = out.dim() - 1
+    if not all(meta.dim_key(a) == meta.dim_key(b) for a, b in zip(x.shape[:keep], out.shape[:keep])):
+        return None
+    merged = functools.reduce(operator.mul, x.shape[keep:], 1)
+    return keep - x.dim() if meta.dim_key(merged) == meta.dim_key(out.shape[-1]) else None
 
 
 def noop_source(node: fx.Node) -> fx.Node | None:

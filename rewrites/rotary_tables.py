@@ -37,7 +37,8 @@ import torch.fx as fx
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite import meta
-from fxrewrite.canonicalize import CAST, PERMUTE, RESHAPE
+from fxrewrite.canonicalize import CAST, FLATTEN, PERMUTE, RESHAPE
+from fxrewrite.match import VIEW_METHODS, VIEW_TARGETS
 from fxrewrite.meta import dim_key
 from fxrewrite.report import NearMiss, PassResult
 from fxrewrite.rewrites.rotary import ROTARY_Q, pair_rotaries
@@ -75,37 +76,115 @@ def _gather(n: fx.Node) -> tuple[Any, Any, int | None] | None:
     return None
 
 
+def _integer(n: fx.Node) -> bool:
+    t = meta.tensor(n)
+    return t is not None and t.dtype in (torch.int32, torch.int64)
+
+
+def _varying(t: torch.Tensor | None, last: bool = True) -> list[Any]:
+    """The sizes of ``t`` that are not 1 (``last=False``: of every dim but the last)."""
+    shape = [] if t is None else list(t.shape) if last else list(t.shape[:-1])
+    return [dim_key(s) for s in shape if dim_key(s) != 1]
+
+
+def _constants(nodes: list[fx.Node], literal_ints: bool) -> dict[fx.Node, bool]:
+    """Which of ``nodes`` (in graph order) are the same at every call: module state, attributes,
+    factories of literal arguments (integer ones only with ``literal_ints``) and what only
+    they feed."""
+    const: dict[fx.Node, bool] = {}
+    for n in nodes:
+        if n.op == "placeholder":
+            const[n] = meta.is_state(n)  # module state, not an input
+        elif n.op == "get_attr":
+            const[n] = True
+        elif not n.all_input_nodes:  # a factory: ``arange(0, 16, 2)``, or positions ``arange(8)``
+            const[n] = literal_ints or not _integer(n)
+        else:
+            const[n] = all(const[a] for a in n.all_input_nodes)
+    return const
+
+
+def _no_positions(nodes: list[fx.Node], const: dict[fx.Node, bool]) -> str:
+    """Why no one integer tensor stands between the tables and the graph's inputs."""
+    leaves = [n for n in nodes if not const[n] and (n.op == "placeholder" or not n.all_input_nodes)]
+    names = sorted(n.name for n in leaves)
+    if not any(_integer(n) or isinstance(meta.value(n), torch.SymInt) for n in leaves):
+        return f"cos/sin are not computed from integer positions in the graph: they come from inputs {names}"
+    return f"cos/sin depend on more than one integer positions tensor: inputs {names}"
+
+
+def _is_view(n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in VIEW_TARGETS) or (n.op == "call_method" and n.target in VIEW_METHODS)
+
+
+def _memory(a: Any) -> list[fx.Node]:
+    """``a`` and the tensors it is a view of: what a write into ``a`` changes."""
+    out = []
+    while isinstance(a, fx.Node):
+        out.append(a)
+        a = a.args[0] if _is_view(a) and a.args else None
+    return out
+
+
+def _reads(targets: tuple[fx.Node, ...], writers: list[fx.Node], order: dict[fx.Node, int]) -> tuple[set[fx.Node], list[fx.Node]]:
+    """What computing ``targets`` reads: their ancestors, and the in-place writes (of
+    ``writers``) into them before each target, with what those read. A write after a target
+    into what it reads would change the tables after the rotation read them: not folded."""
+    read: set[fx.Node] = set()
+    used: set[fx.Node] = set()
+    for t in targets:
+        seen = meta.ancestors(t)
+        while new := [w for w in writers if w not in used and any(m in seen for a in meta.written_args(w) for m in _memory(a))]:
+            for w in new:
+                if order[w] > order[t]:
+                    raise _NotFoldable(f"`{w.name}` writes in place into the tables' `{t.name}` after it is computed")
+                used.add(w)
+                seen |= meta.ancestors(w)
+        read |= seen
+    return read, sorted(used, key=order.__getitem__)
+
+
 class _NotFoldable(Exception):
     """The tables of a rotation cannot be folded; the message says why."""
 
 
 class _Tables:
-    """Where a rotation's ``cos`` and ``sin`` come from: one positions tensor and constants."""
+    """Where a rotation's ``cos`` and ``sin`` come from: one positions tensor and constants.
 
-    def __init__(self, gm: fx.GraphModule, cos: fx.Node, sin: fx.Node, order: dict[fx.Node, int]) -> None:
+    Constants: module state, attributes, factories of literal arguments (``arange(0, dim, 2)``
+    of an ``inv_freq`` computed in ``forward``) and what is computed from them alone. Under
+    static shapes the positions may be such a factory (``arange(T)``): when the tables come out
+    constant, integer factories are taken for positions instead. In-place writes into the
+    tables' intermediates (``freqs[..., idx] = ...``) are part of their computation."""
+
+    def __init__(self, gm: fx.GraphModule, cos: fx.Node, sin: fx.Node, order: dict[fx.Node, int],
+                 writers: list[fx.Node]) -> None:  # fmt: skip
         self.gm, self.targets = gm, (cos, sin)
-        nodes = sorted(meta.ancestors(cos, sin), key=order.__getitem__)
-        const: dict[fx.Node, bool] = {}
-        for n in nodes:
-            if n.op == "placeholder":
-                const[n] = meta.is_state(n)  # module state, not an input
-            else:  # a factory (``arange(T)``) makes positions, not a constant
-                const[n] = n.op == "get_attr" or bool(n.all_input_nodes) and all(const[a] for a in n.all_input_nodes)
-        if const[cos] and const[sin]:
+        read, self.writers = _reads(self.targets, writers, order)
+        nodes = sorted(read, key=order.__getitem__)
+        for literal_ints in (True, False):
+            const = _constants(nodes, literal_ints)
+            if not (const[cos] and const[sin]):
+                break
+        else:
             raise _NotFoldable("cos and sin do not depend on positions")
-        self.positions = next((n for n in reversed(nodes) if not const[n] and self._dominates(n, const)), None)
+        for w in self.writers:
+            written = next((m for a in meta.written_args(w) for m in _memory(a) if const.get(m)), None)
+            if written is not None:
+                raise _NotFoldable(f"`{w.name}` writes in place into `{written.name}`, a constant the tables read")
+        rows = _varying(meta.tensor(cos), last=False)
+        found = [n for n in reversed(nodes) if not const[n] and self._dominates(n, const)]
+        self.positions = next((n for n in found if _varying(meta.tensor(n)) == rows), found[0] if found else None)
         if self.positions is None:
-            leaves = sorted({n.name for n in nodes if n.op == "placeholder" and not const[n]})
-            raise _NotFoldable(f"cos/sin depend on more than one integer positions tensor: inputs {leaves}")
-        between = meta.ancestors(*self.targets, stop=self.positions)
+            raise _NotFoldable(_no_positions(nodes, const))
+        between = meta.ancestors(*self.targets, *self.writers, stop=self.positions)
         self.nodes = [n for n in nodes if n in between]  # recomputed for other positions, in order
         self.depends = {self.positions} | {n for n in self.nodes if not const[n]}  # the positions flow into them
 
     def _dominates(self, v: fx.Node, const: dict[fx.Node, bool]) -> bool:
-        t = meta.tensor(v)
-        if t is None or t.dtype not in (torch.int32, torch.int64):
+        if not _integer(v):
             return False
-        seen, stack = {v}, list(self.targets)
+        seen, stack = {v}, [*self.targets, *self.writers]
         while stack:
             n = stack.pop()
             if n in seen or const[n]:
@@ -188,7 +267,7 @@ class _Tables:
 
 
 # Ops that only reshape their input (every element keeps its value): the table behind them is the same.
-RESHAPES = {"unsqueeze", "view", "reshape", "expand", "squeeze", torch.ops.aten.unsqueeze.default,
+RESHAPES = {"unsqueeze", "view", "reshape", "expand", "squeeze", torch.ops.aten.unsqueeze.default, FLATTEN,
             torch.ops.aten.reshape.default, torch.ops.aten.expand.default, torch.ops.aten.squeeze.dim}  # fmt: skip
 
 
@@ -280,6 +359,7 @@ class _Folder:
         self.unfoldable: dict[tuple[Any, ...], str] = {}  # why the tables of a source did not fold
         self._order: dict[fx.Node, int] | None = None  # graph order, made again after a fold adds nodes
         self.flat: dict[fx.Node, fx.Node] = {}
+        self.writers = [n for n in gm.graph.nodes if meta.written_args(n)]  # in-place writes, in order
 
     def node(self, target: Any, *args: Any, like: fx.Node) -> fx.Node:
         n = self.graph.call_function(target, args)
@@ -299,7 +379,7 @@ class _Folder:
             if self._order is None:
                 self._order = {node: i for i, node in enumerate(self.graph.nodes)}
             try:
-                tables = _Tables(self.gm, key[0], key[1], self._order)
+                tables = _Tables(self.gm, key[0], key[1], self._order, self.writers)
                 width = meta.tensor(cos).shape[-1]
                 value = build_cache(tables, width, full, interleaved, self.max_positions, meta.tensor(x).device)
             except _NotFoldable as e:
