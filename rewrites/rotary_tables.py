@@ -37,7 +37,7 @@ import torch.fx as fx
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite import meta
-from fxrewrite.canonicalize import CAST, FLATTEN, PERMUTE, RESHAPE
+from fxrewrite.canonicalize import CAST, FLATTEN, PERMUTE, RESHAPE, UNFLATTEN
 from fxrewrite.match import VIEW_METHODS, VIEW_TARGETS
 from fxrewrite.meta import dim_key
 from fxrewrite.report import NearMiss, PassResult
@@ -87,6 +87,11 @@ def _varying(t: torch.Tensor | None, last: bool = True) -> list[Any]:
     return [dim_key(s) for s in shape if dim_key(s) != 1]
 
 
+# Factories whose values their literal arguments fix (not ``rand``, not ``empty``).
+VALUE_FACTORIES = frozenset({"arange", "ones", "zeros", "full", "linspace", "logspace", "eye", "tensor",
+                             "scalar_tensor", "as_tensor"})  # fmt: skip
+
+
 def _constants(nodes: list[fx.Node], literal_ints: bool) -> dict[fx.Node, bool]:
     """Which of ``nodes`` (in graph order) are the same at every call: module state, attributes,
     factories of literal arguments (integer ones only with ``literal_ints``) and what only
@@ -98,7 +103,8 @@ def _constants(nodes: list[fx.Node], literal_ints: bool) -> dict[fx.Node, bool]:
         elif n.op == "get_attr":
             const[n] = True
         elif not n.all_input_nodes:  # a factory: ``arange(0, 16, 2)``, or positions ``arange(8)``
-            const[n] = literal_ints or not _integer(n)
+            name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+            const[n] = name in VALUE_FACTORIES and (literal_ints or not _integer(n))
         else:
             const[n] = all(const[a] for a in n.all_input_nodes)
     return const
@@ -110,7 +116,7 @@ def _no_positions(nodes: list[fx.Node], const: dict[fx.Node, bool]) -> str:
     names = sorted(n.name for n in leaves)
     if not any(_integer(n) or isinstance(meta.value(n), torch.SymInt) for n in leaves):
         return f"cos/sin are not computed from integer positions in the graph: they come from inputs {names}"
-    return f"cos/sin depend on more than one integer positions tensor: inputs {names}"
+    return f"cos/sin depend on more than one integer positions tensor: on {names}, which change from call to call"
 
 
 def _is_view(n: fx.Node) -> bool:
@@ -267,7 +273,7 @@ class _Tables:
 
 
 # Ops that only reshape their input (every element keeps its value): the table behind them is the same.
-RESHAPES = {"unsqueeze", "view", "reshape", "expand", "squeeze", torch.ops.aten.unsqueeze.default, FLATTEN,
+RESHAPES = {"unsqueeze", "view", "reshape", "expand", "squeeze", torch.ops.aten.unsqueeze.default, FLATTEN, UNFLATTEN,
             torch.ops.aten.reshape.default, torch.ops.aten.expand.default, torch.ops.aten.squeeze.dim}  # fmt: skip
 
 

@@ -365,12 +365,30 @@ def test_reshape_that_merges_the_last_dims_becomes_flatten(dynamic: bool) -> Non
     assert [tuple(n.args[1:]) for n in calls(r, A.flatten.using_ints)] == [(-2, -1), (-2, -1), (-2, -1), (-3, -1)]
 
 
-def test_reshape_that_does_not_merge_the_last_dims_stays_a_reshape() -> None:
-    """Negative twin: merging leading dims, splitting, flattening to 1-d, and ``view_as`` of a
-    non-contiguous tensor are not ``flatten(x, start, -1)`` of leading dims kept."""
-    r = canon(lambda x, y: (x.reshape(-1, 8) + 1, x.view(2, 3, 4, 2) + 1, x.view(-1) + 1, x[..., ::2].view_as(y) + 1),
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_reshape_that_splits_the_last_dim_becomes_unflatten(dynamic: bool) -> None:
+    """Llama 4's ``x.reshape(*x.shape[:-1], -1, 2)`` before ``view_as_complex``: a reshape that
+    keeps the leading dims and splits the last is ``aten.unflatten(x, -1, [-1, *rest])``, as
+    ``x.unflatten`` of the last dim (any sizes, either dim spelling) is written."""
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x.view(x.shape[0], x.shape[1], 4, 2) + 1, x.reshape(*x.shape[:-1], -1, 2) + 1,
+                x.unflatten(-1, (4, 2)) + 1, torch.unflatten(x, 2, (2, 2, 2)) + 1)  # fmt: skip
+
+    r = canon(f, x2d(2, 3, 8), dynamic=dynamic, before={"method.unflatten": 1, "torch.unflatten": 1},
+              expect={"aten.unflatten": 4}, absent=["method", "torch.unflatten", "aten.reshape"])  # fmt: skip
+    assert [tuple(n.args[1:]) for n in calls(r, A.unflatten.int)] == [(-1, [-1, 2])] * 3 + [(-1, [-1, 2, 2])]
+
+
+def test_reshape_that_does_not_merge_or_split_the_last_dims_stays_a_reshape() -> None:
+    """Negative twin of both: merging leading dims, flattening to 1-d, regrouping, inserting a
+    dim of 1, and ``view_as`` of a non-contiguous tensor stay as they are; ``unflatten`` of
+    another dim keeps its sizes."""
+    r = canon(lambda x, y: (x.reshape(-1, 8) + 1, x.view(-1) + 1, x.view(6, 4, 2) + 1, x.view(2, 3, 1, 8) + 1,
+                            x[..., ::2].view_as(y) + 1, x.unflatten(0, (1, 2)) + 1),
               x2d(2, 3, 8), x2d(2, 12), dynamic=False,
-              expect={"aten.reshape": 3, "method.view_as": 1}, absent=["aten.flatten"])  # fmt: skip
+              expect={"aten.reshape": 4, "method.view_as": 1, "aten.unflatten": 1}, absent=["aten.flatten"])  # fmt: skip
+    assert [tuple(n.args[1:]) for n in calls(r, A.unflatten.int)] == [(-3, [1, 2])]
 
 
 def test_index_select_method_and_function_become_aten_index_select() -> None:
