@@ -579,7 +579,7 @@ class _Canon:
         start = _merged_tail(t, meta.tensor(node))
         if start is not None:
             return self.set(node, FLATTEN, (x, start, -1))
-        pieces = _split_last(t, meta.tensor(node))
+        pieces = _split_last(t, meta.tensor(node), list(shape))
         if pieces is not None:
             return self.set(node, UNFLATTEN, (x, -1, pieces))
         if any(s is None for s in shape):
@@ -677,9 +677,10 @@ def _merged_tail(x: torch.Tensor | None, out: torch.Tensor | None) -> int | None
     return keep - x.dim() if meta.dim_key(merged) == meta.dim_key(out.shape[-1]) else None
 
 
-def _split_last(x: torch.Tensor | None, out: torch.Tensor | None) -> list[int] | None:
+def _split_last(x: torch.Tensor | None, out: torch.Tensor | None, written: list[Any] = ()) -> list[int] | None:
     """``[-1, *rest]`` when ``out`` is ``x`` with its last dim split into pieces, none of them 1,
-    every one after the first static (``rest``): what ``x.unflatten(-1, (-1, *rest))`` makes. Else
+    every one after the first static (``rest``; the sizes ``written`` in the reshape where Dynamo
+    left an expression of a symbolic head size): what ``x.unflatten(-1, (-1, *rest))`` makes. Else
     None."""
     if x is None or out is None or x.dim() == 0 or out.dim() <= x.dim():
         return None
@@ -687,6 +688,8 @@ def _split_last(x: torch.Tensor | None, out: torch.Tensor | None) -> list[int] |
     if not all(meta.dim_key(a) == meta.dim_key(b) for a, b in zip(x.shape[:keep], out.shape[:keep])):
         return None
     first, *rest = out.shape[keep:]
+    if len(written) == out.dim() and all(isinstance(w, int) for w in written[keep + 1 :]):
+        rest = written[keep + 1 :]
     if not all(isinstance(r, int) and r > 1 for r in rest) or meta.dim_key(first) == 1:
         return None
     return [-1, *rest]

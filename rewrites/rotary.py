@@ -9,10 +9,10 @@ The rules (``RULES``) match the rotation itself, whatever computed the tables::
 
 and the GPT-J (interleaved) forms of both, the complex form (Llama 4, DeepSeek-V2: pairs of x as
 complex numbers times complex angles ``freqs``, whose real and imaginary parts are the
-half-width tables), and partial rotary (``cat((rotate(x[..., :r]), x[..., r:]))``). The next stage (``rotary_tables.py``, the ``fold_rotary`` pass) folds the tables
-into a cache indexed by position, one ``fxr.rotary_embedding_q`` per rotation, and calls
-:func:`pair_rotaries`, which merges the q and k rotations of a layer into one
-``fxr.rotary_embedding``.
+half-width tables), and partial rotary (``cat((rotate(x[..., :r]), x[..., r:]))``). The next
+stage (``rotary_tables.py``, the ``fold_rotary`` pass) folds the tables into a cache indexed by
+position, one ``fxr.rotary_embedding_q`` per rotation, and calls :func:`pair_rotaries`, which
+merges the q and k rotations of a layer into one ``fxr.rotary_embedding``.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ import torch.fx as fx
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite import meta
-from fxrewrite.canonicalize import CAST, FLATTEN, PERMUTE, RESHAPE, UNFLATTEN
+from fxrewrite.canonicalize import CAST, PERMUTE, RESHAPE
 from fxrewrite.match import VIEW_METHODS, VIEW_TARGETS
 from fxrewrite.meta import dim_key
 from fxrewrite.report import NearMiss, PassResult
@@ -113,10 +113,16 @@ def _constants(nodes: list[fx.Node], literal_ints: bool) -> dict[fx.Node, bool]:
 def _no_positions(nodes: list[fx.Node], const: dict[fx.Node, bool]) -> str:
     """Why no one integer tensor stands between the tables and the graph's inputs."""
     leaves = [n for n in nodes if not const[n] and (n.op == "placeholder" or not n.all_input_nodes)]
-    names = sorted(n.name for n in leaves)
-    if not any(_integer(n) or isinstance(meta.value(n), torch.SymInt) for n in leaves):
-        return f"cos/sin are not computed from integer positions in the graph: they come from inputs {names}"
-    return f"cos/sin depend on more than one integer positions tensor: on {names}, which change from call to call"
+    def name(n: fx.Node) -> str:  # an input by its name, a factory by its call too
+        return n.name if n.op == "placeholder" else f"{n.name} = {getattr(n.target, '__name__', n.target)}(...)"
+
+    ints = sorted(name(n) for n in leaves if _integer(n) or isinstance(meta.value(n), torch.SymInt))
+    others = sorted(name(n) for n in leaves if name(n) not in ints)
+    if not ints:
+        return f"cos/sin are not computed from integer positions in the graph: they come from inputs {others}"
+    if others:
+        return f"cos/sin depend on {others}, which are neither the positions nor constants"
+    return f"cos/sin depend on more than one integer positions tensor: {ints}"
 
 
 def _is_view(n: fx.Node) -> bool:
@@ -180,9 +186,14 @@ class _Tables:
                 raise _NotFoldable(f"`{w.name}` writes in place into `{written.name}`, a constant the tables read")
         rows = _varying(meta.tensor(cos), last=False)
         found = [n for n in reversed(nodes) if not const[n] and self._dominates(n, const)]
-        self.positions = next((n for n in found if _varying(meta.tensor(n)) == rows), found[0] if found else None)
-        if self.positions is None:
+        if not found:
             raise _NotFoldable(_no_positions(nodes, const))
+        self.positions = next((n for n in found if _varying(meta.tensor(n)) == rows), None)
+        if self.positions is None:
+            p = found[-1]
+            raise _NotFoldable(f"each row of the tables ({tuple(meta.tensor(cos).shape[:-1])}) is computed from several "
+                               f"positions (`{p.name}` {tuple(meta.tensor(p).shape)}: multimodal RoPE sections, say); "
+                               "a cache row holds the angles of one position")  # fmt: skip
         between = meta.ancestors(*self.targets, *self.writers, stop=self.positions)
         self.nodes = [n for n in nodes if n in between]  # recomputed for other positions, in order
         self.depends = {self.positions} | {n for n in self.nodes if not const[n]}  # the positions flow into them
@@ -273,7 +284,7 @@ class _Tables:
 
 
 # Ops that only reshape their input (every element keeps its value): the table behind them is the same.
-RESHAPES = {"unsqueeze", "view", "reshape", "expand", "squeeze", torch.ops.aten.unsqueeze.default, FLATTEN, UNFLATTEN,
+RESHAPES = {"unsqueeze", "view", "reshape", "expand", "squeeze", torch.ops.aten.unsqueeze.default,
             torch.ops.aten.reshape.default, torch.ops.aten.expand.default, torch.ops.aten.squeeze.dim}  # fmt: skip
 
 
@@ -439,6 +450,8 @@ class _Folder:
             chain.pop()
         replaced, out_dtype = chain[-1], meta.tensor(chain[-1]).dtype
         with self.graph.inserting_before(n):
+            if out_dtype != xt.dtype:  # tables wider than x, read so: rotate x in their dtype, as the rotation did
+                x = self.node(CAST, x, out_dtype, like=n)
             xp = x if perm == sorted(perm) else self.node(PERMUTE, x, perm, like=n)
             x3 = self.node(RESHAPE, xp, [-1, heads_n, head_dim], like=n)
             r = self.node(ROTARY_Q, self.positions(pos), x3, cache, not interleaved, like=n)
@@ -446,8 +459,6 @@ class _Folder:
             out = self.node(RESHAPE, r, sizes, like=n)
             if perm != sorted(perm):
                 out = self.node(PERMUTE, out, [perm.index(d) for d in range(len(perm))], like=n)
-            if out_dtype != xt.dtype:
-                out = self.node(CAST, out, out_dtype, like=n)
         replaced.replace_all_uses_with(out)
         for old in reversed(chain):
             self.graph.erase_node(old)
