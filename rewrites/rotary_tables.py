@@ -376,7 +376,11 @@ class _Folder:
         self.unfoldable: dict[tuple[Any, ...], str] = {}  # why the tables of a source did not fold
         self._order: dict[fx.Node, int] | None = None  # graph order, made again after a fold adds nodes
         self.flat: dict[fx.Node, fx.Node] = {}
-        self.writers = [n for n in gm.graph.nodes if meta.written_args(n)]  # in-place writes, in order
+
+    @functools.cached_property
+    def writers(self) -> list[fx.Node]:
+        """The graph's in-place writes, in order (read when the first table is built; folds add none)."""
+        return [n for n in self.graph.nodes if meta.written_args(n)]
 
     def node(self, target: Any, *args: Any, like: fx.Node) -> fx.Node:
         n = self.graph.call_function(target, args)

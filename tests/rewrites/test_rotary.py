@@ -1,9 +1,12 @@
 """Rotary embedding rules and the folding of their tables (rewrites/rotary.py, rotary_tables.py).
 
 Each positive case is model code as authors write it (HF rotate_half with tables computed from
-``inv_freq``, an engine's cache indexed by positions, GPT-J pairs, partial rotary, q alone) in the
-layouts models use; the fused counts are exact and outputs equal eager. Each negative twin changes
-one thing so that the rotation must not fuse, or its tables must not fold, and checks the reason.
+``inv_freq``, an engine's cache indexed by positions, GPT-J pairs, partial rotary, q alone; then
+other families' spellings: RoFormer's sinusoidal table, ``inv_freq`` made in ``forward``, Qwen3.5's
+multimodal sections, the complex form of Llama 4, per-head norms on either side) in the layouts
+models use; the fused counts are exact and outputs equal eager. Each negative twin changes one
+thing so that the rotation must not fuse, or its tables must not fold, and checks the reason.
+tests/rewrites/test_rotary_families.py runs the real families.
 """
 
 from __future__ import annotations
@@ -440,6 +443,36 @@ def test_sections_of_different_positions_do_not_fold() -> None:
     assert reasons(r, "rotary_embedding") == [
         "each row of the tables ((1, 7)) is computed from several positions (`l_position_ids_` (3, 1, 7): "
         "multimodal RoPE sections, say); a cache row holds the angles of one position"] * 2
+
+
+class StateWriteRope(HFRope):
+    """Twin: the tables' computation writes into a buffer in place (evaluating it again would
+    write the model's state)."""
+
+    def tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.inv_freq.mul_(1.0)
+        return super().tables(x, position_ids)
+
+
+class LateWriteRope(HFRope):
+    """Twin: cos is written in place between the rotation of q and that of k (each reads other
+    values: no one cache serves both)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.tables(q, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = self.rotate(q.view(*q.shape[:2], -1, HEAD_DIM).transpose(1, 2), cos, sin)
+        cos[..., 0] = 1.0
+        return q, self.rotate(k.view(*k.shape[:2], -1, HEAD_DIM).transpose(1, 2), cos, sin)
+
+
+@pytest.mark.parametrize(("model", "why"), [
+    (StateWriteRope(), "`mul_` writes in place into `l_self_buffers_inv_freq_`, a constant the tables read"),
+    (LateWriteRope(), "`setitem` writes in place into the tables' `mul_1` after it is computed"),
+], ids=["state", "late"])  # fmt: skip
+def test_tables_written_in_place_elsewhere_do_not_fold(model: torch.nn.Module, why: str) -> None:
+    r = check(model, *qk(), expect={"apply_rotary": 2})
+    assert reasons(r, "rotary_embedding") == [why] * 2
 
 
 class ComplexRope(HFRope):
