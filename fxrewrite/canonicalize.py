@@ -26,8 +26,12 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
 * ``x.index_select(d, i)`` / ``torch.index_select`` -> ``aten.index_select`` with a negative dim;
 * ``F.linear`` -> ``aten.linear``; ``x @ w.t()`` (``.T``, ``.mT``, ``transpose``, ``permute``; ``matmul``
   or ``mm``) of a matrix ``w`` -> ``aten.linear(x, w)``;
-* ``view`` and ``reshape`` -> ``aten.reshape`` when the input is contiguous (then both are views);
-  a reshape to the same shape is removed;
+* ``view`` and ``reshape`` (and ``view_as`` / ``reshape_as`` of a static shape) -> ``aten.reshape``
+  when the input is contiguous (then both are views); a reshape to the same shape is removed; one
+  that merges the trailing dims and keeps the leading ones -> ``aten.flatten(x, start, -1)``
+  (``stack((-x2, x1), -1).reshape_as(x)`` is ``.flatten(-2)``), and one that splits the last dim
+  into pieces other than 1 -> ``aten.unflatten(x, -1, [-1, *rest])``, as ``x.unflatten`` of the
+  last dim is spelled (``x.reshape(*x.shape[:-1], -1, 2)`` is ``x.unflatten(-1, (-1, 2))``);
 * ``x[..., a:b:s]``, ``chunk`` and ``split`` along one dim -> ``aten.slice.Tensor`` with a negative
   dim, start 0 for None and end ``sys.maxsize`` for "to the end"; full-range slices are removed;
 * reduction dims -> a list of negative ints (``mean``, ``amax``, ``sum`` over dims);
@@ -73,7 +77,7 @@ ADD, SUB, MUL, DIV, RSUB = A.add.Tensor, A.sub.Tensor, A.mul.Tensor, A.div.Tenso
 POW, RSQRT, SQRT, RECIP = A.pow.Tensor_Scalar, A.rsqrt.default, A.sqrt.default, A.reciprocal.default
 MEAN, SLICE, RESHAPE, LINEAR = A.mean.dim, A.slice.Tensor, A.reshape.default, A.linear.default
 SILU, GELU, SIGMOID, NEG = A.silu.default, A.gelu.default, A.sigmoid.default, A.neg.default
-CLAMP, AMAX, FLATTEN = A.clamp.default, A.amax.default, A.flatten.using_ints
+CLAMP, AMAX, FLATTEN, UNFLATTEN = A.clamp.default, A.amax.default, A.flatten.using_ints, A.unflatten.int
 INDEX_SELECT = A.index_select.default
 SUM, SOFTMAX, TOPK = A.sum.dim_IntList, A.softmax.int, A.topk.default
 
@@ -305,7 +309,8 @@ class _Canon:
             return self.set(node, LINEAR, node.args, node.kwargs)
         if key in _MATMUL:
             return self.matmul(node)
-        if key in (("call_method", "view"), ("call_method", "reshape"), ("call_function", torch.reshape)):
+        if key in (("call_method", "view"), ("call_method", "reshape"), ("call_function", torch.reshape),
+                   ("call_method", "view_as"), ("call_method", "reshape_as")):
             return self.reshape(node)
         if key in (("call_method", "flatten"), ("call_function", torch.flatten)):
             x = node.args[0]
@@ -314,6 +319,8 @@ class _Canon:
             if meta.same_shape(node, x):
                 return self.drop(node, x)  # flattening a 1-d tensor (an engine's positions)
             return self.set(node, FLATTEN, (x, self.neg_dim(x, start), self.neg_dim(x, end)))
+        if key in (("call_method", "unflatten"), ("call_function", torch.unflatten)):
+            return self.unflatten(node)
         if key == ("call_method", "contiguous"):
             t = meta.tensor(node.args[0])
             if t is not None and t.is_contiguous() and not node.kwargs:
@@ -558,6 +565,9 @@ class _Canon:
 
     def reshape(self, node: fx.Node) -> None:
         x, shape = node.args[0], node.args[1:]
+        if node.target in ("view_as", "reshape_as"):  # the other tensor's shape, as ints where known
+            other = meta.tensor(shape[0]) if len(shape) == 1 else None
+            shape = [tuple(other.shape)] if other is not None and all(isinstance(s, int) for s in other.shape) else [None]
         if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
             shape = shape[0]
         elif len(shape) == 1 and isinstance(shape[0], fx.Node) and not isinstance(meta.value(shape[0]), int):
@@ -569,9 +579,30 @@ class _Canon:
         if meta.same_shape(node, x):
             return self.drop(node, x)
         t = meta.tensor(x)
-        if node.target == "view" and (t is None or not t.is_contiguous()):
+        if node.target in ("view", "view_as") and (t is None or not t.is_contiguous()):
             return
+        start = _merged_tail(t, meta.tensor(node))
+        if start is not None:
+            return self.set(node, FLATTEN, (x, start, -1))
+        pieces = _split_last(t, meta.tensor(node), list(shape))
+        if pieces is not None:
+            return self.set(node, UNFLATTEN, (x, -1, pieces))
+        if any(s is None for s in shape):
+            return  # x.reshape_as(y) of a symbolic shape that is not a flatten: kept as written
         self.set(node, RESHAPE, (x, list(shape)))
+
+    def unflatten(self, node: fx.Node) -> None:
+        """``x.unflatten(d, sizes)`` -> ``aten.unflatten.int``; of the last dim, as a reshape
+        splitting it spells it (``[-1, *rest]``); patterns, without shapes, as written."""
+        x = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        sizes = node.args[2] if len(node.args) > 2 else node.kwargs.get("sizes")
+        if not isinstance(dim, int) or not isinstance(sizes, (list, tuple)):
+            return
+        pieces = _split_last(meta.tensor(x), meta.tensor(node))
+        if pieces is not None:
+            return self.set(node, UNFLATTEN, (x, -1, pieces))
+        self.set(node, UNFLATTEN, (x, self.neg_dim(x, dim), list(sizes)))
 
     def slice_(
         self, node: fx.Node, x: Any, dim: int = 0, start: Any = None, end: Any = None, step: Any = None
@@ -637,6 +668,36 @@ class _Canon:
             bounds.append((start, min(start + n, size)))
             start += n
         self._split_users(node, bounds, self.neg_dim(x, dim))
+
+
+def _merged_tail(x: torch.Tensor | None, out: torch.Tensor | None) -> int | None:
+    """``start`` (negative) when ``out`` is ``x`` with its dims from ``start`` on merged into one
+    and at least one leading dim kept: what ``x.flatten(start)`` makes. Else None."""
+    if x is None or out is None or not 2 <= out.dim() < x.dim():
+        return None
+    keep = out.dim() - 1
+    if not all(meta.dim_key(a) == meta.dim_key(b) for a, b in zip(x.shape[:keep], out.shape[:keep])):
+        return None
+    merged = functools.reduce(operator.mul, x.shape[keep:], 1)
+    return keep - x.dim() if meta.dim_key(merged) == meta.dim_key(out.shape[-1]) else None
+
+
+def _split_last(x: torch.Tensor | None, out: torch.Tensor | None, written: list[Any] = ()) -> list[int] | None:
+    """``[-1, *rest]`` when ``out`` is ``x`` with its last dim split into pieces, none of them 1,
+    every one after the first static (``rest``; the sizes ``written`` in the reshape where Dynamo
+    left an expression of a symbolic head size): what ``x.unflatten(-1, (-1, *rest))`` makes. Else
+    None."""
+    if x is None or out is None or x.dim() == 0 or out.dim() <= x.dim():
+        return None
+    keep = x.dim() - 1
+    if not all(meta.dim_key(a) == meta.dim_key(b) for a, b in zip(x.shape[:keep], out.shape[:keep])):
+        return None
+    first, *rest = out.shape[keep:]
+    if len(written) == out.dim() and all(isinstance(w, int) for w in written[keep + 1 :]):
+        rest = written[keep + 1 :]
+    if not all(isinstance(r, int) and r > 1 for r in rest) or meta.dim_key(first) == 1:
+        return None
+    return [-1, *rest]
 
 
 def noop_source(node: fx.Node) -> fx.Node | None:

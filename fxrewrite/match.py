@@ -44,7 +44,8 @@ VIEW_TARGETS = frozenset(
         torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten.slice.Tensor,
         torch.ops.aten.expand.default, torch.ops.aten.permute.default, torch.ops.aten.transpose.int,
         torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.t.default,
-        torch.ops.aten.alias.default, torch.ops.aten.as_strided.default, operator.getitem,
+        torch.ops.aten.alias.default, torch.ops.aten.as_strided.default, torch.ops.aten.flatten.using_ints,
+        torch.ops.aten.unflatten.int, operator.getitem,
     }
 )  # fmt: skip
 VIEW_METHODS = frozenset(

@@ -13,13 +13,15 @@ PIPELINE: tuple[Step, ...] = (
     GraphPass("merge_siblings", merge.merge_sibling_linears, switch="merge_siblings"),
     # router + experts -> fxr.moe: before the activation rules, which would take the experts' SiLU-and-mul
     GraphPass("fuse_moe", moe.fuse_moe, fusion=True),
-    # all-reduce + add + norm (tensor parallel): first, or the add + norm rules would take its sites
+    # a rotation ends in an add (x * cos + rotate(x) * sin): before the add + norm rules, which would
+    # take it for a residual add where a per-head norm follows the rotation (rotary, then QK norm)
+    RuleGroup("fuse_rotary", rotary.RULES),
+    # all-reduce + add + norm (tensor parallel): before the other norms, or the add + norm rules would take its sites
     RuleGroup("fuse_collective", collective.RULES),
     RuleGroup("fuse_norm_quant", quant.NORM_RULES),
     # add + norm before plain norm (the list's order); LayerNorm first: the RMSNorm rules would
     # take a LayerNorm's second half (an RMSNorm of the centered input)
     RuleGroup("fuse_norm", layernorm.RULES + norm.RULES),
-    RuleGroup("fuse_rotary", rotary.RULES),
     RuleGroup("fuse_activation", activation.RULES),
     RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES),  # FP8 quant of fused activations
     # fxr.linear picks a decode-size GEMM by the rows of each call. Run eagerly (mode "none"),

@@ -7,11 +7,12 @@ The rules (``RULES``) match the rotation itself, whatever computed the tables::
                                                        cat((x1*cos - x2*sin, x2*cos + x1*sin)).to(dt)
         -> fxr.apply_rotary(x, cos, sin, interleaved, full_tables)
 
-and the GPT-J (interleaved) forms of both, and partial rotary (``cat((rotate(x[..., :r]),
-x[..., r:]))``). The next stage (``rotary_tables.py``, the ``fold_rotary`` pass) folds the tables
-into a cache indexed by position, one ``fxr.rotary_embedding_q`` per rotation, and calls
-:func:`pair_rotaries`, which merges the q and k rotations of a layer into one
-``fxr.rotary_embedding``.
+and the GPT-J (interleaved) forms of both, the complex form (Llama 4, DeepSeek-V2: pairs of x as
+complex numbers times complex angles ``freqs``, whose real and imaginary parts are the
+half-width tables), and partial rotary (``cat((rotate(x[..., :r]), x[..., r:]))``). The next
+stage (``rotary_tables.py``, the ``fold_rotary`` pass) folds the tables into a cache indexed by
+position, one ``fxr.rotary_embedding_q`` per rotation, and calls :func:`pair_rotaries`, which
+merges the q and k rotations of a layer into one ``fxr.rotary_embedding``.
 """
 
 from __future__ import annotations
@@ -45,13 +46,18 @@ def _tables_guard(b: Bindings, width: Any) -> bool | str:
         return f"not floating point: x {x.dtype}, cos {cos.dtype}"
     if not meta.same_sizes(cos, sin) or cos.dtype != sin.dtype:
         return f"cos {cos.dtype}{tuple(cos.shape)} and sin {sin.dtype}{tuple(sin.shape)} differ"
-    if not meta.size_equal(cos.shape[-1], width):
-        return f"tables have {cos.shape[-1]} features, the rotation {width}"
-    if cos.dim() > x.dim():
-        return f"tables of rank {cos.dim()} broadcast x of rank {x.dim()} up"
-    for c, s in zip(reversed(cos.shape[:-1]), reversed(x.shape[:-1])):
+    return _fits(x, cos, width)
+
+
+def _fits(x: Any, table: Any, width: Any) -> bool | str:
+    """``table`` has ``width`` features and broadcasts against ``x`` without growing it."""
+    if not meta.size_equal(table.shape[-1], width):
+        return f"tables have {table.shape[-1]} features, the rotation {width}"
+    if table.dim() > x.dim():
+        return f"tables of rank {table.dim()} broadcast x of rank {x.dim()} up"
+    for c, s in zip(reversed(table.shape[:-1]), reversed(x.shape[:-1])):
         if dim_key(c) != 1 and dim_key(c) != dim_key(s):
-            return f"table shape {tuple(cos.shape)} does not broadcast against x {tuple(x.shape)}"
+            return f"table shape {tuple(table.shape)} does not broadcast against x {tuple(x.shape)}"
     return True
 
 
@@ -79,10 +85,22 @@ def interleaved_half_guard(b: Bindings) -> bool | str:
     return _tables_guard(b, b["x"].shape[-1] // 2)
 
 
+def complex_guard(b: Bindings) -> bool | str:
+    """``freqs``: complex, one angle per pair of x's features, broadcasting against x."""
+    x, freqs = b["x"], b["freqs"]
+    if not (x.dtype.is_floating_point and freqs.dtype.is_complex):
+        return f"x {x.dtype} times freqs {freqs.dtype}: not a real tensor rotated by complex angles"
+    if x.shape[-1] % 2:
+        return f"odd last dim {x.shape[-1]}"
+    return _fits(x, freqs, x.shape[-1] // 2)
+
+
 def casts_back_guard(b: Bindings) -> bool | str:
     """An upcast rotation's final cast goes to the dtype ``fxr.apply_rotary`` returns (that of x,
-    cos and sin promoted): the replacement rounds there first, so another target would round twice."""
-    out = functools.reduce(torch.promote_types, (b["x"].dtype, b["cos"].dtype, b["sin"].dtype))
+    cos and sin promoted; of complex tables, their real parts'): the replacement rounds there
+    first, so another target would round twice."""
+    tables = (b["freqs"].dtype.to_real(),) if "freqs" in b else (b["cos"].dtype, b["sin"].dtype)
+    out = functools.reduce(torch.promote_types, (b["x"].dtype, *tables))
     return b["dtype"] == out or f"casts to {b['dtype']}, the rotation of {out} values returns {out}"
 
 
@@ -173,6 +191,27 @@ def interleaved_half_upcast_replacement(x, cos, sin, dtype):
     return torch.ops.fxr.apply_rotary(x, cos, sin, True, False).to(dtype)
 
 
+def _complex(x, freqs):
+    return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * freqs).flatten(-2)
+
+
+# view_as_real(view_as_complex(x as pairs) * freqs) -> fxr.apply_rotary(x, real(freqs), imag(freqs), True, False)
+def complex_pattern(x, freqs):
+    return _complex(x, freqs)
+
+
+def complex_replacement(x, freqs):
+    return torch.ops.fxr.apply_rotary(x, torch.real(freqs), torch.imag(freqs), True, False)
+
+
+def complex_upcast_pattern(x, freqs, dtype):
+    return _complex(x.to(torch.float32), freqs).to(dtype)
+
+
+def complex_upcast_replacement(x, freqs, dtype):
+    return torch.ops.fxr.apply_rotary(x, torch.real(freqs), torch.imag(freqs), True, False).to(dtype)
+
+
 def partial_guard(b: Bindings) -> bool | str:
     """The rotated slice is exactly the table width; the rest passes through."""
     width = b["cos"].shape[-1] * (1 if b["full"] else 2)
@@ -210,6 +249,9 @@ ROTATION_RULES: list[Rule] = [
     Rule("rotary_interleaved_half_upcast", interleaved_half_upcast_pattern, interleaved_half_upcast_replacement,
          all_of(interleaved_half_guard, casts_back_guard), _D),
     Rule("rotary_interleaved_half", interleaved_half_pattern, interleaved_half_replacement, interleaved_half_guard),
+    Rule("rotary_complex_upcast", complex_upcast_pattern, complex_upcast_replacement,
+         all_of(complex_guard, casts_back_guard), _D),
+    Rule("rotary_complex", complex_pattern, complex_replacement, complex_guard),
 ]  # fmt: skip
 PARTIAL = Rule(
     "rotary_partial", partial_pattern, partial_replacement, partial_guard,

@@ -38,6 +38,7 @@ import torch.fx as fx
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite import meta
 from fxrewrite.canonicalize import CAST, PERMUTE, RESHAPE
+from fxrewrite.match import VIEW_METHODS, VIEW_TARGETS
 from fxrewrite.meta import dim_key
 from fxrewrite.report import NearMiss, PassResult
 from fxrewrite.rewrites.rotary import ROTARY_Q, pair_rotaries
@@ -75,37 +76,132 @@ def _gather(n: fx.Node) -> tuple[Any, Any, int | None] | None:
     return None
 
 
+def _integer(n: fx.Node) -> bool:
+    t = meta.tensor(n)
+    return t is not None and t.dtype in (torch.int32, torch.int64)
+
+
+def _varying(t: torch.Tensor | None, last: bool = True) -> list[Any]:
+    """The sizes of ``t`` that are not 1 (``last=False``: of every dim but the last)."""
+    shape = [] if t is None else list(t.shape) if last else list(t.shape[:-1])
+    return [dim_key(s) for s in shape if dim_key(s) != 1]
+
+
+# Factories whose values their literal arguments fix (not ``rand``, not ``empty``).
+VALUE_FACTORIES = frozenset({"arange", "ones", "zeros", "full", "linspace", "logspace", "eye", "tensor",
+                             "scalar_tensor", "as_tensor"})  # fmt: skip
+
+
+def _constants(nodes: list[fx.Node], literal_ints: bool) -> dict[fx.Node, bool]:
+    """Which of ``nodes`` (in graph order) are the same at every call: module state, attributes,
+    factories of literal arguments (integer ones only with ``literal_ints``) and what only
+    they feed."""
+    const: dict[fx.Node, bool] = {}
+    for n in nodes:
+        if n.op == "placeholder":
+            const[n] = meta.is_state(n)  # module state, not an input
+        elif n.op == "get_attr":
+            const[n] = True
+        elif not n.all_input_nodes:  # a factory: ``arange(0, 16, 2)``, or positions ``arange(8)``
+            name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+            const[n] = name in VALUE_FACTORIES and (literal_ints or not _integer(n))
+        else:
+            const[n] = all(const[a] for a in n.all_input_nodes)
+    return const
+
+
+def _no_positions(nodes: list[fx.Node], const: dict[fx.Node, bool]) -> str:
+    """Why no one integer tensor stands between the tables and the graph's inputs."""
+    leaves = [n for n in nodes if not const[n] and (n.op == "placeholder" or not n.all_input_nodes)]
+    def name(n: fx.Node) -> str:  # an input by its name, a factory by its call too
+        return n.name if n.op == "placeholder" else f"{n.name} = {getattr(n.target, '__name__', n.target)}(...)"
+
+    ints = sorted(name(n) for n in leaves if _integer(n) or isinstance(meta.value(n), torch.SymInt))
+    others = sorted(name(n) for n in leaves if name(n) not in ints)
+    if not ints:
+        return f"cos/sin are not computed from integer positions in the graph: they come from inputs {others}"
+    if others:
+        return f"cos/sin depend on {others}, which are neither the positions nor constants"
+    return f"cos/sin depend on more than one integer positions tensor: {ints}"
+
+
+def _is_view(n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in VIEW_TARGETS) or (n.op == "call_method" and n.target in VIEW_METHODS)
+
+
+def _memory(a: Any) -> list[fx.Node]:
+    """``a`` and the tensors it is a view of: what a write into ``a`` changes."""
+    out = []
+    while isinstance(a, fx.Node):
+        out.append(a)
+        a = a.args[0] if _is_view(a) and a.args else None
+    return out
+
+
+def _reads(targets: tuple[fx.Node, ...], writers: list[fx.Node], order: dict[fx.Node, int]) -> tuple[set[fx.Node], list[fx.Node]]:
+    """What computing ``targets`` reads: their ancestors, and the in-place writes (of
+    ``writers``) into them before each target, with what those read. A write after a target
+    into what it reads would change the tables after the rotation read them: not folded."""
+    read: set[fx.Node] = set()
+    used: set[fx.Node] = set()
+    for t in targets:
+        seen = meta.ancestors(t)
+        while new := [w for w in writers if w not in used and any(m in seen for a in meta.written_args(w) for m in _memory(a))]:
+            for w in new:
+                if order[w] > order[t]:
+                    raise _NotFoldable(f"`{w.name}` writes in place into the tables' `{t.name}` after it is computed")
+                used.add(w)
+                seen |= meta.ancestors(w)
+        read |= seen
+    return read, sorted(used, key=order.__getitem__)
+
+
 class _NotFoldable(Exception):
     """The tables of a rotation cannot be folded; the message says why."""
 
 
 class _Tables:
-    """Where a rotation's ``cos`` and ``sin`` come from: one positions tensor and constants."""
+    """Where a rotation's ``cos`` and ``sin`` come from: one positions tensor and constants.
 
-    def __init__(self, gm: fx.GraphModule, cos: fx.Node, sin: fx.Node, order: dict[fx.Node, int]) -> None:
+    Constants: module state, attributes, factories of literal arguments (``arange(0, dim, 2)``
+    of an ``inv_freq`` computed in ``forward``) and what is computed from them alone. Under
+    static shapes the positions may be such a factory (``arange(T)``): when the tables come out
+    constant, integer factories are taken for positions instead. In-place writes into the
+    tables' intermediates (``freqs[..., idx] = ...``) are part of their computation."""
+
+    def __init__(self, gm: fx.GraphModule, cos: fx.Node, sin: fx.Node, order: dict[fx.Node, int],
+                 writers: list[fx.Node]) -> None:  # fmt: skip
         self.gm, self.targets = gm, (cos, sin)
-        nodes = sorted(meta.ancestors(cos, sin), key=order.__getitem__)
-        const: dict[fx.Node, bool] = {}
-        for n in nodes:
-            if n.op == "placeholder":
-                const[n] = meta.is_state(n)  # module state, not an input
-            else:  # a factory (``arange(T)``) makes positions, not a constant
-                const[n] = n.op == "get_attr" or bool(n.all_input_nodes) and all(const[a] for a in n.all_input_nodes)
-        if const[cos] and const[sin]:
+        read, self.writers = _reads(self.targets, writers, order)
+        nodes = sorted(read, key=order.__getitem__)
+        for literal_ints in (True, False):
+            const = _constants(nodes, literal_ints)
+            if not (const[cos] and const[sin]):
+                break
+        else:
             raise _NotFoldable("cos and sin do not depend on positions")
-        self.positions = next((n for n in reversed(nodes) if not const[n] and self._dominates(n, const)), None)
+        for w in self.writers:
+            written = next((m for a in meta.written_args(w) for m in _memory(a) if const.get(m)), None)
+            if written is not None:
+                raise _NotFoldable(f"`{w.name}` writes in place into `{written.name}`, a constant the tables read")
+        rows = _varying(meta.tensor(cos), last=False)
+        found = [n for n in reversed(nodes) if not const[n] and self._dominates(n, const)]
+        if not found:
+            raise _NotFoldable(_no_positions(nodes, const))
+        self.positions = next((n for n in found if _varying(meta.tensor(n)) == rows), None)
         if self.positions is None:
-            leaves = sorted({n.name for n in nodes if n.op == "placeholder" and not const[n]})
-            raise _NotFoldable(f"cos/sin depend on more than one integer positions tensor: inputs {leaves}")
-        between = meta.ancestors(*self.targets, stop=self.positions)
+            p = found[-1]
+            raise _NotFoldable(f"each row of the tables ({tuple(meta.tensor(cos).shape[:-1])}) is computed from several "
+                               f"positions (`{p.name}` {tuple(meta.tensor(p).shape)}: multimodal RoPE sections, say); "
+                               "a cache row holds the angles of one position")  # fmt: skip
+        between = meta.ancestors(*self.targets, *self.writers, stop=self.positions)
         self.nodes = [n for n in nodes if n in between]  # recomputed for other positions, in order
         self.depends = {self.positions} | {n for n in self.nodes if not const[n]}  # the positions flow into them
 
     def _dominates(self, v: fx.Node, const: dict[fx.Node, bool]) -> bool:
-        t = meta.tensor(v)
-        if t is None or t.dtype not in (torch.int32, torch.int64):
+        if not _integer(v):
             return False
-        seen, stack = {v}, list(self.targets)
+        seen, stack = {v}, [*self.targets, *self.writers]
         while stack:
             n = stack.pop()
             if n in seen or const[n]:
@@ -281,6 +377,11 @@ class _Folder:
         self._order: dict[fx.Node, int] | None = None  # graph order, made again after a fold adds nodes
         self.flat: dict[fx.Node, fx.Node] = {}
 
+    @functools.cached_property
+    def writers(self) -> list[fx.Node]:
+        """The graph's in-place writes, in order (read when the first table is built; folds add none)."""
+        return [n for n in self.graph.nodes if meta.written_args(n)]
+
     def node(self, target: Any, *args: Any, like: fx.Node) -> fx.Node:
         n = self.graph.call_function(target, args)
         n.meta["fxr_rule"] = "rotary_embedding"
@@ -299,7 +400,7 @@ class _Folder:
             if self._order is None:
                 self._order = {node: i for i, node in enumerate(self.graph.nodes)}
             try:
-                tables = _Tables(self.gm, key[0], key[1], self._order)
+                tables = _Tables(self.gm, key[0], key[1], self._order, self.writers)
                 width = meta.tensor(cos).shape[-1]
                 value = build_cache(tables, width, full, interleaved, self.max_positions, meta.tensor(x).device)
             except _NotFoldable as e:
@@ -353,6 +454,8 @@ class _Folder:
             chain.pop()
         replaced, out_dtype = chain[-1], meta.tensor(chain[-1]).dtype
         with self.graph.inserting_before(n):
+            if out_dtype != xt.dtype:  # tables wider than x, read so: rotate x in their dtype, as the rotation did
+                x = self.node(CAST, x, out_dtype, like=n)
             xp = x if perm == sorted(perm) else self.node(PERMUTE, x, perm, like=n)
             x3 = self.node(RESHAPE, xp, [-1, heads_n, head_dim], like=n)
             r = self.node(ROTARY_Q, self.positions(pos), x3, cache, not interleaved, like=n)
@@ -360,8 +463,6 @@ class _Folder:
             out = self.node(RESHAPE, r, sizes, like=n)
             if perm != sorted(perm):
                 out = self.node(PERMUTE, out, [perm.index(d) for d in range(len(perm))], like=n)
-            if out_dtype != xt.dtype:
-                out = self.node(CAST, out, out_dtype, like=n)
         replaced.replace_all_uses_with(out)
         for old in reversed(chain):
             self.graph.erase_node(old)

@@ -11,6 +11,7 @@ import operator
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -347,6 +348,47 @@ def test_flatten_that_keeps_the_shape_is_removed() -> None:
               before={"method.flatten": 2}, expect={"aten.flatten": 1})  # fmt: skip
     assert outputs(r)[0].args[0] is placeholder(r, "p"), "an engine's 1-d positions: nothing to flatten"
     assert calls(r, A.flatten.using_ints)[0].args[0] is placeholder(r, "x"), "negative twin: 2-d is flattened"
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_reshape_that_merges_the_last_dims_becomes_flatten(dynamic: bool) -> None:
+    """RoFormer's interleave ``stack((-x2, x1), -1).reshape_as(x)`` is GPT-J's ``.flatten(-2)``:
+    a reshape (``view``, ``reshape``, ``view_as``, ``reshape_as``) that merges trailing dims and
+    keeps the leading ones is ``aten.flatten(x, start, -1)``, symbolic sizes included."""
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        pairs = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1)
+        return pairs.reshape_as(x) + 1, pairs.view_as(x) + 1, y.view(y.shape[0], y.shape[1], -1) + 1, y.reshape(y.shape[0], -1) + 1
+
+    r = canon(f, x2d(3, 8), x2d(3, 4, 2, 8), dynamic=dynamic, before={"method.reshape_as": 1, "method.view_as": 1},
+              expect={"aten.flatten": 4}, absent=["method.reshape_as", "method.view_as", "method.view", "method.reshape"])  # fmt: skip
+    assert [tuple(n.args[1:]) for n in calls(r, A.flatten.using_ints)] == [(-2, -1), (-2, -1), (-2, -1), (-3, -1)]
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_reshape_that_splits_the_last_dim_becomes_unflatten(dynamic: bool) -> None:
+    """Llama 4's ``x.reshape(*x.shape[:-1], -1, 2)`` before ``view_as_complex``: a reshape that
+    keeps the leading dims and splits the last is ``aten.unflatten(x, -1, [-1, *rest])``, as
+    ``x.unflatten`` of the last dim (any sizes, either dim spelling) is written."""
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x.view(x.shape[0], x.shape[1], 4, 2) + 1, x.reshape(*x.shape[:-1], -1, 2) + 1,
+                x.unflatten(-1, (4, 2)) + 1, torch.unflatten(x, 2, (2, 2, 2)) + 1)  # fmt: skip
+
+    r = canon(f, x2d(2, 3, 8), dynamic=dynamic, before={"method.unflatten": 1, "torch.unflatten": 1},
+              expect={"aten.unflatten": 4}, absent=["method", "torch.unflatten", "aten.reshape"])  # fmt: skip
+    assert [tuple(n.args[1:]) for n in calls(r, A.unflatten.int)] == [(-1, [-1, 2])] * 3 + [(-1, [-1, 2, 2])]
+
+
+def test_reshape_that_does_not_merge_or_split_the_last_dims_stays_a_reshape() -> None:
+    """Negative twin of both: merging leading dims, flattening to 1-d, regrouping, inserting a
+    dim of 1, and ``view_as`` of a non-contiguous tensor stay as they are; ``unflatten`` of
+    another dim keeps its sizes."""
+    r = canon(lambda x, y: (x.reshape(-1, 8) + 1, x.view(-1) + 1, x.view(6, 4, 2) + 1, x.view(2, 3, 1, 8) + 1,
+                            x[..., ::2].view_as(y) + 1, x.unflatten(0, (1, 2)) + 1),
+              x2d(2, 3, 8), x2d(2, 12), dynamic=False,
+              expect={"aten.reshape": 4, "method.view_as": 1, "aten.unflatten": 1}, absent=["aten.flatten"])  # fmt: skip
+    assert [tuple(n.args[1:]) for n in calls(r, A.unflatten.int)] == [(-3, [1, 2])]
 
 
 def test_index_select_method_and_function_become_aten_index_select() -> None:

@@ -17,7 +17,7 @@ from fxrewrite.report import PassResult
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 PASS_LIST = r"The pipeline \(`fxrewrite.pipeline\(config\)`\) is one ordered list of named passes:(.*?)\. Each pass"
-LIBRARY_GROUPS = ["fuse_collective", "fuse_norm_quant", "fuse_norm", "fuse_rotary", "fuse_activation",
+LIBRARY_GROUPS = ["fuse_rotary", "fuse_collective", "fuse_norm_quant", "fuse_norm", "fuse_activation",
                   "fuse_activation_quant"]  # fmt: skip
 
 

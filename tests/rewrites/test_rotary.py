@@ -1,19 +1,23 @@
 """Rotary embedding rules and the folding of their tables (rewrites/rotary.py, rotary_tables.py).
 
 Each positive case is model code as authors write it (HF rotate_half with tables computed from
-``inv_freq``, an engine's cache indexed by positions, GPT-J pairs, partial rotary, q alone) in the
-layouts models use; the fused counts are exact and outputs equal eager. Each negative twin changes
-one thing so that the rotation must not fuse, or its tables must not fold, and checks the reason.
+``inv_freq``, an engine's cache indexed by positions, GPT-J pairs, partial rotary, q alone; then
+other families' spellings: RoFormer's sinusoidal table, ``inv_freq`` made in ``forward``, Qwen3.5's
+multimodal sections, the complex form of Llama 4, per-head norms on either side) in the layouts
+models use; the fused counts are exact and outputs equal eager. Each negative twin changes one
+thing so that the rotation must not fuse, or its tables must not fold, and checks the reason.
+tests/rewrites/test_rotary_families.py runs the real families.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers.rewrites import BF16, DYNAMIC, F32, check, reasons
+from helpers.rewrites import BF16, DYNAMIC, F32, LlamaRMSNorm, check, fused, fused_nodes, reasons
 
 from fxrewrite import Config
 from fxrewrite.rewrites import rotary
+from fxrewrite.testing import compile_once
 
 HEADS, KV_HEADS, HEAD_DIM, TOKENS = 4, 2, 16, 7
 PAIR = {"rotary_embedding": 1}
@@ -47,12 +51,14 @@ class HFRope(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(x.dtype), (emb.sin() * self.scaling).to(x.dtype)
 
+    turn = staticmethod(rotate_half)
+
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rotary_dim
         if r == x.shape[-1]:
-            return x * cos + rotate_half(x) * sin
+            return x * cos + self.turn(x) * sin
         x_rot, x_pass = x[..., :r], x[..., r:]
-        return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+        return torch.cat((x_rot * cos + self.turn(x_rot) * sin, x_pass), dim=-1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.tables(q, position_ids)  # [B, T, D]
@@ -98,12 +104,11 @@ class EngineRope(torch.nn.Module):
 class GPTJRope(HFRope):
     """GPT-J: pairs (2i, 2i+1) rotate; full tables repeat each angle twice."""
 
+    turn = staticmethod(rotate_every_two)
+
     def tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq
         return freqs.cos().repeat_interleave(2, -1).to(x.dtype), freqs.sin().repeat_interleave(2, -1).to(x.dtype)
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos + rotate_every_two(x) * sin
 
 
 def qk(tokens: int = TOKENS, batch: int | None = 1, dtype: torch.dtype = F32, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -195,9 +200,27 @@ def test_interleaved_pairs(model: torch.nn.Module) -> None:
     assert [n.args[-1] for n in r.graph.graph.nodes if n.target is rotary.ROTARY] == [False]  # not NeoX
 
 
-def test_partial_rotary_rotates_the_first_dims() -> None:
-    r = check(HFRope("bhtd", rotary_dim=HEAD_DIM // 2), *qk(), expect=PAIR)
+@pytest.mark.parametrize("model", [HFRope, GPTJRope], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_partial_rotary_rotates_the_first_dims(model: type[HFRope], dtype: torch.dtype) -> None:
+    """Phi, StableLM, Persimmon, Qwen3-Next (halves); GPT-J, CodeGen, GLM (pairs): the first
+    ``r`` features rotate, the rest pass through, one kernel."""
+    r = check(model("bhtd", rotary_dim=HEAD_DIM // 2), *qk(dtype=dtype), expect=PAIR)
     assert r.graph.fxr_rotary_cache_0.shape[-1] == HEAD_DIM // 2
+    assert r.report.rules()["rotary_partial"] == 2
+
+
+def test_partial_rotary_that_drops_features_is_two_ops() -> None:
+    """Twin: the features after the rotated ones pass through from ``r + 2`` on (two are
+    dropped): not a partial rotation of x. The rotated slice still folds, the cat stays."""
+
+    class Dropping(HFRope):
+        def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            x_rot = x[..., : self.rotary_dim]
+            return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x[..., self.rotary_dim + 2 :]), dim=-1)
+
+    r = check(Dropping("bhtd", rotary_dim=HEAD_DIM // 2), *qk(), expect=PAIR)
+    assert "rotary_partial" not in r.report.rules() and reasons(r, "rotary_partial") == ["10 != bound r 8"] * 2
 
 
 def test_q_alone() -> None:
@@ -231,7 +254,8 @@ def test_tables_given_as_inputs_do_not_fold() -> None:
     q = torch.randn(TOKENS, HEADS, HEAD_DIM)
     cos, sin = torch.randn(TOKENS, 1, HEAD_DIM), torch.randn(TOKENS, 1, HEAD_DIM)
     r = check(rope, q, cos, sin, expect={"apply_rotary": 1})
-    assert any("more than one integer positions tensor" in why for why in reasons(r, "rotary_embedding"))
+    assert reasons(r, "rotary_embedding") == [
+        "cos/sin are not computed from integer positions in the graph: they come from inputs ['l_cos_', 'l_sin_']"]
 
 
 def test_slices_that_do_not_halve_do_not_match() -> None:
@@ -302,3 +326,232 @@ def test_rotation_read_elsewhere_does_not_pair_across_it() -> None:
             return self.rotate(q1[:, :KV_HEADS] * 2, cos, sin)
 
     check(Chained(), *qk(batch=None), expect={"rotary_embedding_q": 2})
+
+
+# --------------------------------------------------------------------------- other families' spellings, each with its twin
+
+
+class SinusoidalRope(torch.nn.Module):
+    """RoFormer: a sinusoidal table (sin, then cos, per position) read at ``arange(T)`` made in
+    the graph; angles and x's features taken in pairs by ``stack(..., -1).reshape_as``. ``skew``:
+    the twin, whose sin pairs mix a sine and a cosine (not rotary tables)."""
+
+    def __init__(self, skew: bool = False) -> None:
+        super().__init__()
+        angles = torch.arange(64, dtype=torch.float32)[:, None] * inv_freq(HEAD_DIM)
+        self.register_buffer("table", torch.cat((angles.sin(), angles.cos()), dim=-1), persistent=False)
+        self.skew = skew
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.nn.functional.embedding(torch.arange(q.shape[1]), self.table)[None, None]
+        sin, cos = pos.chunk(2, dim=-1)
+        sin_pos = torch.stack([sin, cos if self.skew else sin], dim=-1).reshape_as(pos)
+        cos_pos = torch.stack([cos, cos], dim=-1).reshape_as(pos)
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            x = x.view(*x.shape[:2], -1, HEAD_DIM).transpose(1, 2)
+            return x * cos_pos + torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).reshape_as(x) * sin_pos
+
+        return rotate(q), rotate(k)
+
+
+@DYNAMIC
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_sinusoidal_table_read_at_arange_folds(dtype: torch.dtype, dynamic: bool) -> None:
+    model = SinusoidalRope().to(dtype)
+    r = check(model, *qk(dtype=dtype)[:2], expect=PAIR, dynamic=dynamic)
+    assert [n.args[-1] for n in fused_nodes(r, "rotary_embedding")] == [False]  # pairs: not NeoX
+    want = torch.cat(model.table.chunk(2, -1)[::-1], -1).float()
+    assert torch.equal(r.graph.fxr_rotary_cache_0, want), "the table's own rows: cos, then sin"
+
+
+def test_tables_wider_than_x_rotate_in_their_dtype() -> None:
+    """float32 tables, bf16 q and k, a float32 result nobody casts back: the kernel rotates q
+    and k cast to float32 (rotating in bf16 and widening after would round where eager does not)."""
+    r = check(SinusoidalRope(), *qk(dtype=BF16)[:2], expect=PAIR)
+    assert [n.args[1].meta["example_value"].dtype for n in fused_nodes(r, "rotary_embedding")] == [F32]
+
+
+def test_sinusoidal_table_whose_pairs_differ_does_not_fold() -> None:
+    r = check(SinusoidalRope(skew=True), *qk()[:2], expect={"apply_rotary": 2})
+    assert reasons(r, "rotary_embedding") == ["the pairs of sin differ: not rotary tables"] * 2
+
+
+class FactoryRope(HFRope):
+    """Phi-MoE: ``inv_freq`` computed in ``forward`` from ``arange(0, dim, 2)`` (float, or int64
+    and cast, as other rope initializers do). ``rand``: the twin, random frequencies."""
+
+    def __init__(self, make: str) -> None:
+        super().__init__("bhtd")
+        self.make = make
+
+    def tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.make == "rand":
+            inv = torch.rand(HEAD_DIM // 2)
+        else:
+            steps = torch.arange(0, HEAD_DIM, 2, dtype=torch.float if self.make == "float" else torch.int64)
+            inv = 1.0 / 10000.0 ** (steps.float() / HEAD_DIM)
+        freqs = position_ids[..., None].float() * inv
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+@DYNAMIC
+@pytest.mark.parametrize("make", ["float", "int64"])
+def test_inv_freq_made_in_forward_is_a_constant(make: str, dynamic: bool) -> None:
+    r = check(FactoryRope(make), *qk(), expect=PAIR, dynamic=dynamic)
+    assert reasons(r, "rotary_embedding") == []
+
+
+def test_random_frequencies_made_in_forward_do_not_fold() -> None:
+    """Twin: ``rand`` is no constant (and the fold must not draw from the user's generator).
+    Eager and compiled draw different frequencies: op counts only."""
+    r = compile_once(FactoryRope("rand"), *qk())
+    assert fused(r.counts()) == {"apply_rotary": 2}
+    why = "cos/sin depend on ['inv = rand(...)'], which are neither the positions nor constants"
+    assert reasons(r, "rotary_embedding") == [why] * 2
+
+
+class SectionRope(HFRope):
+    """Qwen3.5 (multimodal RoPE) on text: one row of positions expanded into 3 sections (t, h, w)
+    whose angles are written in place over every 3rd frequency of section 0. Positions ``[3, 1,
+    T]`` (an image's grid): the twin, each token with 3 different positions."""
+
+    def tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_ids.dim() == 2:
+            position_ids = position_ids[None].expand(3, -1, -1)
+        freqs = position_ids[..., None].float() * self.inv_freq
+
+        def recompose(f: torch.Tensor) -> torch.Tensor:
+            out = f[0]
+            for d in (1, 2):
+                out[..., d::3] = f[d, ..., d::3]
+            return torch.cat((out, out), dim=-1)
+
+        return recompose(freqs.cos()).to(x.dtype), recompose(freqs.sin()).to(x.dtype)
+
+
+@DYNAMIC
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_sections_of_one_positions_row_fold_with_their_in_place_writes(dtype: torch.dtype, dynamic: bool) -> None:
+    check(SectionRope("bhtd"), *qk(dtype=dtype), expect=PAIR, dynamic=dynamic)
+
+
+def test_sections_of_different_positions_do_not_fold() -> None:
+    q, k, pos = qk()
+    r = check(SectionRope("bhtd"), q, k, torch.stack((pos, pos + 1, pos * 2)), expect={"apply_rotary": 2}, dynamic=False)
+    assert reasons(r, "rotary_embedding") == [
+        "each row of the tables ((1, 7)) is computed from several positions (`l_position_ids_` (3, 1, 7): "
+        "multimodal RoPE sections, say); a cache row holds the angles of one position"] * 2
+
+
+class StateWriteRope(HFRope):
+    """Twin: the tables' computation writes into a buffer in place (evaluating it again would
+    write the model's state)."""
+
+    def tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.inv_freq.mul_(1.0)
+        return super().tables(x, position_ids)
+
+
+class LateWriteRope(HFRope):
+    """Twin: cos is written in place between the rotation of q and that of k (each reads other
+    values: no one cache serves both)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.tables(q, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = self.rotate(q.view(*q.shape[:2], -1, HEAD_DIM).transpose(1, 2), cos, sin)
+        cos[..., 0] = 1.0
+        return q, self.rotate(k.view(*k.shape[:2], -1, HEAD_DIM).transpose(1, 2), cos, sin)
+
+
+@pytest.mark.parametrize(("model", "why"), [
+    (StateWriteRope(), "`mul_` writes in place into `l_self_buffers_inv_freq_`, a constant the tables read"),
+    (LateWriteRope(), "`setitem` writes in place into the tables' `mul_1` after it is computed"),
+], ids=["state", "late"])  # fmt: skip
+def test_tables_written_in_place_elsewhere_do_not_fold(model: torch.nn.Module, why: str) -> None:
+    r = check(model, *qk(), expect={"apply_rotary": 2})
+    assert reasons(r, "rotary_embedding") == [why] * 2
+
+
+class ComplexRope(HFRope):
+    """Llama 4, DeepSeek-V2: x's pairs as complex numbers times ``freqs_cis = polar(1, angles)``,
+    in float32, cast back. ``real``: the twin, a real tensor where the complex angles go."""
+
+    def __init__(self, real: bool = False) -> None:
+        super().__init__("bthd")
+        self.real = real
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = position_ids[..., None].float() * self.inv_freq
+        freqs = angles if self.real else torch.polar(torch.ones_like(angles), angles)
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            x = x.view(*x.shape[:2], -1, HEAD_DIM)
+            pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            return torch.view_as_real(pairs * freqs[:, :, None, :]).flatten(3).type_as(x)
+
+        return rotate(q), rotate(k)
+
+
+@DYNAMIC
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_complex_rotation_folds(dtype: torch.dtype, dynamic: bool) -> None:
+    r = check(ComplexRope(), *qk(dtype=dtype), expect=PAIR, dynamic=dynamic)
+    assert [n.args[-1] for n in fused_nodes(r, "rotary_embedding")] == [False]  # pairs: not NeoX
+    assert fused_nodes(r, "rotary_embedding")[0].args[1].meta["example_value"].dtype == dtype, "x read as is"
+
+
+def test_complex_product_with_real_factors_is_no_rotation() -> None:
+    r = check(ComplexRope(real=True), *qk(), expect={})
+    why = "guard: x torch.float32 times freqs torch.float32: not a real tensor rotated by complex angles"
+    assert reasons(r, "rotary_complex")[0] == why
+
+
+class QKNormRope(HFRope):
+    """Per-head RMSNorms of q and k next to the rotation: before it (Qwen3, OLMo2), after it
+    (Llama 4's order), or, the twin, between the normalization and its weight (not a norm)."""
+
+    def __init__(self, order: str) -> None:
+        super().__init__("bthd")
+        self.order = order
+        self.q_proj, self.k_proj = torch.nn.Linear(64, HEADS * HEAD_DIM), torch.nn.Linear(64, KV_HEADS * HEAD_DIM)
+        self.q_norm, self.k_norm = LlamaRMSNorm(HEAD_DIM), LlamaRMSNorm(HEAD_DIM)
+
+    def forward(self, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.tables(h, position_ids)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        out = []
+        for proj, norm in ((self.q_proj, self.q_norm), (self.k_proj, self.k_norm)):
+            x = proj(h).view(*h.shape[:2], -1, HEAD_DIM)
+            if self.order == "norm_then_rope":
+                out.append(self.rotate(norm(x), cos, sin))
+            elif self.order == "rope_then_norm":
+                out.append(norm(self.rotate(x, cos, sin)))
+            else:
+                xf = x.float()
+                normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+                out.append(norm.weight * self.rotate(normed, cos, sin))
+        return out[0], out[1]
+
+
+def hidden(dtype: torch.dtype = F32) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(1, TOKENS, 64).to(dtype), torch.arange(TOKENS)[None]
+
+
+@DYNAMIC
+@pytest.mark.parametrize("order", ["norm_then_rope", "rope_then_norm"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_per_head_norms_on_either_side_of_the_rotation(order: str, dtype: torch.dtype, dynamic: bool) -> None:
+    """Both fuse. The rotation's closing add is no residual add for add + norm to take."""
+    model = QKNormRope(order).to(dtype)
+    r = check(model, *hidden(dtype), expect={**PAIR, "rms_norm": 2}, dynamic=dynamic)
+    assert reasons(r, "rotary_embedding") == []
+
+
+def test_rotation_inside_a_norm_leaves_the_norm_unfused() -> None:
+    """Twin: the weight scales the rotated normalized value; a fused norm would scale before
+    rotating, which differs. The rotation fuses, the norm's pieces stay."""
+    model = QKNormRope("inside")
+    check(model, *hidden(), expect=PAIR)
