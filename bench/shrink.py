@@ -14,10 +14,20 @@ Zamba2's ``mamba_headdim``, BailingHybrid's linear-attention heads). The new val
   heads * head dim is its inner width (``expand * hidden``, ``mamba_d_ssm``); SSM groups divide
   its heads;
 * one layer of each kind (:func:`_kept_layers`): a layer's kind is its entry in every per-layer
-  list, and whether it lies in the first ``first_k_dense_replace`` layers or the last
-  ``num_kv_shared_layers``; those counts, index lists and per-layer lists follow the kept layers;
+  list and index list, its per-layer overrides (a heterogeneous config's ``per_layer_config``),
+  the part of the stack it lies in (the first ``first_k_dense_replace``, the last
+  ``num_kv_shared_layers``, Dory's input / recurrent / output layers); the layer count and all
+  of those follow the kept layers (two of each kind where weights are tied across a kind's
+  layers: Zamba's shared transformer);
 * token ids inside the vocabulary, required sizes the default leaves ``None`` filled, the model a
-  decoder (``is_decoder``) without a cache; sub-configs shrunk alike.
+  decoder (``is_decoder``) without a cache; sub-configs shrunk alike;
+* where a default config cannot be made consistent by these rules, the fields :data:`EXTRA`
+  gives that family (each with why).
+
+:func:`build` builds the family's own causal-LM class, from the part of the config that class
+takes (Llama 4's text config of a multimodal config); a ``...ForConditionalGeneration`` wrapper
+whose text decoder has an entry of its own is refused naming that entry, one without builds the
+causal LM of its text config.
 
 For example (deepseek_v3)::
 
@@ -136,9 +146,6 @@ EXTRA: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
     # The model reads rotary parameters per layer type, and the default gives none.
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
-    # The default config fails its own validation: its text sub-config defaults to Gemma 4's
-    # (per-layer inputs) and the assistant's validator requires none.
-    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
     # No default layer pattern (``layer_types`` None) and the model reads one per layer; the kinds
     # its checkpoints mix are short convolutions and full attention.
     "lfm2_moe": {"layer_types": ["conv", "full_attention"] * 16},
@@ -448,11 +455,11 @@ def _decoder_part(family: str, cls: type) -> tuple[type, Any, dict[str, Any]]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as MAPPING
 
-    extra = EXTRA.get(family, {})
-    cfg = _with_extra(CONFIG_MAPPING[family], extra)
     if "shared_kv_states" in inspect.signature(cls.forward).parameters:
         raise NotImplementedError(f"{cls.__name__} is a draft model: it runs on its target model's KV states "
                                   "(shared_kv_states), not on input ids alone")  # fmt: skip
+    extra = EXTRA.get(family, {})
+    cfg = _with_extra(CONFIG_MAPPING[family], extra)
     if "ConditionalGeneration" not in cls.__name__:
         for key in type(cfg).sub_configs:
             if not isinstance(cfg, cls.config_class) and isinstance(getattr(cfg, key, None), cls.config_class):
