@@ -20,7 +20,7 @@ Per family, in float32 and in bf16: ``Backend().compile(model)`` (``fullgraph=Tr
   a pass that raised and was skipped, or outputs off eager's);
 * ``dynamo fails``: Dynamo's eager backend cannot run it under ``fullgraph=True``;
 * ``no build``: the family does not build from its shrunk config (or is a multimodal wrapper
-  whose text decoder has an entry of its own).
+  whose text decoder has an entry of its own, or a draft model that needs its target's states).
 
 Candidate sites (:func:`candidates`, found in the graph after canonicalization and again in the
 rewritten graph): norms (``rsqrt`` of a mean, ``layer_norm``, ``rms_norm``), gated activations

@@ -326,13 +326,16 @@ def _keep_relations(cfg: Any, old: dict[str, Any], new: dict[str, Any], shape: S
     if _is_int(rope) and "qk_head_dim" in old:
         new["qk_head_dim"] = new["qk_nope_head_dim"] + new["qk_rope_head_dim"]
     hidden, heads = _first(old, _HIDDEN), _first(old, _HEADS)
-    old_head = old["head_dim"] if _is_int(old.get("head_dim")) else (hidden[1] // heads[1] if hidden and heads else None)
+    old_head = old["head_dim"] if _is_int(old.get("head_dim")) else None
+    if old_head is None and hidden and heads:
+        old_head = hidden[1] // heads[1]
     new_head = new["head_dim"] if _is_int(new.get("head_dim")) else shape.head_dim
     for name in _ROTARY_DIMS:
         if _is_int(old.get(name)) and old_head:
             new[name] = max(2, 2 * round(old[name] * new_head / old_head / 2))
-    attn = old.get("attention_hidden_size")  # Zamba: attention wider than the hidden state
-    if heads and _is_int(attn) and _is_int(old.get("attention_head_dim")) and old["attention_head_dim"] * heads[1] == attn:
+    # Zamba: attention wider than the hidden state
+    attn, attn_head = old.get("attention_hidden_size"), old.get("attention_head_dim")
+    if heads and _is_int(attn) and _is_int(attn_head) and attn_head * heads[1] == attn:
         new["attention_head_dim"] = new["attention_hidden_size"] // new[heads[0]]
     expand = _first(old, _SSM_EXPAND)
     if expand and hidden:

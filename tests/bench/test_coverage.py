@@ -69,6 +69,17 @@ def test_one_layer_of_each_kind_is_kept() -> None:
     assert cfg.num_hidden_layers == len(cfg.layer_types) == 2
 
 
+def test_per_layer_overrides_follow_the_kept_layers_at_scale() -> None:
+    cfg = shrink.shrunk_config("gemma4_text")  # full-attention layers: heads twice as wide
+    full = cfg.layer_types.index("full_attention")
+    assert shrink._overrides(cfg) == {full: {"head_dim": 2 * shrink._fields(cfg)["head_dim"]}}
+
+
+def test_weights_tied_across_a_kind_keep_two_of_it() -> None:
+    model, _ = coverage.build("zamba")  # one shared transformer, tied across the hybrid layers
+    assert model.config.layers_block_type.count("hybrid") == 2
+
+
 def test_a_family_builds_and_runs_at_the_tiny_shape() -> None:
     model, attention = coverage.build("llama")
     assert attention == "sdpa" and not model.training
@@ -82,6 +93,19 @@ def test_a_multimodal_model_with_its_text_decoder_listed_is_no_build() -> None:
     row = coverage.run_family("gemma3", F32)
     assert row["status"] == "no build"
     assert "'gemma3_text'" in row["error"], row["error"]
+
+
+def test_a_multimodal_model_without_its_text_decoder_listed_builds_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    monkeypatch.delitem(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "gemma3_text")
+    model, _ = coverage.build("gemma3")
+    assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.hidden_size == 64
+
+
+def test_a_draft_model_is_no_build() -> None:
+    row = coverage.run_family("gemma4_assistant", F32)
+    assert row["status"] == "no build" and "shared_kv_states" in row["error"], row
 
 
 def test_a_multimodal_config_builds_the_text_model_its_class_takes() -> None:
@@ -118,7 +142,8 @@ class Rope(torch.nn.Module):
 
     def __init__(self, head_dim: int = 16, negate: bool = True) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim), persistent=False)
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.head_dim, self.negate = head_dim, negate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, H * D]
@@ -136,7 +161,8 @@ class MoE(torch.nn.Module):
     """Softmax router, top-k renormalized, experts stacked [E, 2I, H] / [E, H, I] as transformers'
     batched_mm runs them; ``top1_by_max`` routes by ``max`` instead (no top-k)."""
 
-    def __init__(self, hidden: int = 32, width: int = 16, count: int = 8, top_k: int = 2, top1_by_max: bool = False) -> None:
+    def __init__(self, hidden: int = 32, width: int = 16, count: int = 8, top_k: int = 2,
+                 top1_by_max: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.router = torch.nn.Parameter(torch.randn(count, hidden) * 0.5)
         self.gate_up = torch.nn.Parameter(torch.randn(count, 2 * width, hidden) * hidden**-0.5)
