@@ -5,7 +5,7 @@ left unfused and why, and the numerics against eager (issue 29).
     python3 bench/coverage.py --markdown coverage.json     # the README's table from a JSON run
 
 Families: every entry of transformers' causal-LM auto mapping (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``).
-Each is built from its default config shrunk to a tiny shape (:func:`shrunk_config`: hidden 64,
+Each is built from its default config shrunk to a tiny shape (bench/shrink.py: hidden 64,
 4 heads of 16, 2 KV heads, vocabulary 256, 8 experts of which 2 per token; one layer of each
 kind its layer pattern has, at least 2), with random weights, SDPA attention where the family
 has it and its eager attention otherwise, and called on input ids ``[2, 16]`` without a cache.
@@ -20,7 +20,7 @@ Per family, in float32 and in bf16: ``Backend().compile(model)`` (``fullgraph=Tr
   a pass that raised and was skipped, or outputs off eager's);
 * ``dynamo fails``: Dynamo's eager backend cannot run it under ``fullgraph=True``;
 * ``no build``: the family does not build from its shrunk config (or is a multimodal wrapper
-  whose text decoder has an entry of its own).
+  whose text decoder has an entry of its own, or a draft model that needs its target's states).
 
 Candidate sites (:func:`candidates`, found in the graph after canonicalization and again in the
 rewritten graph): norms (``rsqrt`` of a mean, ``layer_norm``, ``rms_norm``), gated activations
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
-import dataclasses
 import datetime
 import json
 import os
@@ -59,178 +58,14 @@ BATCH, TOKENS = 2, 16
 BF16_RATIO = 1.10  # the goal: fxrewrite's bf16 error at most this times eager bf16's
 MARK = "ROW "
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """The shrunk shape every family is built at (``hidden`` = ``heads * head_dim``)."""
-
-    hidden: int = 64
-    heads: int = 4
-    kv_heads: int = 2
-    vocab: int = 256
-    experts: int = 8
-    top_k: int = 2
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-
-TINY = Shape()
-
-
-def _sizes(shape: Shape) -> dict[str, int]:
-    """Config fields, by name, and the value of each at ``shape``. Fields a config lacks are not
-    added. Names that several families share; a family-specific name is still a size."""
-    HIDDEN, HEADS, HEAD_DIM, VOCAB, EXPERTS = shape.hidden, shape.heads, shape.head_dim, shape.vocab, shape.experts
-    return {
-    "hidden_size": HIDDEN, "n_embd": HIDDEN, "d_model": HIDDEN, "dim": HIDDEN, "embed_dim": HIDDEN,
-    "word_embed_proj_dim": HIDDEN, "hidden_dim": HIDDEN,
-    "intermediate_size": 2 * HIDDEN, "ffn_hidden_size": 2 * HIDDEN, "n_inner": 2 * HIDDEN, "ffn_dim": 2 * HIDDEN,
-    "intermediate_size_mlp": 2 * HIDDEN, "decoder_ffn_dim": 2 * HIDDEN, "encoder_ffn_dim": 2 * HIDDEN,
-    "moe_intermediate_size": HIDDEN // 2, "shared_expert_intermediate_size": HIDDEN, "expert_intermediate_size": HIDDEN // 2,
-    "num_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS, "num_heads": HEADS,
-    "decoder_attention_heads": HEADS, "encoder_attention_heads": HEADS,
-    "head_dim": HEAD_DIM, "kv_channels": HEAD_DIM, "attention_head_dim": HEAD_DIM,
-    "vocab_size": VOCAB, "max_position_embeddings": 256, "n_positions": 256, "n_ctx": 256,
-    "num_experts": EXPERTS, "n_routed_experts": EXPERTS, "num_local_experts": EXPERTS, "moe_num_experts": EXPERTS,
-    # multi-head latent attention (DeepSeek)
-    "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
-    "qk_head_dim": 24,
-    # linear attention and state-space layers
-    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "mamba_dt_rank": 8, "time_step_rank": 8, "mamba_d_head": 16, "mamba_n_heads": 8, "mamba_head_dim": 16,
-    "ssm_state_size": 16, "mamba_d_state": 16, "state_size": 16,
-    "attention_chunk_size": 256, "sliding_window": 256, "attention_window_size": 256, "window_size": 256,
-    }  # fmt: skip
-_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
-_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
-_TOP_K = ("num_experts_per_tok", "moe_topk", "top_k", "moe_k", "num_experts_per_token")
-# Periodic layer patterns: every ``period``-th layer from ``offset`` is of the other kind
-# (Jamba's attention and experts): period 2, offset 1 keeps both kinds in two layers.
-_PERIODS = ("attn_layer_period", "expert_layer_period", "decoder_sparse_step", "moe_layer_freq",
-            "interleave_moe_layer_step", "no_rope_layer_interval", "moe_every_k_layers")  # fmt: skip
-_OFFSETS = ("attn_layer_offset", "expert_layer_offset")
-_FIRST_DENSE = ("first_k_dense_replace", "first_dense_layers", "num_dense_layers", "moe_layer_start_index")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shrink import TINY, Shape, build, shrunk_config  # noqa: E402, F401 - the shrinker, for scripts that import it from here
 
 
 def family_names() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def _layer_count(cfg: Any) -> tuple[str, int] | None:
-    for name in _LAYERS:
-        v = getattr(cfg, name, None)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return name, v
-    return None
-
-
-def _kept_layers(cfg: Any, n: int) -> list[int]:
-    """Which of ``n`` layers to keep: the first of each kind its per-layer lists give (a layer's
-    kind: its entry in every list of length ``n``), at least two."""
-    lists = [v for v in vars(cfg).values() if isinstance(v, (list, tuple)) and len(v) == n and n > 2
-             and not _is_index_list(v, n)]  # fmt: skip
-    seen: dict[Any, int] = {}
-    for i in range(n):
-        seen.setdefault(tuple(repr(v[i]) for v in lists), i)
-    keep = sorted(seen.values())
-    for i in range(n):
-        if len(keep) >= 2:
-            break
-        if i not in keep:
-            keep = sorted(keep + [i])
-    return keep
-
-
-def _is_index_list(v: Any, n: int) -> bool:
-    return bool(v) and all(isinstance(i, int) and not isinstance(i, bool) for i in v) and list(v) == sorted(set(v)) \
-        and max(v) < n and (len(v) < n or list(v) == list(range(n)))  # fmt: skip
-
-
-def _shrink(cfg: Any, shape: Shape) -> None:
-    """Shrink ``cfg`` in place to ``shape`` (see the module docstring)."""
-    d = vars(cfg)
-    heads_before = d.get("num_attention_heads", d.get("n_head"))
-    VOCAB = shape.vocab
-    for name, value in _sizes(shape).items():
-        if isinstance(d.get(name), int) and not isinstance(d.get(name), bool):
-            setattr(cfg, name, value)
-    for name in _KV_HEADS:
-        v = d.get(name)
-        if isinstance(v, int) and not isinstance(v, bool):
-            setattr(cfg, name, shape.heads if v == heads_before else (1 if v == 1 else shape.kv_heads))
-    for name in _TOP_K:
-        if isinstance(d.get(name), int) and not isinstance(d.get(name), bool):
-            setattr(cfg, name, min(d[name], shape.top_k))
-    if isinstance(d.get("n_group"), int) and d["n_group"] > 1:  # group-limited routing: 4 groups, 2 picked
-        cfg.n_group, cfg.topk_group = 4, min(2, d.get("topk_group") or 2)
-    for name in _PERIODS:
-        if isinstance(d.get(name), int) and d[name] > 1:
-            setattr(cfg, name, 2)
-    for name in _OFFSETS:
-        if isinstance(d.get(name), int):
-            setattr(cfg, name, 1)
-    for name in _FIRST_DENSE:
-        if isinstance(d.get(name), int) and d[name] > 1:
-            setattr(cfg, name, 1)
-    for name, v in list(d.items()):
-        if name.endswith("token_id") and isinstance(v, int) and v >= VOCAB:
-            setattr(cfg, name, VOCAB - 1)
-        elif name.endswith("token_id") and isinstance(v, list):
-            setattr(cfg, name, [min(t, VOCAB - 1) if isinstance(t, int) else t for t in v])
-    found = _layer_count(cfg)
-    if found is not None:
-        name, n = found
-        keep = _kept_layers(cfg, n)
-        for k, v in list(d.items()):
-            if isinstance(v, (list, tuple)) and n > 2:
-                if _is_index_list(v, n):
-                    setattr(cfg, k, type(v)(j for j, i in enumerate(keep) if i in v))
-                elif len(v) == n:
-                    setattr(cfg, k, type(v)(v[i] for i in keep))
-        setattr(cfg, name, len(keep))
-    if hasattr(cfg, "use_cache"):
-        cfg.use_cache = False
-
-
-def shrunk_config(family: str, shape: Shape = TINY) -> Any:
-    """The family's default config at ``shape`` (text sub-configs shrunk too)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    cfg = CONFIG_MAPPING[family]()
-    _shrink(cfg, shape)
-    for sub in getattr(cfg, "sub_configs", {}) or {}:
-        sc = getattr(cfg, sub, None)
-        if sc is not None and hasattr(sc, "to_dict"):
-            _shrink(sc, shape)
-    return cfg
-
-
-def build(family: str, shape: Shape = TINY, seed: int = 0) -> tuple[torch.nn.Module, str]:
-    """The family's causal LM at ``shape``, float32, eval mode, and the attention it runs
-    (SDPA where the family has it, else its eager attention)."""
-    import transformers as tf
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    cls_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]
-    if "ConditionalGeneration" in cls_name:
-        raise NotImplementedError(f"{cls_name} is a multimodal model, not a text decoder")
-    cls = getattr(tf, cls_name)
-    last: Exception | None = None
-    for attn in ("sdpa", "eager"):
-        cfg = shrunk_config(family, shape)
-        torch.manual_seed(seed)
-        try:
-            model = cls._from_config(cfg, attn_implementation=attn)
-            return model.eval(), attn
-        except (ValueError, ImportError) as e:
-            if "attn" not in str(e).lower() and "attention" not in str(e).lower():
-                raise
-            last = e
-    assert last is not None
-    raise last
 
 
 # --- candidate sites ---------------------------------------------------------------------------
