@@ -6,7 +6,7 @@ last rule group, cleanup last). Nothing registers itself at import time.
 """
 
 from fxrewrite.passes import GraphPass, RuleGroup, Step
-from fxrewrite.rewrites import activation, collective, linear, merge, moe, norm, quant, rotary, rotary_tables
+from fxrewrite.rewrites import activation, collective, linear, merge, moe, norm, norm_variants, quant, rotary, rotary_tables
 
 PIPELINE: tuple[Step, ...] = (
     # one GEMM for linears that read the same input (Config.merge_siblings)
@@ -16,7 +16,8 @@ PIPELINE: tuple[Step, ...] = (
     # all-reduce + add + norm (tensor parallel): first, or the add + norm rules would take its sites
     RuleGroup("fuse_collective", collective.RULES),
     RuleGroup("fuse_norm_quant", quant.NORM_RULES),
-    RuleGroup("fuse_norm", norm.RULES),  # add + norm before plain norm (the list's order)
+    # gated norms first (each holds a plain norm), add + norm before plain norm (the lists' order)
+    RuleGroup("fuse_norm", norm_variants.RULES + norm.RULES),
     RuleGroup("fuse_rotary", rotary.RULES),
     RuleGroup("fuse_activation", activation.RULES),
     RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES),  # FP8 quant of fused activations
@@ -29,4 +30,5 @@ PIPELINE: tuple[Step, ...] = (
     GraphPass("fold_rotary", rotary_tables.fold_rotary_tables, options=("max_positions",)),
 )
 
-__all__ = ["PIPELINE", "activation", "collective", "linear", "merge", "moe", "norm", "quant", "rotary", "rotary_tables"]
+__all__ = ["PIPELINE", "activation", "collective", "linear", "merge", "moe", "norm", "norm_variants", "quant", "rotary",
+           "rotary_tables"]

@@ -345,8 +345,8 @@ TRITON_MODULE = "fxrewrite.runtime.triton_kernels"
 """The ``triton`` provider's library: our Triton kernels, one launcher per op, named as the op."""
 
 
-def _triton(op: str, *args: Any) -> Any:
-    return getattr(library(TRITON_MODULE), op)(*args)
+def _triton(module: str, op: str, *args: Any) -> Any:
+    return getattr(library(module), op)(*args)
 
 
 def _triton_prepare(op: str, *args: Any) -> tuple[Any, Callable[[], Any]] | None:
@@ -354,10 +354,11 @@ def _triton_prepare(op: str, *args: Any) -> tuple[Any, Callable[[], Any]] | None
 
 
 def triton_kernel(op: str, check: Callable[..., str | None], min_capability: tuple[int, int] = (8, 0),
-                  prepare: bool = False) -> Kernel:  # fmt: skip
-    """The ``triton`` provider's :class:`Kernel` for ``op``: ``triton_kernels.<op>(*args)``; with
-    ``prepare``, built ahead by ``triton_kernels.prepare(op, *args)`` (:func:`prebuild`)."""
-    return Kernel("triton", functools.partial(_triton, op), check, min_capability, module=TRITON_MODULE,
+                  prepare: bool = False, module: str = TRITON_MODULE) -> Kernel:  # fmt: skip
+    """The ``triton`` provider's :class:`Kernel` for ``op``: ``<module>.<op>(*args)``
+    (``triton_kernels`` unless another module of ours holds it); with ``prepare``, built ahead
+    by ``triton_kernels.prepare(op, *args)`` (:func:`prebuild`)."""
+    return Kernel("triton", functools.partial(_triton, module, op), check, min_capability, module=module,
                   prepare=functools.partial(_triton_prepare, op) if prepare else None)  # fmt: skip
 
 

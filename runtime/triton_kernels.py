@@ -145,12 +145,15 @@ def _row_offsets(rows, d1, d2, s0, s1, s2):
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, d1, d2,
                      xs0, xs1, xs2, rs0, rs1, rs2, os0, os1, os2,
                      BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     CAST_LAST: tl.constexpr, OFFSET: tl.constexpr):  # fmt: skip
+                     CAST_LAST: tl.constexpr, OFFSET: tl.constexpr, HAS_WEIGHT: tl.constexpr = True,
+                     ROUND_SCALE: tl.constexpr = False, MEAN: tl.constexpr = True):  # fmt: skip
     """``ROWS`` rows per program, each at its own address (leading dims [d0, d1, d2] at any
     strides, the last dim contiguous): ``h = x.float()`` (with ``HAS_RESIDUAL``: ``s = (x + r)``
     rounded to the dtype, written over ``r``, and ``h = s.float()``); ``h *= rsqrt(mean(h^2) +
-    eps)``; ``y = (w + OFFSET) * h`` rounded once (``CAST_LAST``) or ``w * h.to(dtype)`` rounded
-    again, as the spec rounds; stored at ``out`` (its own strides)."""
+    eps)`` (``sum`` for ``MEAN=False``: the L2 norm); ``y = (w + OFFSET) * h`` rounded once
+    (``CAST_LAST``) or ``w * h.to(dtype)`` rounded again, as the spec rounds; without a weight
+    ``h`` rounded; ``ROUND_SCALE``: ``x * rsqrt(..).to(dtype)`` in the dtype (then times ``w``);
+    stored at ``out`` (its own strides)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n)[None, :]
@@ -162,12 +165,22 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, d1, 
         total = (h + tl.load(r_ptr + r_off, mask=mask, other=0.0).to(tl.float32)).to(dtype)
         tl.store(sum_ptr + r_off, total, mask=mask)
         h = total.to(tl.float32)
-    h = h * tl.math.rsqrt(tl.sum(h * h, axis=1) / n + eps)[:, None]
-    w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :] + OFFSET
-    if CAST_LAST:
-        y = w * h
+    square_sum = tl.sum(h * h, axis=1)
+    if MEAN:
+        square_sum = square_sum / n
+    scale = tl.math.rsqrt(square_sum + eps)[:, None]
+    if ROUND_SCALE:
+        h = (h * scale.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     else:
-        y = w * h.to(dtype).to(tl.float32)
+        h = h * scale
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :] + OFFSET
+        if CAST_LAST or ROUND_SCALE:
+            y = w * h
+        else:
+            y = w * h.to(dtype).to(tl.float32)
+    else:
+        y = h
     o_off = _row_offsets(rows, d1, d2, os0, os1, os2)[:, None] + cols[None, :]
     tl.store(out_ptr + o_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -299,8 +312,8 @@ def _rows_per_program(block: int) -> int:
     return max(1, min(64, 4096 // block))
 
 
-def _norm_rows(x: Tensor, weight: Tensor, eps: float, out: Tensor, residual: Tensor | None,
-               cast_last: bool, offset: float) -> None:  # fmt: skip
+def _norm_rows(x: Tensor, weight: Tensor | None, eps: float, out: Tensor, residual: Tensor | None,
+               cast_last: bool, offset: float, round_scale: bool = False, mean: bool = True) -> None:  # fmt: skip
     """Launch ``_rms_norm_kernel`` over ``x``'s rows (each tensor at its own strides)."""
     n = x.shape[-1]
     tensors = (x, residual if residual is not None else x, out)
@@ -312,8 +325,9 @@ def _norm_rows(x: Tensor, weight: Tensor, eps: float, out: Tensor, residual: Ten
     per = _rows_per_program(block)
     with _device_of(x):
         _rms_norm_kernel[(triton.cdiv(n_rows, per),)](
-            x, tensors[1], weight, out, tensors[1], n_rows, n, eps, d1, d2, *strides[0], *strides[1], *strides[2],
-            BLOCK=block, ROWS=per, HAS_RESIDUAL=residual is not None, CAST_LAST=cast_last, OFFSET=offset,
+            x, tensors[1], weight if weight is not None else x, out, tensors[1], n_rows, n, eps, d1, d2, *strides[0],
+            *strides[1], *strides[2], BLOCK=block, ROWS=per, HAS_RESIDUAL=residual is not None, CAST_LAST=cast_last,
+            OFFSET=offset, HAS_WEIGHT=weight is not None, ROUND_SCALE=round_scale, MEAN=mean,
             num_warps=_warps(block * per),
         )  # fmt: skip
 
@@ -448,10 +462,18 @@ def _bind_device(kernel: Any, device: torch.device) -> None:
 # --------------------------------------------------------------------------- the ops' signatures
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> Tensor:
-    dtype = x.dtype if cast_last else torch.promote_types(weight.dtype, x.dtype)
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, cast_last: bool = False,
+             round_scale: bool = False) -> Tensor:  # fmt: skip
+    plain = weight is None or (cast_last and not round_scale)
+    dtype = x.dtype if plain else torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    _norm_rows(x, weight, eps, out, None, cast_last, 0.0)
+    _norm_rows(x, weight, eps, out, None, cast_last, 0.0, round_scale)
+    return out
+
+
+def l2_norm(x: Tensor, eps: float) -> Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _norm_rows(x, None, eps, out, None, False, 0.0, mean=False)
     return out
 
 
@@ -461,7 +483,7 @@ def gemma_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out
 
 
-def fused_add_rms_norm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> None:
+def fused_add_rms_norm_(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, cast_last: bool = False) -> None:
     _norm_rows(x, weight, eps, x, residual, cast_last, 0.0)
 
 

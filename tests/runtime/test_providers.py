@@ -476,7 +476,8 @@ def test_dynamic_quant_zero_rows_get_the_floor_scale(both_libraries: providers._
 def test_preload_imports_every_kernel_module(registry: providers._Registry) -> None:
     install(registry, sgl_kernel=lib("sgl_kernel"), flashinfer=None, flashinfer__norm=None, flashinfer__activation=None,
             flashinfer__rope=None, flashinfer__comm=None)  # fmt: skip
-    install(registry, **{providers.TRITON_MODULE: None, "fxrewrite.runtime.triton_moe": None})
+    install(registry, **{providers.TRITON_MODULE: None, "fxrewrite.runtime.triton_moe": None,
+                         "fxrewrite.runtime.triton_norms": None})  # fmt: skip
     assert providers.preload() == {
         "flashinfer": False,
         "flashinfer.activation": False,
@@ -485,6 +486,7 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
         "flashinfer.rope": False,
         "fxrewrite.runtime.triton_kernels": False,
         "fxrewrite.runtime.triton_moe": False,
+        "fxrewrite.runtime.triton_norms": False,
         "sgl_kernel": True,
     }
 
