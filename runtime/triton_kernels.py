@@ -1,7 +1,8 @@
 """Our Triton kernels: the ``triton`` provider's library, as ``sgl_kernel`` and ``flashinfer`` are
 the others.
 
-- RMSNorm (plain, Gemma's, in-place add + RMSNorm) and SiLU/GELU-and-mul over rows at any strides
+- RMSNorm (plain, Gemma's, in-place add + RMSNorm; with or without a weight; the scale rounded
+  first; the L2 norm, which sums where RMSNorm averages) and SiLU/GELU-and-mul over rows at any strides
   (per-head norms read through a view of a merged projection, a gate/up slice of a wider GEMM's
   output), any float dtype, a weight of another dtype: the calls sgl-kernel and flashinfer
   cannot take, so that none runs the torch reference.
@@ -133,7 +134,7 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, scale_ptr, d, BLOCK: tl.cons
 
 
 @triton.jit
-def _row_offsets(rows, d1, d2, s0, s1, s2):
+def row_offsets(rows, d1, d2, s0, s1, s2):
     """Element offsets of ``rows`` (flat indices over leading dims [d0, d1, d2]) at strides s0..s2."""
     i2 = rows % d2
     i1 = (rows // d2) % d1
@@ -158,10 +159,10 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, d1, 
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n)[None, :]
     dtype = x_ptr.dtype.element_ty
-    x_off = _row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
+    x_off = row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
     h = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        r_off = _row_offsets(rows, d1, d2, rs0, rs1, rs2)[:, None] + cols[None, :]
+        r_off = row_offsets(rows, d1, d2, rs0, rs1, rs2)[:, None] + cols[None, :]
         total = (h + tl.load(r_ptr + r_off, mask=mask, other=0.0).to(tl.float32)).to(dtype)
         tl.store(sum_ptr + r_off, total, mask=mask)
         h = total.to(tl.float32)
@@ -181,7 +182,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, d1, 
             y = w * h.to(dtype).to(tl.float32)
     else:
         y = h
-    o_off = _row_offsets(rows, d1, d2, os0, os1, os2)[:, None] + cols[None, :]
+    o_off = row_offsets(rows, d1, d2, os0, os1, os2)[:, None] + cols[None, :]
     tl.store(out_ptr + o_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -195,7 +196,7 @@ def _act_and_mul_kernel(x_ptr, y_ptr, n_rows, d, d1, d2, xs0, xs1, xs2,
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < d)[None, :]
     dtype = x_ptr.dtype.element_ty
-    base = x_ptr + _row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
+    base = x_ptr + row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
     g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
     if ACT == 0:
@@ -251,7 +252,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rows, n, k, x_stride, w_st
 # --------------------------------------------------------------------------- launchers
 
 
-def _device_of(x: Tensor) -> contextlib.AbstractContextManager[object]:
+def device_of(x: Tensor) -> contextlib.AbstractContextManager[object]:
     """Triton launches on the current CUDA device: make it ``x``'s (tensor-parallel processes may
     hold several); nothing for CPU tensors (the interpreter)."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
@@ -281,7 +282,7 @@ def _rms_norm_quant(
     q, s = _outputs(x, n, dynamic)
     total = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if residual is not None else q
     block = triton.next_power_of_2(n)
-    with _device_of(x):
+    with device_of(x):
         _rms_norm_quant_kernel[(rows.shape[0],)](
             rows, res, weight, total, q, s, s if dynamic else scale, rows.stride(0), res.stride(0), n, eps,
             BLOCK=block, HAS_RESIDUAL=residual is not None, DYNAMIC=dynamic, num_warps=_warps(block),
@@ -299,7 +300,7 @@ def _silu_and_mul_quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor
     q, s = _outputs(x, d, dynamic)
     block = triton.next_power_of_2(d) if dynamic else min(triton.next_power_of_2(d), STATIC_BLOCK)
     grid = (q.shape[0], triton.cdiv(d, block))
-    with _device_of(x):
+    with device_of(x):
         _silu_and_mul_quant_kernel[grid](
             x, q, s, s if dynamic else scale, d, BLOCK=block, DYNAMIC=dynamic, num_warps=_warps(block)
         )
@@ -312,23 +313,31 @@ def _rows_per_program(block: int) -> int:
     return max(1, min(64, 4096 // block))
 
 
+def rows_launch(width: int, *tensors: Tensor) -> tuple[tuple[int, ...], list[int], dict[str, int]]:
+    """How a strided-rows kernel that holds ``width`` values of a row (one norm) covers equally
+    shaped ``tensors``: its grid, its arguments ``d1, d2`` and each tensor's three leading strides
+    (:func:`constraints.leading_dims`), and ``BLOCK``, ``ROWS`` (rows per program), ``num_warps``."""
+    layout = constraints.leading_dims(*tensors)
+    assert layout is not None, "the op module's check lets only such layouts through"
+    (_, d1, d2), strides = layout
+    block = triton.next_power_of_2(width)
+    per = _rows_per_program(block)
+    grid = (triton.cdiv(tensors[0].numel() // width, per),)
+    meta = {"BLOCK": block, "ROWS": per, "num_warps": _warps(block * per)}
+    return grid, [d1, d2, *(s for st in strides for s in st)], meta
+
+
 def _norm_rows(x: Tensor, weight: Tensor | None, eps: float, out: Tensor, residual: Tensor | None,
                cast_last: bool, offset: float, round_scale: bool = False, mean: bool = True) -> None:  # fmt: skip
     """Launch ``_rms_norm_kernel`` over ``x``'s rows (each tensor at its own strides)."""
     n = x.shape[-1]
-    tensors = (x, residual if residual is not None else x, out)
-    layout = constraints.leading_dims(*tensors)
-    assert layout is not None, "the op module's check lets only such layouts through"
-    (_, d1, d2), strides = layout
-    n_rows = x.numel() // n
-    block = triton.next_power_of_2(n)
-    per = _rows_per_program(block)
-    with _device_of(x):
-        _rms_norm_kernel[(triton.cdiv(n_rows, per),)](
-            x, tensors[1], weight if weight is not None else x, out, tensors[1], n_rows, n, eps, d1, d2, *strides[0],
-            *strides[1], *strides[2], BLOCK=block, ROWS=per, HAS_RESIDUAL=residual is not None, CAST_LAST=cast_last,
-            OFFSET=offset, HAS_WEIGHT=weight is not None, ROUND_SCALE=round_scale, MEAN=mean,
-            num_warps=_warps(block * per),
+    r = residual if residual is not None else x
+    grid, layout, meta = rows_launch(n, x, r, out)
+    with device_of(x):
+        _rms_norm_kernel[grid](
+            x, r, weight if weight is not None else x, out, r, x.numel() // n, n, eps, *layout,
+            HAS_RESIDUAL=residual is not None, CAST_LAST=cast_last, OFFSET=offset, HAS_WEIGHT=weight is not None,
+            ROUND_SCALE=round_scale, MEAN=mean, **meta,
         )  # fmt: skip
 
 
@@ -341,7 +350,7 @@ def _act_and_mul(x: Tensor, act: int) -> Tensor:
     n_rows = out.numel() // d if d else 0
     block = min(triton.next_power_of_2(d), STATIC_BLOCK)
     per = _rows_per_program(block)
-    with _device_of(x):
+    with device_of(x):
         _act_and_mul_kernel[(triton.cdiv(n_rows, per), triton.cdiv(d, block))](
             x, out, n_rows, d, d1, d2, *strides, BLOCK=block, ROWS=per, ACT=act, num_warps=_warps(block * per))
     return out
@@ -395,7 +404,7 @@ def _skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, config: tuple
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     meta = _skinny_meta(n, k, bias is not None, gated, x.device, config)
-    with _device_of(x):
+    with device_of(x):
         _skinny_linear_kernel[(triton.cdiv(n, meta["BN"]),)](
             rows, weight, bias if bias is not None else weight, out, rows.shape[0], n, k, rows.stride(0),
             weight.stride(0), **meta,
@@ -417,7 +426,7 @@ def _prepare_skinny(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool)
     _bind_device(_skinny_linear_kernel, x.device)
 
     def build() -> Any:
-        with _device_of(x):
+        with device_of(x):
             kernel = _skinny_linear_kernel.warmup(*args, grid=(1,), **meta)
             _load(kernel)
         return kernel

@@ -17,8 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fxrewrite.runtime import constraints
-from fxrewrite.runtime.triton_kernels import _device_of, _row_offsets, _rows_per_program, _warps
+from fxrewrite.runtime.triton_kernels import device_of, row_offsets, rows_launch
 
 ACTS = {"silu": 0, "sigmoid": 1}
 
@@ -40,8 +39,8 @@ def _rms_norm_gated_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_rows, groups, size, e
     dtype = x_ptr.dtype.element_ty
     tokens = rows // groups
     col = ((rows % groups) * size)[:, None] + cols[None, :]
-    h = tl.load(x_ptr + _row_offsets(tokens, d1, d2, xs0, xs1, xs2)[:, None] + col, mask=mask, other=0.0)
-    g = tl.load(g_ptr + _row_offsets(tokens, d1, d2, gs0, gs1, gs2)[:, None] + col, mask=mask, other=0.0)
+    h = tl.load(x_ptr + row_offsets(tokens, d1, d2, xs0, xs1, xs2)[:, None] + col, mask=mask, other=0.0)
+    g = tl.load(g_ptr + row_offsets(tokens, d1, d2, gs0, gs1, gs2)[:, None] + col, mask=mask, other=0.0)
     h, g = h.to(tl.float32), g.to(tl.float32)
     if ACT == 0:
         a = g / (1.0 + tl.exp(-g))  # F.silu, approximate division
@@ -59,7 +58,7 @@ def _rms_norm_gated_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_rows, groups, size, e
             y = y.to(dtype).to(tl.float32)
     if not GATE_FIRST:
         y = y * a
-    o_off = _row_offsets(tokens, d1, d2, os0, os1, os2)[:, None] + col
+    o_off = row_offsets(tokens, d1, d2, os0, os1, os2)[:, None] + col
     tl.store(out_ptr + o_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -69,16 +68,10 @@ def rms_norm_gated(x: Tensor, gate: Tensor, weight: Tensor, eps: float, group_si
     size = n if group_size is None else group_size
     weighted = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=weighted if gate_first and not cast_last else x.dtype, device=x.device)
-    layout = constraints.leading_dims(x, gate, out)
-    assert layout is not None, "the op module's check lets only such layouts through"
-    (_, d1, d2), strides = layout
-    n_rows = x.numel() // size
-    block = triton.next_power_of_2(size)
-    per = _rows_per_program(block)
-    with _device_of(x):
-        _rms_norm_gated_kernel[(triton.cdiv(n_rows, per),)](
-            x, gate, weight, out, n_rows, n // size, size, eps, d1, d2, *strides[0], *strides[1], *strides[2],
-            BLOCK=block, ROWS=per, GATE_FIRST=gate_first, ACT=ACTS[activation], CAST_LAST=cast_last,
-            ROUND_WEIGHTED=weighted == x.dtype, num_warps=_warps(block * per),
+    grid, layout, meta = rows_launch(size, x, gate, out)  # a program's rows are groups
+    with device_of(x):
+        _rms_norm_gated_kernel[grid](
+            x, gate, weight, out, x.numel() // size, n // size, size, eps, *layout, GATE_FIRST=gate_first,
+            ACT=ACTS[activation], CAST_LAST=cast_last, ROUND_WEIGHTED=weighted == x.dtype, **meta,
         )  # fmt: skip
     return out
