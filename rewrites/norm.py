@@ -45,13 +45,11 @@ def cast_back_guard(b: Bindings) -> bool | str:
     return True
 
 
-def float32_result_guard(b: Bindings) -> bool | str:
-    """The result left in float32 (no cast back): the replacement then normalizes
-    ``x.float()``, the pattern's own first step. Such a rule comes after its cast-back twin:
-    tried first, it would take the float32 product inside a norm that is cast back after it."""
-    if b["dtype"] != torch.float32 or not b["x"].dtype.is_floating_point:
-        return f"result in {b['dtype']}, input {b['x'].dtype}: not a float32 result"
-    return True
+def float32_guard(b: Bindings) -> bool | str:
+    """``x`` is float32 (a norm of ``h = x.float()`` left in float32 binds ``h``). A rule with it
+    comes after its cast-back twin: tried first, it would take the float32 product inside a norm
+    that is cast back after it, leaving the cast."""
+    return True if b["x"].dtype == torch.float32 else f"input dtype {b['x'].dtype} is not float32"
 
 
 def norm_guard(b: Bindings) -> bool | str:
@@ -140,13 +138,19 @@ def add_rms_norm_cast_last_replacement(x, residual, weight, eps):
     return out[0], out[1]
 
 
-# x.float() * rsqrt(mean(x^2) + eps), cast back (or left in float32), no weight -> fxr.rms_norm(x, None, eps)
+# x.float() * rsqrt(mean(x^2) + eps), cast back, no weight -> fxr.rms_norm(x, None, eps)
 def rms_norm_unweighted_pattern(x, eps, dtype):
     return normed(x, eps).to(dtype)
 
 
-def rms_norm_unweighted_replacement(x, eps, dtype):
-    return torch.ops.fxr.rms_norm(x.to(dtype), None, eps)  # the cast goes when dtype is x's
+def rms_norm_unweighted_replacement(x, eps):
+    return torch.ops.fxr.rms_norm(x, None, eps)
+
+
+# x * rsqrt(mean(x^2) + eps) of a float32 x, left in float32 (no cast back to a narrower input's
+# dtype: x is then the upcast) -> fxr.rms_norm(x, None, eps)
+def rms_norm_float32_pattern(x, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 # s = x + residual; norm(s) without weight; both used -> fxr.fused_add_rms_norm(x, residual, None, eps)
@@ -254,10 +258,9 @@ NO_WEIGHT = {"eps": EPS, "dtype": DTYPE}
 RMS_NORM_UNWEIGHTED = Rule(
     "rms_norm_unweighted", rms_norm_unweighted_pattern, rms_norm_unweighted_replacement, cast_back_guard, NO_WEIGHT
 )
-RMS_NORM_UNWEIGHTED_F32_RESULT = Rule(
-    "rms_norm_unweighted_f32_result", rms_norm_unweighted_pattern, rms_norm_unweighted_replacement,
-    float32_result_guard, NO_WEIGHT,
-)  # fmt: skip
+RMS_NORM_FLOAT32 = Rule(
+    "rms_norm_float32", rms_norm_float32_pattern, rms_norm_unweighted_replacement, float32_guard, {"eps": EPS}
+)
 ADD_RMS_NORM_UNWEIGHTED = Rule(
     "add_rms_norm_unweighted", add_rms_norm_unweighted_pattern, add_rms_norm_unweighted_replacement,
     add_unweighted_guard, NO_WEIGHT, inplace=InPlace(add_rms_norm_unweighted_inplace, OVERWRITES),
@@ -275,5 +278,5 @@ RMS_NORM_ROUNDED_SCALE = Rule(
 RULES: list[Rule] = [
     GEMMA_ADD_RMS_NORM, GEMMA_ADD_RMS_NORM_F32_SUM, ADD_RMS_NORM, ADD_RMS_NORM_F32_SUM, ADD_RMS_NORM_CAST_LAST,
     ADD_RMS_NORM_UNWEIGHTED, GEMMA_RMS_NORM, RMS_NORM, RMS_NORM_CAST_LAST, RMS_NORM_UNWEIGHTED,
-    RMS_NORM_ROUNDED_SCALE, RMS_NORM_UNWEIGHTED_F32_RESULT,
+    RMS_NORM_ROUNDED_SCALE, RMS_NORM_FLOAT32,
 ]  # fmt: skip

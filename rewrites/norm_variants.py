@@ -33,7 +33,7 @@ import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite import meta
 from fxrewrite.meta import dim_key, same_sizes
 from fxrewrite.rewrites.norm import (
-    DTYPE, EPS, cast_back_guard, cast_last_guard, float32_result_guard, norm_guard, normed,
+    DTYPE, EPS, cast_back_guard, cast_last_guard, float32_guard, norm_guard, normed,
 )  # fmt: skip
 from fxrewrite.rule import Bindings, Rule, Scalar
 
@@ -43,14 +43,19 @@ GATED = {"eps": EPS, "dtype": DTYPE}  # the L2 norm's wildcards too
 GROUPED = {**GATED, "groups": SIZES, "ungroups": SIZES}
 
 
-# x.float() * rsqrt(sum(x^2) + eps), cast back (or left in float32) -> fxr.l2_norm(x, eps)
+# x.float() * rsqrt(sum(x^2) + eps), cast back -> fxr.l2_norm(x, eps)
 def l2_norm_pattern(x, eps, dtype):
     h = x.to(torch.float32)
     return (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + eps)).to(dtype)
 
 
-def l2_norm_replacement(x, eps, dtype):
-    return torch.ops.fxr.l2_norm(x.to(dtype), eps)  # the cast goes when dtype is x's
+def l2_norm_replacement(x, eps):
+    return torch.ops.fxr.l2_norm(x, eps)
+
+
+# x * rsqrt(sum(x^2) + eps) of a float32 x, left in float32 (x the upcast of a narrower input) -> fxr.l2_norm(x, eps)
+def l2_norm_float32_pattern(x, eps):
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 # ------------------------------------------------------------------------------- gated RMSNorm
@@ -162,12 +167,12 @@ RMS_NORM_GATED_GROUPS = Rule(
     "rms_norm_gated_groups", rms_norm_gated_groups_pattern, rms_norm_gated_groups_replacement, groups_guard, GROUPED
 )
 L2_NORM = Rule("l2_norm", l2_norm_pattern, l2_norm_replacement, cast_back_guard, GATED)
-L2_NORM_F32_RESULT = Rule("l2_norm_f32_result", l2_norm_pattern, l2_norm_replacement, float32_result_guard, GATED)
+L2_NORM_FLOAT32 = Rule("l2_norm_float32", l2_norm_float32_pattern, l2_norm_replacement, float32_guard, {"eps": EPS})
 
 # Before rewrites/norm.py's rules (the pipeline's fuse_norm runs these first): each gated pattern
 # holds a plain RMSNorm. In float32 (casts elided) the rounding orders are one computation: the
 # first of each pair takes it.
 RULES: list[Rule] = [
     RMS_NORM_GATED_GROUPS, RMS_NORM_GATED, RMS_NORM_GATED_SIGMOID, RMS_NORM_GATED_CAST_LAST,
-    RMS_NORM_GATED_SIGMOID_CAST_LAST, L2_NORM, L2_NORM_F32_RESULT,
+    RMS_NORM_GATED_SIGMOID_CAST_LAST, L2_NORM, L2_NORM_FLOAT32,
 ]  # fmt: skip

@@ -153,7 +153,7 @@ class Defective(torch.nn.Module):
     ("kind", "dtype", "reason", "inner"),
     [
         ("wrong-cast-back", BF16, "guard: casts back to torch.float16, input is torch.bfloat16",
-         "rms_norm_unweighted_f32_result"),
+         "rms_norm_float32"),
         ("weight-shape", F32, "guard: weight shape (4, 64) != normalized dim (64,)", "rms_norm_unweighted"),
         ("eps-too-large", F32, "eps: 0.5 fails the predicate of this wildcard", None),
     ],
@@ -272,7 +272,7 @@ def test_rms_norm_cast_last_negative_twins(weight_dtype: torch.dtype | None, bac
     # one miss for the site, not a second at the product with its cast taken as elided
     assert reasons(r, "rms_norm_cast_last") == [reason]
     # the norm before the weight, in float32, is what the weightless rule for that form takes
-    assert [s.rule for s in sites(r)] == ["rms_norm_unweighted_f32_result"]
+    assert [s.rule for s in sites(r)] == ["rms_norm_float32"]
 
 
 # -- Gemma: (1 + w), computed in float32 --------------------------------------------------------
@@ -477,7 +477,7 @@ def test_rule_order_puts_add_norm_before_norm_and_gemma_before_plain() -> None:
     assert norm.RULES == [norm.GEMMA_ADD_RMS_NORM, norm.GEMMA_ADD_RMS_NORM_F32_SUM, norm.ADD_RMS_NORM,
                           norm.ADD_RMS_NORM_F32_SUM, norm.ADD_RMS_NORM_CAST_LAST, norm.ADD_RMS_NORM_UNWEIGHTED,
                           norm.GEMMA_RMS_NORM, norm.RMS_NORM, norm.RMS_NORM_CAST_LAST, norm.RMS_NORM_UNWEIGHTED,
-                          norm.RMS_NORM_ROUNDED_SCALE, norm.RMS_NORM_UNWEIGHTED_F32_RESULT]  # fmt: skip
+                          norm.RMS_NORM_ROUNDED_SCALE, norm.RMS_NORM_FLOAT32]  # fmt: skip
     assert norm.ADD_RMS_NORM.inplace is not None and norm.ADD_RMS_NORM.inplace.overwrites == ("x", "residual")
 
 

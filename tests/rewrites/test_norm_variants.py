@@ -158,7 +158,7 @@ def test_norm_left_in_float32_normalizes_the_upcast_input(dtype: torch.dtype) ->
 
     r = compiled(upcast, dtype, {"rms_norm": 1}, exact=True)
     assert r.output.dtype == F32 and not r.report.near_misses
-    assert fused_rules(r) == ["rms_norm_unweighted_f32_result" if dtype == BF16 else "rms_norm_unweighted"]
+    assert fused_rules(r) == ["rms_norm_float32" if dtype == BF16 else "rms_norm_unweighted"]
 
 
 def test_norm_cast_back_after_float32_is_one_op() -> None:
@@ -262,7 +262,7 @@ L2 = {"f32-sum": l2_in_float32, "type_as": l2_type_as, "div-sqrt": l2_div_sqrt}
 def test_l2_norm_spellings(spelling: str, dtype: torch.dtype, dynamic: bool | str, heads: int) -> None:
     r = compiled(L2[spelling], dtype, {"l2_norm": 1}, dynamic=dynamic, heads=heads, exact=spelling != "div-sqrt")
     kept_float32 = spelling != "type_as" and dtype == BF16  # bf16 in, float32 out: x.float() is normalized
-    assert fused_rules(r) == ["l2_norm_f32_result" if kept_float32 else "l2_norm"]
+    assert fused_rules(r) == ["l2_norm_float32" if kept_float32 else "l2_norm"]
     assert r.output.dtype == (dtype if spelling == "type_as" else F32) and not r.report.near_misses
 
 
@@ -279,9 +279,9 @@ def test_l2_norm_negative_twins(spelling: str, reason: str | None) -> None:
         dim = -2 if spelling == "sum-dim-2" else -1
         return h * torch.rsqrt((h * h).sum(dim=dim, keepdim=True) + 1e-6)
 
-    rules = [norm_variants.L2_NORM, norm_variants.L2_NORM_F32_RESULT]
+    rules = [norm_variants.L2_NORM, norm_variants.L2_NORM_FLOAT32]
     r = compiled(defective, BF16, {}, heads=4, dynamic=False, rules=rules)
-    rule = "l2_norm" if spelling == "bf16-arithmetic" else "l2_norm_f32_result"  # the result's dtype
+    rule = "l2_norm" if spelling == "bf16-arithmetic" else "l2_norm_float32"  # the result's dtype
     assert reasons(r, rule) == ([reason] if reason else [])
 
 
