@@ -64,6 +64,8 @@ def rms_norm_gated_reference(
     size = n if group_size is None else group_size
     if size <= 0 or n % size:
         raise ValueError(f"group size {group_size} does not divide the last dim {n}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r}: expected one of {sorted(ACTIVATIONS)}")
     h = x.float()
     a = ACTIVATIONS[activation](gate.float())
     if gate_first:

@@ -255,10 +255,12 @@ def test_rms_norm_gated_is_hf_gated_norms(gen: torch.Generator, case: str, shape
     exact(out, module.to(w_dtype)(x, z))
 
 
-def test_rms_norm_gated_refuses_groups_that_do_not_divide(gen: torch.Generator) -> None:
+def test_rms_norm_gated_refuses_groups_that_do_not_divide_and_other_activations(gen: torch.Generator) -> None:
     x = rand(gen, 3, 64)
     with pytest.raises(ValueError, match="group size 24 does not divide the last dim 64"):
         torch.ops.fxr.rms_norm_gated(x, x, torch.ones(64), EPS, 24, True)
+    with pytest.raises(ValueError, match=r"activation 'gelu': expected one of \['sigmoid', 'silu'\]"):
+        torch.ops.fxr.rms_norm_gated(x, x, torch.ones(64), EPS, None, False, "gelu")
 
 
 # --------------------------------------------------------------------------- activations
