@@ -93,7 +93,7 @@ HEADER = ["op", "T", "provider", "check", "fused us", "unfused us", "speedup", "
 
 
 def is_activation(op: OpDef) -> bool:
-    return not {"weight", "w"} & set(inspect.signature(op.reference).parameters)
+    return not {"weight", "w"} & set(inspect.signature(op.reference).parameters) and op.name != "l2_norm"
 
 
 def make_args(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, dtype: torch.dtype = DTYPE,
@@ -113,6 +113,12 @@ def make_args(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, dtype: torch
         "eps": lambda: EPS,
         "scale": lambda: torch.tensor([0.02], device="cuda"),
         "approximate": lambda: "none",
+        "cast_last": lambda: True,
+        "round_scale": lambda: False,
+        "gate": lambda: torch.randn(tokens, width, device="cuda", dtype=dtype),  # fxr.rms_norm_gated: one group
+        "group_size": lambda: None,
+        "gate_first": lambda: False,
+        "activation": lambda: "silu",
     }
     return [values[name]() if name in values else p.default for name, p in params.items()]
 

@@ -26,6 +26,7 @@ which is verification's)::
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -242,6 +243,8 @@ def _replace(graph: fx.Graph, m: Match, fake_mode: Any, result: PassResult, eras
             elif rn.op == "output":
                 vals = rn.args[0]
                 outs = [fx.node.map_arg(v, env.__getitem__) for v in (vals if isinstance(vals, (tuple, list)) else [vals])]
+            elif rn.target is operator.getitem and isinstance(seq := env.get(rn.args[0]), (list, tuple)):
+                env[rn] = seq[rn.args[1]]  # an element of a bound list (a reshape's sizes): read here, no node
             else:
                 n = graph.node_copy(rn, env.__getitem__)
                 n.meta = {"fxr_rule": m.rule.name}

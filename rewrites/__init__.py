@@ -6,7 +6,7 @@ last rule group, cleanup last). Nothing registers itself at import time.
 """
 
 from fxrewrite.passes import GraphPass, RuleGroup, Step
-from fxrewrite.rewrites import activation, collective, layernorm, linear, merge, moe, norm, quant, rotary, rotary_tables
+from fxrewrite.rewrites import activation, collective, layernorm, linear, merge, moe, norm, norm_variants, quant, rotary, rotary_tables
 
 PIPELINE: tuple[Step, ...] = (
     # one GEMM for linears that read the same input (Config.merge_siblings)
@@ -19,9 +19,10 @@ PIPELINE: tuple[Step, ...] = (
     # all-reduce + add + norm (tensor parallel): before the other norms, or the add + norm rules would take its sites
     RuleGroup("fuse_collective", collective.RULES),
     RuleGroup("fuse_norm_quant", quant.NORM_RULES),
-    # add + norm before plain norm (the list's order); LayerNorm first: the RMSNorm rules would
-    # take a LayerNorm's second half (an RMSNorm of the centered input)
-    RuleGroup("fuse_norm", layernorm.RULES + norm.RULES),
+    # add + norm before plain norm (the lists' order); LayerNorm first: the RMSNorm rules would
+    # take a LayerNorm's second half (an RMSNorm of the centered input); gated norms before plain
+    # norms (each holds a plain norm)
+    RuleGroup("fuse_norm", layernorm.RULES + norm_variants.RULES + norm.RULES),
     RuleGroup("fuse_activation", activation.RULES),
     RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES),  # FP8 quant of fused activations
     # fxr.linear picks a decode-size GEMM by the rows of each call. Run eagerly (mode "none"),
@@ -33,4 +34,5 @@ PIPELINE: tuple[Step, ...] = (
     GraphPass("fold_rotary", rotary_tables.fold_rotary_tables, options=("max_positions",)),
 )
 
-__all__ = ["PIPELINE", "activation", "collective", "layernorm", "linear", "merge", "moe", "norm", "quant", "rotary", "rotary_tables"]
+__all__ = ["PIPELINE", "activation", "collective", "layernorm", "linear", "merge", "moe", "norm", "norm_variants",
+           "quant", "rotary", "rotary_tables"]

@@ -10,6 +10,11 @@ others scale in float32 and round once (``(w * h).to(dtype)``, also spelled ``(w
 or ``(h * w.float()).type_as(x)``, which canonicalize to it). Each order has its rule, and the
 op computes exactly that order (``fxr.rms_norm(..., cast_last=True)``); in float32 the two are
 one computation and the first rule takes it.
+
+Without a weight (``(h * rsqrt(..)).type_as(x)``: nanochat, the weightless QK norms) the op takes
+``weight=None``, alone or after a residual add. DeepSeek-V4 rounds the scale itself to the input
+dtype and multiplies there (``x * rsqrt(..).to(x.dtype)``): another computation in bf16,
+``fxr.rms_norm(..., round_scale=True)``. Gated norms and the L2 norm: ``rewrites/norm_variants.py``.
 """
 
 from __future__ import annotations
@@ -25,18 +30,33 @@ DTYPE = Scalar(torch.dtype)
 WILDCARDS = {"eps": EPS, "dtype": DTYPE}
 
 
-def _normed(x, eps):
+def normed(x, eps):
     h = x.to(torch.float32)
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def norm_guard(b: Bindings) -> bool | str:
-    """The norm casts back to the input's dtype and its weight spans the normalized dim."""
-    x, w = b["x"], b["weight"]
+def cast_back_guard(b: Bindings) -> bool | str:
+    """The norm casts back to the input's dtype, a floating one."""
+    x = b["x"]
     if b["dtype"] != x.dtype:
         return f"casts back to {b['dtype']}, input is {x.dtype}"
     if not x.dtype.is_floating_point:
         return f"input dtype {x.dtype} is not floating point"
+    return True
+
+
+def float32_guard(b: Bindings) -> bool | str:
+    """``x`` is float32 (a norm of ``h = x.float()`` left in float32 binds ``h``). A rule with it
+    comes after its cast-back twin: tried first, it would take the float32 product inside a norm
+    that is cast back after it, leaving the cast."""
+    return True if b["x"].dtype == torch.float32 else f"input dtype {b['x'].dtype} is not float32"
+
+
+def norm_guard(b: Bindings) -> bool | str:
+    """:func:`cast_back_guard`, and the weight spans the normalized dim."""
+    x, w = b["x"], b["weight"]
+    if (why := cast_back_guard(b)) is not True:
+        return why
     if w.dim() != 1 or dim_key(w.shape[0]) != dim_key(x.shape[-1]):
         return f"weight shape {tuple(w.shape)} != normalized dim {tuple(x.shape[-1:])}"
     return True
@@ -55,15 +75,24 @@ def add_cast_last_guard(b: Bindings) -> bool | str:
     return add_norm_guard(b) if (why := cast_last_guard(b)) is True else why
 
 
-def add_norm_guard(b: Bindings) -> bool | str:
+def residual_guard(b: Bindings) -> bool | str:
+    """The residual is of the input's dtype and shape (the fused op adds without broadcasting)."""
     if b["x"].dtype != b["residual"].dtype or not same_sizes(b["x"], b["residual"]):
         return f"residual {b['residual'].dtype}{tuple(b['residual'].shape)} != input {b['x'].dtype}{tuple(b['x'].shape)}"
-    return norm_guard(b)
+    return True
+
+
+def add_norm_guard(b: Bindings) -> bool | str:
+    return norm_guard(b) if (why := residual_guard(b)) is True else why
+
+
+def add_unweighted_guard(b: Bindings) -> bool | str:
+    return cast_back_guard(b) if (why := residual_guard(b)) is True else why
 
 
 # x.float() * rsqrt(mean(x^2) + eps), cast back, times weight -> fxr.rms_norm(x, weight, eps)
 def rms_norm_pattern(x, weight, eps, dtype):
-    return weight * _normed(x, eps).to(dtype)
+    return weight * normed(x, eps).to(dtype)
 
 
 def rms_norm_replacement(x, weight, eps):
@@ -73,7 +102,7 @@ def rms_norm_replacement(x, weight, eps):
 # s = x + residual; norm(s); both used -> fxr.fused_add_rms_norm(x, residual, weight, eps)
 def add_rms_norm_pattern(x, residual, weight, eps, dtype):
     s = x + residual
-    return weight * _normed(s, eps).to(dtype), s
+    return weight * normed(s, eps).to(dtype), s
 
 
 def add_rms_norm_replacement(x, residual, weight, eps):
@@ -86,12 +115,12 @@ def add_rms_norm_replacement(x, residual, weight, eps):
 # no-op and this is add_rms_norm's pattern, which comes first and takes those sites.
 def add_rms_norm_f32_sum_pattern(x, residual, weight, eps, dtype):
     s = x.to(torch.float32) + residual.to(torch.float32)
-    return weight * _normed(s, eps).to(dtype), s.to(dtype)
+    return weight * normed(s, eps).to(dtype), s.to(dtype)
 
 
 # (weight * norm(x.float())).to(dtype): scaled in float32, rounded once -> fxr.rms_norm(x, weight, eps, True)
 def rms_norm_cast_last_pattern(x, weight, eps, dtype):
-    return (weight * _normed(x, eps)).to(dtype)
+    return (weight * normed(x, eps)).to(dtype)
 
 
 def rms_norm_cast_last_replacement(x, weight, eps):
@@ -101,7 +130,7 @@ def rms_norm_cast_last_replacement(x, weight, eps):
 # s = x + residual; (weight * norm(s)).to(dtype); both used -> fxr.fused_add_rms_norm(x, residual, weight, eps, True)
 def add_rms_norm_cast_last_pattern(x, residual, weight, eps, dtype):
     s = x + residual
-    return (weight * _normed(s, eps)).to(dtype), s
+    return (weight * normed(s, eps)).to(dtype), s
 
 
 def add_rms_norm_cast_last_replacement(x, residual, weight, eps):
@@ -109,9 +138,52 @@ def add_rms_norm_cast_last_replacement(x, residual, weight, eps):
     return out[0], out[1]
 
 
+# x.float() * rsqrt(mean(x^2) + eps), cast back, no weight -> fxr.rms_norm(x, None, eps)
+def rms_norm_unweighted_pattern(x, eps, dtype):
+    return normed(x, eps).to(dtype)
+
+
+def rms_norm_unweighted_replacement(x, eps):
+    return torch.ops.fxr.rms_norm(x, None, eps)
+
+
+# x * rsqrt(mean(x^2) + eps) of a float32 x, left in float32 (no cast back to a narrower input's
+# dtype: x is then the upcast) -> fxr.rms_norm(x, None, eps)
+def rms_norm_float32_pattern(x, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+# s = x + residual; norm(s) without weight; both used -> fxr.fused_add_rms_norm(x, residual, None, eps)
+def add_rms_norm_unweighted_pattern(x, residual, eps, dtype):
+    s = x + residual
+    return normed(s, eps).to(dtype), s
+
+
+def add_rms_norm_unweighted_replacement(x, residual, eps):
+    out = torch.ops.fxr.fused_add_rms_norm(x, residual, None, eps)
+    return out[0], out[1]
+
+
+def add_rms_norm_unweighted_inplace(x, residual, eps):
+    out = torch.ops.fxr.fused_add_rms_norm_(x, residual, None, eps)
+    return out[0], out[1]
+
+
+# x * rsqrt(mean(x.float()^2) + eps).to(dtype): the scale rounded first, the product in x's
+# dtype (DeepSeek-V4) -> fxr.rms_norm(x, None, eps, False, True). In float32 the casts are no-ops
+# and this is the unweighted pattern, which comes first.
+def rms_norm_rounded_scale_pattern(x, eps, dtype):
+    h = x.to(torch.float32)
+    return x * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps).to(dtype)
+
+
+def rms_norm_rounded_scale_replacement(x, eps):
+    return torch.ops.fxr.rms_norm(x, None, eps, False, True)
+
+
 # Gemma: norm(x.float()) * (1 + w.float()), cast back -> fxr.gemma_rms_norm(x, weight, eps)
 def gemma_rms_norm_pattern(x, weight, eps, dtype):
-    return (_normed(x, eps) * (1.0 + weight.to(torch.float32))).to(dtype)
+    return (normed(x, eps) * (1.0 + weight.to(torch.float32))).to(dtype)
 
 
 def gemma_rms_norm_replacement(x, weight, eps):
@@ -121,13 +193,13 @@ def gemma_rms_norm_replacement(x, weight, eps):
 # s = x + residual; gemma_norm(s); both used -> fxr.gemma_fused_add_rms_norm(x, residual, weight, eps)
 def gemma_add_rms_norm_pattern(x, residual, weight, eps, dtype):
     s = x + residual
-    return (_normed(s, eps) * (1.0 + weight.to(torch.float32))).to(dtype), s
+    return (normed(s, eps) * (1.0 + weight.to(torch.float32))).to(dtype), s
 
 
 # Gemma's, with the add in float32 -> fxr.gemma_fused_add_rms_norm(x, residual, weight, eps)
 def gemma_add_rms_norm_f32_sum_pattern(x, residual, weight, eps, dtype):
     s = x.to(torch.float32) + residual.to(torch.float32)
-    return (_normed(s, eps) * (1.0 + weight.to(torch.float32))).to(dtype), s.to(dtype)
+    return (normed(s, eps) * (1.0 + weight.to(torch.float32))).to(dtype), s.to(dtype)
 
 
 def gemma_add_rms_norm_replacement(x, residual, weight, eps):
@@ -182,10 +254,29 @@ GEMMA_ADD_RMS_NORM_F32_SUM = Rule(
     add_norm_guard, WILDCARDS, inplace=InPlace(gemma_add_rms_norm_inplace, OVERWRITES),
 )  # fmt: skip
 
+NO_WEIGHT = {"eps": EPS, "dtype": DTYPE}
+RMS_NORM_UNWEIGHTED = Rule(
+    "rms_norm_unweighted", rms_norm_unweighted_pattern, rms_norm_unweighted_replacement, cast_back_guard, NO_WEIGHT
+)
+RMS_NORM_FLOAT32 = Rule(
+    "rms_norm_float32", rms_norm_float32_pattern, rms_norm_unweighted_replacement, float32_guard, {"eps": EPS}
+)
+ADD_RMS_NORM_UNWEIGHTED = Rule(
+    "add_rms_norm_unweighted", add_rms_norm_unweighted_pattern, add_rms_norm_unweighted_replacement,
+    add_unweighted_guard, NO_WEIGHT, inplace=InPlace(add_rms_norm_unweighted_inplace, OVERWRITES),
+)  # fmt: skip
+RMS_NORM_ROUNDED_SCALE = Rule(
+    "rms_norm_rounded_scale", rms_norm_rounded_scale_pattern, rms_norm_rounded_scale_replacement, cast_back_guard,
+    NO_WEIGHT,
+)  # fmt: skip
+
 # add + norm first: it contains the plain norm, which would otherwise claim its sites. Gemma
 # before plain: in float32 (casts elided) the plain pattern also matches Gemma's norm, binding
-# `1 + w` as its weight; the Gemma op computes that in float32 in one kernel.
+# `1 + w` as its weight; the Gemma op computes that in float32 in one kernel. Weighted before
+# unweighted: the unweighted pattern is the inside of every weighted one (in float32 it would
+# take their norms and leave the weight's product).
 RULES: list[Rule] = [
     GEMMA_ADD_RMS_NORM, GEMMA_ADD_RMS_NORM_F32_SUM, ADD_RMS_NORM, ADD_RMS_NORM_F32_SUM, ADD_RMS_NORM_CAST_LAST,
-    GEMMA_RMS_NORM, RMS_NORM, RMS_NORM_CAST_LAST,
+    ADD_RMS_NORM_UNWEIGHTED, GEMMA_RMS_NORM, RMS_NORM, RMS_NORM_CAST_LAST, RMS_NORM_UNWEIGHTED,
+    RMS_NORM_ROUNDED_SCALE, RMS_NORM_FLOAT32,
 ]  # fmt: skip

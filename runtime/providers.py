@@ -345,7 +345,7 @@ TRITON_MODULE = "fxrewrite.runtime.triton_kernels"
 """The ``triton`` provider's library: our Triton kernels, one launcher per op, named as the op."""
 
 
-def _triton(op: str, *args: Any, module: str = TRITON_MODULE) -> Any:
+def _triton(module: str, op: str, *args: Any) -> Any:
     return getattr(library(module), op)(*args)
 
 
@@ -355,12 +355,10 @@ def _triton_prepare(op: str, *args: Any) -> tuple[Any, Callable[[], Any]] | None
 
 def triton_kernel(op: str, check: Callable[..., str | None], min_capability: tuple[int, int] = (8, 0),
                   prepare: bool = False, module: str = TRITON_MODULE) -> Kernel:  # fmt: skip
-    """The ``triton`` provider's :class:`Kernel` for ``op``: ``triton_kernels.<op>(*args)`` (or
-    the launcher of that name in another ``module`` of ours); with ``prepare``, built ahead by
-    ``triton_kernels.prepare(op, *args)`` (:func:`prebuild`)."""
-    if prepare and module != TRITON_MODULE:
-        raise ValueError(f"prepare is {TRITON_MODULE}'s: {module} builds nothing ahead")
-    return Kernel("triton", functools.partial(_triton, op, module=module), check, min_capability, module=module,
+    """The ``triton`` provider's :class:`Kernel` for ``op``: ``<module>.<op>(*args)``
+    (``triton_kernels`` unless another module of ours holds it); with ``prepare``, built ahead
+    by ``triton_kernels.prepare(op, *args)`` (:func:`prebuild`)."""
+    return Kernel("triton", functools.partial(_triton, module, op), check, min_capability, module=module,
                   prepare=functools.partial(_triton_prepare, op) if prepare else None)  # fmt: skip
 
 

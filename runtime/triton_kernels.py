@@ -1,7 +1,8 @@
 """Our Triton kernels: the ``triton`` provider's library, as ``sgl_kernel`` and ``flashinfer`` are
 the others.
 
-- RMSNorm (plain, Gemma's, in-place add + RMSNorm) and SiLU/GELU-and-mul over rows at any strides
+- RMSNorm (plain, Gemma's, in-place add + RMSNorm; with or without a weight; the scale rounded
+  first; the L2 norm, which sums where RMSNorm averages) and SiLU/GELU-and-mul over rows at any strides
   (per-head norms read through a view of a merged projection, a gate/up slice of a wider GEMM's
   output), any float dtype, a weight of another dtype: the calls sgl-kernel and flashinfer
   cannot take, so that none runs the torch reference.
@@ -134,7 +135,7 @@ def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, scale_ptr, d, BLOCK: tl.cons
 
 
 @triton.jit
-def _row_offsets(rows, d1, d2, s0, s1, s2):
+def row_offsets(rows, d1, d2, s0, s1, s2):
     """Element offsets of ``rows`` (flat indices over leading dims [d0, d1, d2]) at strides s0..s2."""
     i2 = rows % d2
     i1 = (rows // d2) % d1
@@ -146,30 +147,43 @@ def _row_offsets(rows, d1, d2, s0, s1, s2):
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, d1, d2,
                      xs0, xs1, xs2, rs0, rs1, rs2, os0, os1, os2,
                      BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     CAST_LAST: tl.constexpr, OFFSET: tl.constexpr):  # fmt: skip
+                     CAST_LAST: tl.constexpr, OFFSET: tl.constexpr, HAS_WEIGHT: tl.constexpr = True,
+                     ROUND_SCALE: tl.constexpr = False, MEAN: tl.constexpr = True):  # fmt: skip
     """``ROWS`` rows per program, each at its own address (leading dims [d0, d1, d2] at any
     strides, the last dim contiguous): ``h = x.float()`` (with ``HAS_RESIDUAL``: ``s = (x + r)``
     rounded to the dtype, written over ``r``, and ``h = s.float()``); ``h *= rsqrt(mean(h^2) +
-    eps)``; ``y = (w + OFFSET) * h`` rounded once (``CAST_LAST``) or ``w * h.to(dtype)`` rounded
-    again, as the spec rounds; stored at ``out`` (its own strides)."""
+    eps)`` (``sum`` for ``MEAN=False``: the L2 norm); ``y = (w + OFFSET) * h`` rounded once
+    (``CAST_LAST``) or ``w * h.to(dtype)`` rounded again, as the spec rounds; without a weight
+    ``h`` rounded; ``ROUND_SCALE``: ``x * rsqrt(..).to(dtype)`` in the dtype (then times ``w``);
+    stored at ``out`` (its own strides)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n)[None, :]
     dtype = x_ptr.dtype.element_ty
-    x_off = _row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
+    x_off = row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
     h = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        r_off = _row_offsets(rows, d1, d2, rs0, rs1, rs2)[:, None] + cols[None, :]
+        r_off = row_offsets(rows, d1, d2, rs0, rs1, rs2)[:, None] + cols[None, :]
         total = (h + tl.load(r_ptr + r_off, mask=mask, other=0.0).to(tl.float32)).to(dtype)
         tl.store(sum_ptr + r_off, total, mask=mask)
         h = total.to(tl.float32)
-    h = h * tl.math.rsqrt(tl.sum(h * h, axis=1) / n + eps)[:, None]
-    w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :] + OFFSET
-    if CAST_LAST:
-        y = w * h
+    square_sum = tl.sum(h * h, axis=1)
+    if MEAN:
+        square_sum = square_sum / n
+    scale = tl.math.rsqrt(square_sum + eps)[:, None]
+    if ROUND_SCALE:
+        h = (h * scale.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     else:
-        y = w * h.to(dtype).to(tl.float32)
-    o_off = _row_offsets(rows, d1, d2, os0, os1, os2)[:, None] + cols[None, :]
+        h = h * scale
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :] + OFFSET
+        if CAST_LAST or ROUND_SCALE:
+            y = w * h
+        else:
+            y = w * h.to(dtype).to(tl.float32)
+    else:
+        y = h
+    o_off = row_offsets(rows, d1, d2, os0, os1, os2)[:, None] + cols[None, :]
     tl.store(out_ptr + o_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -183,7 +197,7 @@ def _act_and_mul_kernel(x_ptr, y_ptr, n_rows, d, d1, d2, xs0, xs1, xs2,
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < d)[None, :]
     dtype = x_ptr.dtype.element_ty
-    base = x_ptr + _row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
+    base = x_ptr + row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
     g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
     if ACT == 0:
@@ -239,7 +253,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rows, n, k, x_stride, w_st
 # --------------------------------------------------------------------------- launchers
 
 
-def _device_of(x: Tensor) -> contextlib.AbstractContextManager[object]:
+def device_of(x: Tensor) -> contextlib.AbstractContextManager[object]:
     """Triton launches on the current CUDA device: make it ``x``'s (tensor-parallel processes may
     hold several); nothing for CPU tensors (the interpreter)."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
@@ -269,7 +283,7 @@ def _rms_norm_quant(
     q, s = _outputs(x, n, dynamic)
     total = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if residual is not None else q
     block = triton.next_power_of_2(n)
-    with _device_of(x):
+    with device_of(x):
         _rms_norm_quant_kernel[(rows.shape[0],)](
             rows, res, weight, total, q, s, s if dynamic else scale, rows.stride(0), res.stride(0), n, eps,
             BLOCK=block, HAS_RESIDUAL=residual is not None, DYNAMIC=dynamic, num_warps=_warps(block),
@@ -287,7 +301,7 @@ def _silu_and_mul_quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor
     q, s = _outputs(x, d, dynamic)
     block = triton.next_power_of_2(d) if dynamic else min(triton.next_power_of_2(d), STATIC_BLOCK)
     grid = (q.shape[0], triton.cdiv(d, block))
-    with _device_of(x):
+    with device_of(x):
         _silu_and_mul_quant_kernel[grid](
             x, q, s, s if dynamic else scale, d, BLOCK=block, DYNAMIC=dynamic, num_warps=_warps(block)
         )
@@ -300,48 +314,31 @@ def _rows_per_program(block: int) -> int:
     return max(1, min(64, 4096 // block))
 
 
-@dataclasses.dataclass(frozen=True)
-class RowsLaunch:
-    """A row-reducing kernel's launch over equally shaped tensors, each at its own strides: the
-    grid, ``n_rows`` rows of ``n`` values, leading dims [d0, d1, d2] (``d0`` implied), each
-    tensor's three leading strides in order (flattened), ``BLOCK`` >= n, ``ROWS`` per program."""
-
-    grid: tuple[int]
-    n_rows: int
-    n: int
-    d1: int
-    d2: int
-    strides: list[int]
-    block: int
-    rows: int
-    warps: int
-
-
-def rows_launch(*tensors: Tensor) -> RowsLaunch:
-    """:class:`RowsLaunch` over ``tensors`` (the first is the input; the op module's check has
-    let only layouts :func:`constraints.leading_dims` collapses through)."""
-    x = tensors[0]
-    n = x.shape[-1]
+def rows_launch(width: int, *tensors: Tensor) -> tuple[tuple[int, ...], list[int], dict[str, int]]:
+    """How a strided-rows kernel that holds ``width`` values of a row (one norm) covers equally
+    shaped ``tensors``: its grid, its arguments ``d1, d2`` and each tensor's three leading strides
+    (:func:`constraints.leading_dims`), and ``BLOCK``, ``ROWS`` (rows per program), ``num_warps``."""
     layout = constraints.leading_dims(*tensors)
     assert layout is not None, "the op module's check lets only such layouts through"
     (_, d1, d2), strides = layout
-    n_rows = x.numel() // n
-    block = triton.next_power_of_2(n)
+    block = triton.next_power_of_2(width)
     per = _rows_per_program(block)
-    return RowsLaunch((triton.cdiv(n_rows, per),), n_rows, n, d1, d2, [s for st in strides for s in st], block, per,
-                      _warps(block * per))  # fmt: skip
+    grid = (triton.cdiv(tensors[0].numel() // width, per),)
+    meta = {"BLOCK": block, "ROWS": per, "num_warps": _warps(block * per)}
+    return grid, [d1, d2, *(s for st in strides for s in st)], meta
 
 
-def _norm_rows(x: Tensor, weight: Tensor, eps: float, out: Tensor, residual: Tensor | None,
-               cast_last: bool, offset: float) -> None:  # fmt: skip
+def _norm_rows(x: Tensor, weight: Tensor | None, eps: float, out: Tensor, residual: Tensor | None,
+               cast_last: bool, offset: float, round_scale: bool = False, mean: bool = True) -> None:  # fmt: skip
     """Launch ``_rms_norm_kernel`` over ``x``'s rows (each tensor at its own strides)."""
-    tensors = (x, residual if residual is not None else x, out)
-    r = rows_launch(*tensors)
-    with _device_of(x):
-        _rms_norm_kernel[r.grid](
-            x, tensors[1], weight, out, tensors[1], r.n_rows, r.n, eps, r.d1, r.d2, *r.strides,
-            BLOCK=r.block, ROWS=r.rows, HAS_RESIDUAL=residual is not None, CAST_LAST=cast_last, OFFSET=offset,
-            num_warps=r.warps,
+    n = x.shape[-1]
+    r = residual if residual is not None else x
+    grid, layout, meta = rows_launch(n, x, r, out)
+    with device_of(x):
+        _rms_norm_kernel[grid](
+            x, r, weight if weight is not None else x, out, r, x.numel() // n, n, eps, *layout,
+            HAS_RESIDUAL=residual is not None, CAST_LAST=cast_last, OFFSET=offset, HAS_WEIGHT=weight is not None,
+            ROUND_SCALE=round_scale, MEAN=mean, **meta,
         )  # fmt: skip
 
 
@@ -354,7 +351,7 @@ def _act_and_mul(x: Tensor, act: int) -> Tensor:
     n_rows = out.numel() // d if d else 0
     block = min(triton.next_power_of_2(d), STATIC_BLOCK)
     per = _rows_per_program(block)
-    with _device_of(x):
+    with device_of(x):
         _act_and_mul_kernel[(triton.cdiv(n_rows, per), triton.cdiv(d, block))](
             x, out, n_rows, d, d1, d2, *strides, BLOCK=block, ROWS=per, ACT=act, num_warps=_warps(block * per))
     return out
@@ -408,7 +405,7 @@ def _skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, config: tuple
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     meta = _skinny_meta(n, k, bias is not None, gated, x.device, config)
-    with _device_of(x):
+    with device_of(x):
         _skinny_linear_kernel[(triton.cdiv(n, meta["BN"]),)](
             rows, weight, bias if bias is not None else weight, out, rows.shape[0], n, k, rows.stride(0),
             weight.stride(0), **meta,
@@ -430,7 +427,7 @@ def _prepare_skinny(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool)
     _bind_device(_skinny_linear_kernel, x.device)
 
     def build() -> Any:
-        with _device_of(x):
+        with device_of(x):
             kernel = _skinny_linear_kernel.warmup(*args, grid=(1,), **meta)
             _load(kernel)
         return kernel
@@ -475,10 +472,18 @@ def _bind_device(kernel: Any, device: torch.device) -> None:
 # --------------------------------------------------------------------------- the ops' signatures
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> Tensor:
-    dtype = x.dtype if cast_last else torch.promote_types(weight.dtype, x.dtype)
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, cast_last: bool = False,
+             round_scale: bool = False) -> Tensor:  # fmt: skip
+    plain = weight is None or (cast_last and not round_scale)
+    dtype = x.dtype if plain else torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    _norm_rows(x, weight, eps, out, None, cast_last, 0.0)
+    _norm_rows(x, weight, eps, out, None, cast_last, 0.0, round_scale)
+    return out
+
+
+def l2_norm(x: Tensor, eps: float) -> Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _norm_rows(x, None, eps, out, None, False, 0.0, mean=False)
     return out
 
 
@@ -488,7 +493,7 @@ def gemma_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out
 
 
-def fused_add_rms_norm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> None:
+def fused_add_rms_norm_(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, cast_last: bool = False) -> None:
     _norm_rows(x, weight, eps, x, residual, cast_last, 0.0)
 
 

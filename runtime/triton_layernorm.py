@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fxrewrite.runtime.ops.layernorm import out_dtype
-from fxrewrite.runtime.triton_kernels import _device_of, _row_offsets, rows_launch
+from fxrewrite.runtime.triton_kernels import device_of, row_offsets, rows_launch
 
 
 @triton.jit
@@ -46,12 +46,12 @@ def _layer_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, n_rows, n, 
     mask = (rows < n_rows)[:, None] & col_ok[None, :]
     dtype = x_ptr.dtype.element_ty
     out_ty = out_ptr.dtype.element_ty
-    x_off = _row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
+    x_off = row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
     h = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        r_off = _row_offsets(rows, d1, d2, rs0, rs1, rs2)[:, None] + cols[None, :]
+        r_off = row_offsets(rows, d1, d2, rs0, rs1, rs2)[:, None] + cols[None, :]
         total = (h + tl.load(r_ptr + r_off, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-        s_off = _row_offsets(rows, d1, d2, ss0, ss1, ss2)[:, None] + cols[None, :]
+        s_off = row_offsets(rows, d1, d2, ss0, ss1, ss2)[:, None] + cols[None, :]
         tl.store(sum_ptr + s_off, total, mask=mask)
         h = total.to(tl.float32)
     mean = tl.sum(h, axis=1) / n
@@ -65,7 +65,7 @@ def _layer_norm_kernel(x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, n_rows, n, 
             y = y.to(out_ty).to(tl.float32)
     if HAS_BIAS:
         y = y + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    o_off = _row_offsets(rows, d1, d2, os0, os1, os2)[:, None] + cols[None, :]
+    o_off = row_offsets(rows, d1, d2, os0, os1, os2)[:, None] + cols[None, :]
     tl.store(out_ptr + o_off, y.to(out_ty), mask=mask)
 
 
@@ -74,13 +74,13 @@ def _launch(x: Tensor, residual: Tensor | None, total: Tensor | None, weight: Te
     """``_layer_norm_kernel`` over ``x``'s rows; ``total`` gets the sum when ``residual`` is given
     (``residual`` itself, in place)."""
     tensors = (x, residual if residual is not None else x, total if total is not None else x, out)
-    r = rows_launch(*tensors)
-    with _device_of(x):
-        _layer_norm_kernel[r.grid](
+    n = x.shape[-1]
+    grid, layout, meta = rows_launch(n, *tensors)
+    with device_of(x):
+        _layer_norm_kernel[grid](
             x, tensors[1], weight if weight is not None else x, bias if bias is not None else x, out, tensors[2],
-            r.n_rows, r.n, eps, r.d1, r.d2, *r.strides,
-            BLOCK=r.block, ROWS=r.rows, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None, CAST_LAST=cast_last, num_warps=r.warps,
+            x.numel() // n, n, eps, *layout, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, CAST_LAST=cast_last, **meta,
         )  # fmt: skip
 
 

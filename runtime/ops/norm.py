@@ -29,12 +29,14 @@ from torch import Tensor
 from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.providers import Kernel, OpDef
 
-NormFn = Callable[[Tensor, Tensor, float], Tensor]
+NormFn = Callable[[Tensor, Tensor | None, float], Tensor]
 
 # --------------------------------------------------------------------------- references (the spec)
 
 
-def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> Tensor:
+def rms_norm_reference(
+    x: Tensor, weight: Tensor | None, eps: float, cast_last: bool = False, round_scale: bool = False
+) -> Tensor:
     """HF Llama RMSNorm over the last dim of ``x`` (any rank >= 1); dtype ``promote(weight, x)``.
 
     ``h = x.float(); h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps);
@@ -42,9 +44,22 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, cast_last: bool = 
 
     ``cast_last``: ``return (weight * h).to(x.dtype)`` instead: scaled in float32 (or the
     weight's wider dtype), rounded once; dtype ``x.dtype``.
+
+    ``weight=None`` (no scale, nanochat, Llama 4's QK norm): ``return h.to(x.dtype)``; both
+    orders are that one computation.
+
+    ``round_scale``: the per-row scale is rounded to ``x``'s dtype and multiplies ``x`` there
+    (DeepSeek-V4): ``y = x * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)``;
+    ``return y`` without a weight, else ``weight * y`` (``cast_last`` then changes nothing).
     """
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    scale = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if round_scale:
+        y = x * scale.to(x.dtype)
+        return y if weight is None else weight * y
+    h = h * scale
+    if weight is None:
+        return h.to(x.dtype)
     if cast_last:
         return (weight * h).to(x.dtype)
     return weight * h.to(x.dtype)
@@ -62,7 +77,7 @@ def gemma_rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def add_then_norm(
-    norm: Callable[..., Tensor], x: Tensor, residual: Tensor, weight: Tensor, eps: float, *flags: bool
+    norm: Callable[..., Tensor], x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *flags: bool
 ) -> tuple[Tensor, Tensor]:
     """``sum = x + residual; return norm(sum, weight, eps, *flags), sum`` (shared by spec and
     kernels; ``flags``: the norm's own, ``cast_last``)."""
@@ -70,17 +85,17 @@ def add_then_norm(
     return norm(total, weight, eps, *flags), total
 
 
-def add_then_norm_(norm: NormFn, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+def add_then_norm_(norm: NormFn, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> None:
     """In place, sgl-kernel semantics: ``residual += x; x[:] = norm(residual, weight, eps)``."""
     residual.add_(x)
     x.copy_(norm(residual, weight, eps))
 
 
 def fused_add_rms_norm_reference(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, cast_last: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Returns ``(out, sum)``: ``sum = x + residual; out = rms_norm_reference(sum, weight, eps,
-    cast_last)``."""
+    cast_last)`` (``weight`` None: no scale)."""
     return add_then_norm(P(rms_norm_reference, cast_last=cast_last), x, residual, weight, eps)
 
 
@@ -92,7 +107,7 @@ def gemma_fused_add_rms_norm_reference(
 
 
 def fused_add_rms_norm_inplace_reference(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, cast_last: bool = False
 ) -> None:
     """``residual <- x + residual; x <- rms_norm_reference(residual, weight, eps, cast_last)``
     (``x`` and ``residual`` of one dtype)."""
@@ -109,8 +124,12 @@ def gemma_fused_add_rms_norm_inplace_reference(
 # --------------------------------------------------------------------------- fake impls
 
 
-def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> Tensor:
-    return x.new_empty(x.shape, dtype=x.dtype if cast_last else torch.promote_types(weight.dtype, x.dtype))
+def _rms_norm_fake(
+    x: Tensor, weight: Tensor | None, eps: float, cast_last: bool = False, round_scale: bool = False
+) -> Tensor:
+    if weight is None or (cast_last and not round_scale):
+        return x.new_empty(x.shape)
+    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
 
 
 def _gemma_rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -124,13 +143,13 @@ def fake_sum(x: Tensor, residual: Tensor) -> Tensor:
 
 
 def _fused_add_fake(
-    norm_fake: Callable[..., Tensor], x: Tensor, residual: Tensor, weight: Tensor, eps: float, *flags: bool
+    norm_fake: Callable[..., Tensor], x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *flags: bool
 ) -> tuple[Tensor, Tensor]:
     total = fake_sum(x, residual)
     return norm_fake(total, weight, eps, *flags), total
 
 
-def _inplace_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *flags: bool) -> None:
+def _inplace_fake(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *flags: bool) -> None:
     return None
 
 
@@ -158,10 +177,13 @@ def as_heads(x: Tensor) -> Tensor | None:
         return None
 
 
-def check_norm_args(x: Tensor, weight: Tensor, *others: Tensor) -> str | None:
-    """What every norm kernel needs of its arguments, layout aside: one half dtype for all
-    (the kernels reinterpret ``weight`` as the input dtype: vLLM issue 48330), one device, equal
-    shapes, a non-empty input and a unit-stride ``[hidden]`` weight aligned to the vectors."""
+def check_norm_args(x: Tensor, weight: Tensor | None, *others: Tensor) -> str | None:
+    """What every norm kernel needs of its arguments, layout aside: a weight, one half dtype
+    for all (the kernels reinterpret ``weight`` as the input dtype: vLLM issue 48330), one
+    device, equal shapes, a non-empty input and a unit-stride ``[hidden]`` weight aligned to the
+    vectors."""
+    if weight is None:
+        return "no weight"
     reason = constraints.check_half(x, weight, *others) or constraints.check_same_device(x, weight, *others)
     if reason:
         return reason
@@ -183,7 +205,7 @@ def vector_bytes(x: Tensor) -> int:
 
 
 def check_norm(
-    x: Tensor, weight: Tensor, *others: Tensor, allow_3d: bool = False, contiguous: bool = False
+    x: Tensor, weight: Tensor | None, *others: Tensor, allow_3d: bool = False, contiguous: bool = False
 ) -> str | None:
     """:func:`check_norm_args`, then the layout: last dim unit-stride, the tensor viewable as 2D
     rows (or 3D per-head when ``allow_3d``; fully contiguous when ``contiguous``), and address
@@ -214,20 +236,23 @@ def check_norm(
 
 
 def _norm_check(
-    x: Tensor, weight: Tensor, eps: float, cast_last: bool = False, *, allow_3d: bool = False,
-    contiguous: bool = False,
+    x: Tensor, weight: Tensor | None, eps: float, cast_last: bool = False, round_scale: bool = False, *,
+    allow_3d: bool = False, contiguous: bool = False,
 ) -> str | None:  # fmt: skip
+    if round_scale:
+        return "scale rounded to the input dtype"
     return check_norm(x, weight, allow_3d=allow_3d, contiguous=contiguous)
 
 
-def _fused_add_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> str | None:
+def _fused_add_check(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, cast_last: bool = False) -> str | None:
     # The sum is a fresh contiguous tensor: only the arguments matter, not their layout.
     return check_norm_args(x, weight, residual)
 
 
 def _inplace_check(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False, *, contiguous: bool = False
-) -> str | None:
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, cast_last: bool = False, *,
+    contiguous: bool = False,
+) -> str | None:  # fmt: skip
     if x.data_ptr() == residual.data_ptr():
         return "x and residual share memory"
     return check_norm(x, weight, residual, contiguous=contiguous)
@@ -236,7 +261,8 @@ def _inplace_check(
 # --------------------------------------------------------------------------- kernels
 
 
-def sgl_norm(kernel: str, x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> Tensor:
+def sgl_norm(kernel: str, x: Tensor, weight: Tensor, eps: float, cast_last: bool = False,
+             round_scale: bool = False) -> Tensor:  # fmt: skip
     """sgl-kernel's own ``rmsnorm`` / ``gemma_rmsnorm`` (2D; the op, not the wrapper, which
     would hand the call to flashinfer)."""
     rows = as_rows(x)
@@ -246,7 +272,8 @@ def sgl_norm(kernel: str, x: Tensor, weight: Tensor, eps: float, cast_last: bool
     return out.view(x.shape)
 
 
-def flashinfer_norm(kernel: str, x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> Tensor:
+def flashinfer_norm(kernel: str, x: Tensor, weight: Tensor, eps: float, cast_last: bool = False,
+                    round_scale: bool = False) -> Tensor:  # fmt: skip
     """flashinfer ``norm.rmsnorm`` (2D rows or 3D per-head, strided rows) / ``gemma_rmsnorm`` (2D)."""
     rows = as_rows(x)
     view = rows if rows is not None else as_heads(x)
@@ -268,17 +295,20 @@ def _flashinfer_fused_add_(kernel: str, x: Tensor, residual: Tensor, weight: Ten
     fn(as_rows(x), as_rows(residual), weight, eps, enable_pdl=providers.enable_pdl(x.device))
 
 
-def _triton_norm_check(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> str | None:
-    return constraints.check_strided_rows(x) or _triton_weight_check(x, weight)
+def _triton_norm_check(x: Tensor, weight: Tensor | None, eps: float, cast_last: bool = False,
+                       round_scale: bool = False) -> str | None:  # fmt: skip
+    return constraints.check_strided_rows(x) or triton_weight_check(x, weight)
 
 
-def _triton_inplace_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> str | None:
+def _triton_inplace_check(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float,
+                          cast_last: bool = False) -> str | None:  # fmt: skip
     if residual.dtype != x.dtype:
         return f"residual {residual.dtype} != input {x.dtype}"
-    return constraints.check_strided_rows(x, residual) or _triton_weight_check(x, weight)
+    return constraints.check_strided_rows(x, residual) or triton_weight_check(x, weight)
 
 
-def _triton_fused_add_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> str | None:
+def _triton_fused_add_check(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float,
+                            cast_last: bool = False) -> str | None:  # fmt: skip
     # The sum is a fresh contiguous tensor: the dtypes and the weight matter, not the layout.
     if residual.dtype != x.dtype or residual.shape != x.shape:
         return f"residual {residual.dtype}{tuple(residual.shape)} != input {x.dtype}{tuple(x.shape)}"
@@ -286,10 +316,14 @@ def _triton_fused_add_check(x: Tensor, residual: Tensor, weight: Tensor, eps: fl
         return reason
     if x.numel() == 0:
         return "empty input"
-    return constraints.check_triton_row(x.shape[-1]) or _triton_weight_check(x, weight)
+    return constraints.check_triton_row(x.shape[-1]) or triton_weight_check(x, weight)
 
 
-def _triton_weight_check(x: Tensor, weight: Tensor) -> str | None:
+def triton_weight_check(x: Tensor, weight: Tensor | None) -> str | None:
+    """What our Triton norm kernels need of a weight: none, or a unit-stride ``[hidden]`` float
+    vector on ``x``'s device (of any float dtype: the kernels load it as it is)."""
+    if weight is None:
+        return None
     if reason := constraints.check_float(weight):
         return "weight " + reason
     if weight.device != x.device:

@@ -31,7 +31,9 @@ def test_engine_add_rms_norm_sums_in_float32() -> None:
 
 def test_engine_add_rms_norm_twin_residual_kept_in_float32() -> None:
     """Negative twin: the new residual stays float32 (never cast back): the fused op returns it in
-    the input's dtype, so nothing fuses, and the report says which output it could not find."""
+    the input's dtype, so the add + norm does not fuse, and the report says which output it could
+    not find. The norm of the float32 sum alone is a weightless float32 norm (then cast, then
+    weighted, as written): that fuses."""
 
     class KeepsFloat32Residual(EngineRMSNorm):
         def forward(self, x, residual):  # type: ignore[override]
@@ -40,7 +42,8 @@ def test_engine_add_rms_norm_twin_residual_kept_in_float32() -> None:
             return normed, s
 
     x, res = torch.randn(6, HIDDEN, dtype=BF16), torch.randn(6, HIDDEN, dtype=BF16)
-    r = check(KeepsFloat32Residual(HIDDEN).to(BF16), x, res, expect={})
+    r = check(KeepsFloat32Residual(HIDDEN).to(BF16), x, res, expect={"rms_norm": 1})
+    assert r.report.rules() == {"rms_norm_unweighted": 1}
     [why] = reasons(r, "add_rms_norm_f32_sum")
     assert why.startswith("no reader of") and "computes the pattern's output" in why, why
 

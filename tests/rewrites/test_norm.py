@@ -150,18 +150,22 @@ class Defective(torch.nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("kind", "dtype", "reason"),
+    ("kind", "dtype", "reason", "inner"),
     [
-        ("wrong-cast-back", BF16, "guard: casts back to torch.float16, input is torch.bfloat16"),
-        ("weight-shape", F32, "guard: weight shape (4, 64) != normalized dim (64,)"),
-        ("eps-too-large", F32, "eps: 0.5 fails the predicate of this wildcard"),
+        ("wrong-cast-back", BF16, "guard: casts back to torch.float16, input is torch.bfloat16",
+         "rms_norm_float32"),
+        ("weight-shape", F32, "guard: weight shape (4, 64) != normalized dim (64,)", "rms_norm_unweighted"),
+        ("eps-too-large", F32, "eps: 0.5 fails the predicate of this wildcard", None),
     ],
-)
+)  # fmt: skip
 @DYNAMIC
-def test_rms_norm_negative_twins(kind: str, dtype: torch.dtype, reason: str, dynamic: bool) -> None:
+def test_rms_norm_negative_twins(kind: str, dtype: torch.dtype, reason: str, inner: str | None, dynamic: bool) -> None:
+    """The weighted rule refuses; the norm before the weight (computed in float32, what the
+    weightless rules take) still fuses where it is a norm."""
     model = Defective(kind).to(dtype)
-    r = check(model, torch.randn(4, 64, dtype=dtype), expect={}, dynamic=dynamic)
+    r = check(model, torch.randn(4, 64, dtype=dtype), expect={"rms_norm": 1} if inner else {}, dynamic=dynamic)
     assert reasons(r, "rms_norm") == [reason]
+    assert [s.rule for s in sites(r)] == ([inner] if inner else [])
 
 
 def test_rms_norm_variance_read_elsewhere_is_not_fused() -> None:
@@ -264,9 +268,11 @@ def test_rms_norm_cast_last_negative_twins(weight_dtype: torch.dtype | None, bac
         return (w * h).to(back or x.dtype)
 
     w = torch.randn(64, dtype=weight_dtype or BF16)
-    r = check(norm_, torch.randn(4, 64, dtype=BF16), w, expect={}, dynamic=False)
+    r = check(norm_, torch.randn(4, 64, dtype=BF16), w, expect={"rms_norm": 1}, dynamic=False)
     # one miss for the site, not a second at the product with its cast taken as elided
     assert reasons(r, "rms_norm_cast_last") == [reason]
+    # the norm before the weight, in float32, is what the weightless rule for that form takes
+    assert [s.rule for s in sites(r)] == ["rms_norm_float32"]
 
 
 # -- Gemma: (1 + w), computed in float32 --------------------------------------------------------
@@ -469,8 +475,9 @@ def test_add_rms_norm_cast_last_in_place(dtype: torch.dtype) -> None:
 
 def test_rule_order_puts_add_norm_before_norm_and_gemma_before_plain() -> None:
     assert norm.RULES == [norm.GEMMA_ADD_RMS_NORM, norm.GEMMA_ADD_RMS_NORM_F32_SUM, norm.ADD_RMS_NORM,
-                          norm.ADD_RMS_NORM_F32_SUM, norm.ADD_RMS_NORM_CAST_LAST, norm.GEMMA_RMS_NORM,
-                          norm.RMS_NORM, norm.RMS_NORM_CAST_LAST]  # fmt: skip
+                          norm.ADD_RMS_NORM_F32_SUM, norm.ADD_RMS_NORM_CAST_LAST, norm.ADD_RMS_NORM_UNWEIGHTED,
+                          norm.GEMMA_RMS_NORM, norm.RMS_NORM, norm.RMS_NORM_CAST_LAST, norm.RMS_NORM_UNWEIGHTED,
+                          norm.RMS_NORM_ROUNDED_SCALE, norm.RMS_NORM_FLOAT32]  # fmt: skip
     assert norm.ADD_RMS_NORM.inplace is not None and norm.ADD_RMS_NORM.inplace.overwrites == ("x", "residual")
 
 

@@ -21,7 +21,8 @@ def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.bfloat16)
 
 def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> list[Any]:
     """Arguments of ``op`` on CPU: ``x`` (and ``residual``) of ``shape``, a [hidden] weight, eps
-    1e-6, a static FP8 scale 0.02, GELU's tanh approximation, the norms' ``cast_last`` order, the
+    1e-6, a static FP8 scale 0.02, GELU's tanh approximation, the norms' ``cast_last`` order, a
+    gated norm's gate (grouped, gate first, SiLU), the
     default process group's name, rotary arguments from :mod:`rotary_samples`, MoE arguments from
     :mod:`moe_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias."""
     values = {
@@ -32,6 +33,12 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
         "scale": lambda: torch.tensor([0.02]),
         "approximate": lambda: "tanh",
         "cast_last": lambda: True,
+        # the norm variants: a gate of x's shape, groups of half the row (when it is even), gate first
+        "gate": lambda: rand(gen, *shape, dtype=dtype),
+        "group_size": lambda: shape[-1] // 2 if shape[-1] % 2 == 0 else None,
+        "gate_first": lambda: True,
+        "activation": lambda: "silu",
+        "round_scale": lambda: False,
         # the collective ops: the default group (test_ops.py makes a fake one)
         "group_name": lambda: torch.distributed.group.WORLD.group_name,
     }

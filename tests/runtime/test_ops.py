@@ -179,6 +179,90 @@ def test_inplace_ops_are_mutable_and_impure() -> None:
     assert not g.call_function(torch.ops.fxr.fused_add_rms_norm.default, (x, r, w, EPS)).is_impure()
 
 
+# --------------------------------------------------------------------------- norm variants
+
+
+def hf(path: str, name: str, *args: object, weight: torch.Tensor | None = None) -> torch.nn.Module:
+    """transformers' ``models.<path>.<name>(*args)`` (skipped where this transformers lacks it),
+    its weight set to ``weight``."""
+    module = pytest.importorskip(f"transformers.models.{path}")
+    if not hasattr(module, name):
+        pytest.skip(f"{path}.{name} is not in this transformers")
+    m = getattr(module, name)(*args)
+    if weight is not None:
+        m = m.to(weight.dtype)
+        with torch.no_grad():
+            m.weight.copy_(weight)
+    return m
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_rms_norm_without_weight_is_the_weightless_norm(gen: torch.Generator, shape: tuple[int, ...],
+                                                        dtype: torch.dtype) -> None:  # fmt: skip
+    x = rand(gen, *shape, dtype=dtype)
+    out = torch.ops.fxr.rms_norm(x, None, EPS)
+    exact(out, hf("nanochat.modeling_nanochat", "NanoChatRMSNorm", EPS)(x))
+    exact(torch.ops.fxr.rms_norm(x, None, EPS, True), out)  # no weight: both orders are one computation
+    near_math(out, math_norm(x, torch.ones(shape[-1])))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_rms_norm_rounded_scale_is_deepseek_v4_unweighted_norm(gen: torch.Generator, shape: tuple[int, ...],
+                                                               dtype: torch.dtype) -> None:  # fmt: skip
+    x, w = rand(gen, *shape, dtype=dtype), rand(gen, shape[-1], dtype=dtype)
+    out = torch.ops.fxr.rms_norm(x, None, EPS, False, True)
+    exact(out, hf("deepseek_v4.modeling_deepseek_v4", "DeepseekV4UnweightedRMSNorm", EPS)(x))
+    exact(torch.ops.fxr.rms_norm(x, w, EPS, False, True), w * out)
+    near_math(out, math_norm(x, torch.ones(shape[-1])))
+
+
+def test_rounded_scale_differs_from_the_plain_norm_in_bf16(gen: torch.Generator) -> None:
+    x = rand(gen, 64, 64, dtype=torch.bfloat16)
+    assert not torch.equal(torch.ops.fxr.rms_norm(x, None, EPS, False, True), torch.ops.fxr.rms_norm(x, None, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_l2_norm_is_the_unit_sphere_projection(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x = rand(gen, *shape, dtype=dtype)
+    out = torch.ops.fxr.l2_norm(x, EPS)
+    exact(out, hf("dory.modeling_dory", "DoryL2Norm", EPS)(x))
+    h = x.double()
+    near_math(out, h / torch.sqrt(h.pow(2).sum(-1, keepdim=True) + EPS))
+
+
+# (transformers module, class, extra constructor args, group size, gate first, activation, scaled in float32)
+GATED = {
+    "qwen3-next": ("qwen3_next.modeling_qwen3_next", "Qwen3NextRMSNormGated", (), None, False, "silu", False),
+    "lara-mini": ("lara_mini.modeling_lara_mini", "LaraMiniRMSNormGated", (), None, False, "silu", True),
+    "kimi-linear": ("kimi_linear.modeling_kimi_linear", "KimiLinearRMSNormGated", (), None, False, "sigmoid", True),
+    "bamba-groups": ("bamba.modeling_bamba", "BambaRMSNormGated", (16,), 16, True, "silu", False),
+    "bamba-one-group": ("bamba.modeling_bamba", "BambaRMSNormGated", (64,), None, True, "silu", False),
+}
+
+
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 64), (2, 3, 4, 64)])
+@pytest.mark.parametrize("case", list(GATED))
+def test_rms_norm_gated_is_hf_gated_norms(gen: torch.Generator, case: str, shape: tuple[int, ...],
+                                          x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:  # fmt: skip
+    path, name, extra, group, gate_first, act, cast_last = GATED[case]
+    x, z, w = rand(gen, *shape, dtype=x_dtype), rand(gen, *shape, dtype=x_dtype), rand(gen, 64, dtype=w_dtype)
+    module = hf(path, name, 64, *extra, weight=w)
+    out = torch.ops.fxr.rms_norm_gated(x, z, w, EPS, group, gate_first, act, cast_last)
+    exact(out, module.to(w_dtype)(x, z))
+
+
+def test_rms_norm_gated_refuses_groups_that_do_not_divide_and_other_activations(gen: torch.Generator) -> None:
+    x = rand(gen, 3, 64)
+    with pytest.raises(ValueError, match="group size 24 does not divide the last dim 64"):
+        torch.ops.fxr.rms_norm_gated(x, x, torch.ones(64), EPS, 24, True)
+    with pytest.raises(ValueError, match=r"activation 'gelu': expected one of \['sigmoid', 'silu'\]"):
+        torch.ops.fxr.rms_norm_gated(x, x, torch.ones(64), EPS, None, False, "gelu")
+
+
 # --------------------------------------------------------------------------- activations
 
 
@@ -336,7 +420,7 @@ def test_linear_silu_and_mul_triton_kernel_constraints(gen: torch.Generator) -> 
 
 def test_ops_lists_every_definition() -> None:
     assert ops.OPS == tuple(op.name for op in ops.DEFS)
-    assert len(set(ops.OPS)) == len(ops.OPS) == 26
+    assert len(set(ops.OPS)) == len(ops.OPS) == 28
     for name in ops.OPS:
         assert hasattr(torch.ops.fxr, name)
 

@@ -23,7 +23,7 @@ from helpers.gpu import fresh_counts, gen  # noqa: F401  (pytest fixtures of thi
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import activation, collective, moe, norm, quant, rotary
+from fxrewrite.runtime.ops import activation, collective, moe, norm, norm_variants, quant, rotary
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -50,7 +50,7 @@ def force(provider: str) -> None:
 
 
 def is_activation(op: OpDef) -> bool:
-    return not {"weight", "w"} & set(inspect.signature(op.reference).parameters)
+    return not {"weight", "w"} & set(inspect.signature(op.reference).parameters) and op not in norm_variants.DEFS
 
 
 def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torch.Generator) -> list[Any]:
@@ -76,6 +76,12 @@ def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torc
         "scale": lambda: torch.tensor([0.02], device="cuda"),
         "approximate": lambda: "none",
         "cast_last": lambda: True,  # the order the libraries' kernels compute exactly
+        "round_scale": lambda: False,
+        # gated norms: a gate of x's shape, groups of half the row (when even), gate first
+        "gate": activation,
+        "group_size": lambda: x_shape[-1] // 2 if x_shape[-1] % 2 == 0 else None,
+        "gate_first": lambda: True,
+        "activation": lambda: "silu",
     }
     return [values[name]() for name in inspect.signature(op.reference).parameters]
 
@@ -257,6 +263,25 @@ def test_weight_dtype_mismatch_falls_back(provider: str, gen: torch.Generator) -
     assert run_and_check(op, provider, [x, w, EPS], torch.bfloat16) == ("triton" if provider == "triton" else "torch")
 
 
+@pytest.mark.parametrize(("weighted", "round_scale"), [(False, False), (False, True), (True, True)])
+@pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
+def test_norms_without_weight_or_with_the_scale_rounded(provider: str, weighted: bool, round_scale: bool,
+                                                        gen: torch.Generator) -> None:  # fmt: skip
+    """No weight, or the scale rounded to the input dtype first: the libraries' kernels compute
+    neither (they fall back, saying why); the Triton kernel serves both, in place too."""
+    force(provider)
+    x = torch.randn(8, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.rand(4096, device="cuda", generator=gen) + 0.5).to(torch.bfloat16) if weighted else None
+    op = ops.DEFS[ops.OPS.index("rms_norm")]
+    assert run_and_check(op, provider, [x, w, EPS, False, round_scale], torch.bfloat16) == (
+        "triton" if provider == "triton" else "torch")
+    if not round_scale:
+        providers.reset_counts()
+        add = ops.DEFS[ops.OPS.index("fused_add_rms_norm_")]
+        args = [x.clone(), torch.randn_like(x), None, EPS]
+        assert run_and_check(add, provider, args, torch.bfloat16) == ("triton" if provider == "triton" else "torch")
+
+
 @pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
 def test_dynamic_quant_zero_rows(provider: str) -> None:
     force(provider)
@@ -329,7 +354,7 @@ def test_dynamo_traces_cuda_calls(gen: torch.Generator) -> None:
 
 # --------------------------------------------------------------------------- Triton: rows at any strides
 
-ROWS_OPS = [op for op in GENERIC if op in norm.DEFS + activation.DEFS]
+ROWS_OPS = [op for op in GENERIC if op in norm.DEFS + norm_variants.DEFS + activation.DEFS]
 
 
 def strided(shape: tuple[int, ...], layout: str, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -354,7 +379,7 @@ def test_triton_rows_kernels_at_any_strides(op: OpDef, dtype: torch.dtype, token
     width = 2 * 128 if op in activation.DEFS else 128
     args = make_args(op, tokens, 128, dtype, gen)
     args[0] = strided((tokens, 8, width), layout, dtype, gen)
-    if op.name.startswith(("fused", "gemma_fused")):
+    if op.name.startswith(("fused", "gemma_fused")) or "gate" in inspect.signature(op.reference).parameters:
         args[1] = strided((tokens, 8, width), layout, dtype, gen)
     assert not args[0].is_contiguous()
     assert run_and_check(op, "triton", args, dtype).startswith("triton")

@@ -490,7 +490,8 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
     install(registry, sgl_kernel=lib("sgl_kernel"), flashinfer=None, flashinfer__norm=None, flashinfer__activation=None,
             flashinfer__rope=None, flashinfer__comm=None)  # fmt: skip
     install(registry, **{providers.TRITON_MODULE: None, "fxrewrite.runtime.triton_moe": None,
-                         layernorm.TRITON_LAYER_NORM: None, "fxrewrite.runtime.triton_route": None})  # fmt: skip
+                         layernorm.TRITON_LAYER_NORM: None, "fxrewrite.runtime.triton_route": None,
+                         "fxrewrite.runtime.triton_norms": None})  # fmt: skip
     assert providers.preload() == {
         "flashinfer": False,
         "flashinfer.activation": False,
@@ -500,6 +501,7 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
         "fxrewrite.runtime.triton_kernels": False,
         "fxrewrite.runtime.triton_layernorm": False,
         "fxrewrite.runtime.triton_moe": False,
+        "fxrewrite.runtime.triton_norms": False,
         "fxrewrite.runtime.triton_route": False,
         "sgl_kernel": True,
     }

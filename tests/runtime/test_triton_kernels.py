@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from fxrewrite.runtime.ops import activation, norm, quant
+from fxrewrite.runtime.ops import activation, norm, norm_variants, quant
 from fxrewrite.runtime.providers import OpDef
 from samples import EPS, op_args, rand  # this folder
 
@@ -103,7 +103,8 @@ def test_checks_refuse_what_the_kernels_cannot_serve(gen: torch.Generator) -> No
 
 # --------------------------------------------------------------------------- strided rows: norms and activations
 
-ROWS_OPS = {op.name: op for op in norm.DEFS + activation.DEFS if any(k.provider == "triton" for k in op.kernels)}
+ROWS_OPS = {op.name: op for op in norm.DEFS + norm_variants.DEFS + activation.DEFS
+            if any(k.provider == "triton" for k in op.kernels)}  # fmt: skip
 
 
 def per_head(gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
@@ -141,7 +142,7 @@ def test_rows_kernels_give_the_spec_at_any_strides(
         x = torch.cat([x, x.flip(-1)], dim=-1)[..., 16:16 + x.shape[-1]]  # [.., 2d], offset into wider rows
     args = op_args(op, tuple(x.shape), gen, dtype)
     args[0] = x
-    if "add" in name:
+    if "add" in name or "gated" in name:  # the residual, the gate: at the same strides
         args[1] = LAYOUTS[layout](gen, dtype)
     assert check_of(op)(*args) is None  # type: ignore[operator]
     want = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
@@ -174,3 +175,49 @@ def test_rows_checks_refuse_what_the_kernels_cannot_serve(gen: torch.Generator) 
     assert add_(x, x.float(), w, EPS) == "residual torch.float32 != input torch.bfloat16"  # type: ignore[operator]
     assert silu(rand(gen, 4, 63)) == "odd last dim 63"  # type: ignore[operator]
     assert silu(rand(gen, 0, 64)) == "empty input"  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("round_scale", [False, True], ids=["no-weight", "rounded-scale"])
+@pytest.mark.parametrize("weight", [False, True], ids=["unweighted", "weighted"])
+def test_norm_without_weight_or_with_the_scale_rounded(triton_kernels: types.ModuleType, gen: torch.Generator,
+                                                       weight: bool, round_scale: bool) -> None:  # fmt: skip
+    x = per_head(gen, torch.bfloat16)
+    args = (x, rand(gen, 64) if weight else None, EPS, False, round_scale)
+    assert check_of(ROWS_OPS["rms_norm"])(*args) is None  # type: ignore[operator]
+    assert_same_bytes((triton_kernels.rms_norm(*args),), (norm.rms_norm_reference(*args),))
+
+
+def test_add_norm_in_place_without_weight(triton_kernels: types.ModuleType, gen: torch.Generator) -> None:
+    x, r = rand(gen, 5, 64), rand(gen, 5, 64)
+    want_x, want_r = x.clone(), r.clone()
+    triton_kernels.fused_add_rms_norm_(x, r, None, EPS)
+    norm.fused_add_rms_norm_inplace_reference(want_x, want_r, None, EPS)
+    assert_same_bytes((x, r), (want_x, want_r))
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cast_last", [False, True], ids=["round-then-scale", "scale-then-round"])
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+@pytest.mark.parametrize(("group_size", "gate_first"), [(None, False), (None, True), (16, True), (16, False)])
+def test_gated_norm_every_form(triton_kernels: types.ModuleType, gen: torch.Generator, group_size: int | None,
+                               gate_first: bool, activation: str, cast_last: bool, w_dtype: torch.dtype) -> None:  # fmt: skip
+    """Norm then gate or gate first, groups or the whole row, SiLU or sigmoid, both orders of the
+    weight, a weight of the input's dtype or float32: the spec's bytes."""
+    x = per_head(gen, torch.bfloat16)  # [2, 5, 4, 64], rows at the merged projection's stride
+    z = rand(gen, 2, 4, 5, 64).permute(0, 2, 1, 3)  # the gate at strides of its own
+    args = (x, z, rand(gen, 64, dtype=w_dtype), EPS, group_size, gate_first, activation, cast_last)
+    op = ROWS_OPS["rms_norm_gated"]
+    assert check_of(op)(*args) is None  # type: ignore[operator]
+    assert_same_bytes((op.kernels[0].run(*args),), (op.reference(*args),))
+
+
+def test_norm_variant_checks_refuse_what_the_kernels_cannot_serve(gen: torch.Generator) -> None:
+    """No Triton needed: the negative twins of the above."""
+    gated, l2 = check_of(ROWS_OPS["rms_norm_gated"]), check_of(ROWS_OPS["l2_norm"])
+    x, w = rand(gen, 4, 64), rand(gen, 64)
+    assert gated(x, rand(gen, 4, 64), w, EPS) is None  # type: ignore[operator]
+    assert gated(x, rand(gen, 4, 1), w, EPS) == "shape (4, 1) != input shape (4, 64)"  # type: ignore[operator]
+    assert gated(x, rand(gen, 4, 64), w, EPS, 24) == "group size 24 does not divide the last dim 64"  # type: ignore[operator]
+    assert gated(x, rand(gen, 4, 64), w, EPS, None, False, "gelu") == "activation 'gelu'"  # type: ignore[operator]
+    assert gated(x, rand(gen, 4, 64), w.double(), EPS).startswith("weight dtype float64")  # type: ignore[operator]
+    assert l2(x.double(), EPS).startswith("dtype float64")  # type: ignore[operator]
