@@ -293,7 +293,10 @@ class OpDef:
 def define_op(op: OpDef) -> Any:
     """Register ``torch.ops.fxr.<op.name>``: body the reference (CPU and every device without a
     kernel), fake impl, CUDA impl :meth:`OpDef.cuda`. Returns the ``CustomOpDef``. Safe to run
-    again (re-import, reload): ``torch.library.custom_op`` replaces an earlier definition.
+    again (re-import, reload): an op defined before keeps its ``torch.ops.fxr`` objects, which
+    compiled rules and graphs hold (a new definition would make them stale: a rule compiled
+    before a reload would no longer match the nodes a replacement makes after it), and takes
+    the new fake and CUDA impls.
 
     In-place ops (``mutates_args``) return the tensors they overwrite, aliased, as ATen's
     ``add_`` returns ``self``: a graph then reads the results from the op's outputs, so the data
@@ -302,10 +305,15 @@ def define_op(op: OpDef) -> Any:
     _OPS[op.name] = op
     if op.mutates_args:
         return _define_inplace(op)
-    custom = torch.library.custom_op(f"fxr::{op.name}", op.reference, mutates_args=op.mutates_args)
+    custom = _CUSTOM.get(op.name)
+    if custom is None:
+        custom = _CUSTOM[op.name] = torch.library.custom_op(f"fxr::{op.name}", op.reference, mutates_args=op.mutates_args)
     custom.register_fake(op.fake)
     custom.register_kernel("cuda")(op.cuda)
     return custom
+
+
+_CUSTOM: dict[str, Any] = {}  # op name -> its CustomOpDef, defined once per process
 
 
 def define_all(defs: Sequence[OpDef]) -> tuple[str, ...]:

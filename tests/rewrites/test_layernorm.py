@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from helpers.rewrites import BF16, DYNAMIC, F32, check, fused_nodes, reasons, sites
 
-from fxrewrite.rewrites import layernorm, norm
+from fxrewrite.rewrites import layernorm, norm, norm_variants
 from fxrewrite.rewrites import PIPELINE
 
 DTYPE_DYNAMIC = pytest.mark.parametrize(
@@ -422,7 +422,7 @@ def test_rule_order_and_place_in_the_pipeline() -> None:
                        L.LAYER_NORM_WEIGHT, L.LAYER_NORM_BIAS, L.LAYER_NORM_CAST, L.LAYER_NORM_WEIGHT_ROUNDED,
                        L.LAYER_NORM_BIAS_ROUNDED, L.ADD_LAYER_NORM]  # fmt: skip
     (group,) = [s for s in PIPELINE if getattr(s, "name", None) == "fuse_norm"]
-    assert list(group.rules) == L.RULES + norm.RULES  # before RMSNorm: it would take the second half
+    assert list(group.rules) == L.RULES + norm_variants.RULES + norm.RULES  # before RMSNorm: it would take the second half
     assert L.ADD_LAYER_NORM.inplace is not None and L.ADD_LAYER_NORM.inplace.overwrites == ("x", "residual")
 
 
