@@ -44,7 +44,10 @@ Host scalars: under ``dynamic=True`` and plain ``torch.compile`` Dynamo lifts fl
 (RMSNorm eps, attention scaling) to CPU scalar tensors read with ``.item()`` (``Backend.compile``
 makes them constants instead: ``Config.specialize_floats``). That does not sync the GPU, so capture
 allows it, but the value becomes a kernel argument, frozen at capture: each call compares the
-values (about 0.5 us each); a changed one makes the call eager, with a warning.
+values (about 0.5 us each); a changed one makes the call eager, with a warning. An int input that
+sizes no input tensor is such a value too, not a second dynamic dimension: transformers'
+``logits_to_keep`` is one where the model's ``forward`` is Dynamo's frame (Falcon's; Llama's is
+wrapped by ``can_return_tuple``, which inlines the default), read by the last piece's slice.
 
 Containment: no capture problem reaches the caller unless ``Config.strict_capture`` (env
 ``FXREWRITE_STRICT=1``; the test suite turns it on) asks for errors. A piece holding any other
@@ -63,7 +66,8 @@ like their outputs, so attention's writes (a KV cache) happen in real steps only
 piece writes (full mode: the KV caches) are never written by capture: warm-ups write zeroed
 scratch tensors in their place (one per shape, freed after capture); only where a piece that
 writes them is replayed at capture (not the last) are they saved to host memory and restored.
-All graphs share one pool (``torch.cuda.graph_pool_handle``); once a size is captured the
+All graphs share one pool (``torch.cuda.graph_pool_handle``; a fresh one after a capture torch
+could not end, :func:`fxrewrite.runtime.pieces.abandon_pool`); once a size is captured the
 Runner keeps non-owning references to its pool tensors, so later sizes reuse the memory: one
 size's values are dead before another size runs, and inputs and outputs live outside the pool. gc is frozen and disabled; ``capture_begin`` / ``capture_end`` are
 called directly, skipping the ``gc.collect`` / ``empty_cache`` that ``torch.cuda.graph`` may do
@@ -134,6 +138,11 @@ def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
             torch._foreach_copy_(ds, ss)
 
 
+def _host_values(args: Sequence[Any], idx: Sequence[int]) -> list[Any]:
+    """The values frozen at capture: CPU scalar tensors read on the host, int inputs."""
+    return [a.item() if isinstance(a, torch.Tensor) else a for a in map(args.__getitem__, idx)]
+
+
 def _picker(idx: Sequence[int]) -> Any:
     """``args -> tuple(args[i] for i in idx)``, in C (the per-call check of ~300 parameters)."""
     if len(idx) > 1:
@@ -182,6 +191,7 @@ class Runner:
         self._arenas: dict[Any, torch.Tensor] = {}
         self._buffers: dict[int, dict[int, torch.Tensor]] = {}
         self._captured, self._pool, self.capture_s, self.pool_bytes = False, None, 0.0, 0
+        self._pools: list[Any] = []  # every pool captured into (more than one after a capture torch could not end)
         self.on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
         self.module: GraphModule | None = None
         self.split, self.dispatch, self._pieces, self._restore = None, None, [], []
@@ -220,7 +230,7 @@ class Runner:
         self._pick_statics = _picker([i for i, k in enumerate(kinds) if k == "static"])
         self._statics = self._pick_statics(example_inputs)
         self._host_idx = [i for i, k in enumerate(kinds) if k == "host"]
-        self._host_values = [example_inputs[i].item() for i in self._host_idx]
+        self._host_values = _host_values(self._examples, self._host_idx)
         self._managed = d.managed
         self._sym_idx = [i for i, k in enumerate(kinds) if k == "sym"]
         written = mutated_placeholders(gm)
@@ -297,6 +307,7 @@ class Runner:
             with ctx, torch.inference_mode(False), torch.no_grad():
                 if self.on_cuda:
                     self._pool = torch.cuda.graph_pool_handle()
+                    self._pools = [self._pool]
                 desc = "capturing CUDA graphs" if self.on_cuda else "emulating CUDA graphs"
                 show = self._progress and tqdm is not None
                 for size in tqdm(sizes, desc=desc, unit="size", file=sys.stderr) if show else sizes:
@@ -320,8 +331,9 @@ class Runner:
                 t.copy_(copy)
         self.capture_s = time.perf_counter() - t0
         if self.on_cuda:  # the pool's segments; else what capture reserved (warm-ups included)
+            pools = {tuple(p) for p in self._pools}
             segments = [s["total_size"] for s in torch.cuda.memory_snapshot()
-                        if tuple(s.get("segment_pool_id", ())) == tuple(self._pool)]
+                        if tuple(s.get("segment_pool_id", ())) in pools]
             self.pool_bytes = sum(segments) if segments else torch.cuda.memory_reserved(self._device) - reserved
         logger.info("captured %d graphs (%d pieces x %d sizes) in %.2f s; pool %.1f MiB, buffers %.1f MiB",
                     sum(p.graphs() for p in self._pieces), len(self._pieces), len(sizes), self.capture_s,
@@ -354,7 +366,7 @@ class Runner:
             return self._eager(args, "beyond_max" if n > d.sizes[-1] else "not_captured")
         if not all(map(operator.is_, self._pick_statics(args), self._statics)) and not self._adopt(args):
             return self._eager(args, "static_input_moved")
-        if [args[i].item() for i in self._host_idx] != self._host_values:
+        if _host_values(args, self._host_idx) != self._host_values:
             return self._eager(args, "host_scalar_changed")
         self.capture()
         if d.reason:  # the capture failed outside any one piece
@@ -459,7 +471,8 @@ class Runner:
         mode, device; cudagraphs (real graphs in use) and reason (why not, e.g. several dynamic
         dims, a failed capture); capture_sizes, static_shape, pad_inputs; inputs (count per
         InputSpec kind); pieces, captured_pieces, splitting_pieces, missing_splitting_ops;
-        graphs, captured, capture_s, pool_bytes (the shared pool's segments), buffer_bytes
+        graphs, captured, capture_s, pool_bytes (the graph pools' segments), pools (1, or more after
+        a capture torch could not end: :func:`~fxrewrite.runtime.pieces.abandon_pool`), buffer_bytes
         (static input buffers), capture_saved_bytes (parameters/buffers saved to host and restored
         around capture: written by a piece replayed then); calls, replays, padded_calls, eager_calls and eager_reasons
         (beyond_max, not_captured, static_input_moved, host_scalar_changed, shape_mismatch, unsupported);
@@ -485,7 +498,7 @@ class Runner:
             "missing_splitting_ops": [getattr(o, "__name__", str(o)) for o in split.missing] if split else [],
             "graphs": sum(p.graphs() for p in self._pieces),
             "captured": self._captured, "capture_s": self.capture_s,
-            "pool_bytes": self.pool_bytes, "buffer_bytes": self._buffer_bytes(),
+            "pool_bytes": self.pool_bytes, "pools": len(self._pools), "buffer_bytes": self._buffer_bytes(),
             "capture_saved_bytes": sum(t.numel() * t.element_size() for t in self._restore),
             **{k: c[k] for k in ("calls", "replays", "padded_calls", "eager_calls")},
             "eager_reasons": dict(self._reasons),

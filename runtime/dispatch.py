@@ -75,8 +75,9 @@ class InputSpec:
 
     kind: "token" (tensor with the token symbol in ``token_dims``: buffer per size, padded),
     "tensor" (other tensor a captured piece reads: one buffer), "static" (parameter or buffer:
-    used in place), "host" (CPU scalar read on the host: frozen at capture, checked per call),
-    "sym" (the token count itself), "pass" (handed over as is: read only by eager pieces).
+    used in place), "host" (a value frozen at capture and checked per call: a CPU scalar tensor
+    read on the host, or an int input that sizes no input tensor), "sym" (the token count
+    itself), "pass" (handed over as is: read only by eager pieces).
     """
 
     name: str
@@ -117,8 +118,16 @@ class Dispatch:
         # a static tensor's dims (Dynamo gives buffers symbols too) are fixed with its address;
         # so is a SymInt input that only sizes static tensors
         fixed = {s for v, st in zip(values, static) if st for s in free_symbols(v)}
-        symbols = {s for i in captured_inputs if not static[i] and isinstance(values[i], (torch.Tensor, torch.SymInt))
-                   for s in free_symbols(values[i]) if isinstance(values[i], torch.Tensor) or s not in fixed}
+        dims = {s for i in captured_inputs if not static[i] and isinstance(values[i], torch.Tensor)
+                for s in free_symbols(values[i])}
+        scalars = {s for i in captured_inputs if isinstance(values[i], torch.SymInt)
+                   for s in free_symbols(values[i])} - fixed
+        # an int input that sizes no input tensor (transformers' logits_to_keep, where forward is
+        # Dynamo's frame) is a value, not a dimension: frozen at capture and checked per call, as a
+        # host scalar. Only without a dynamic tensor dim may such an int be the token count.
+        symbols = dims or scalars
+        self.frozen = {v.node.expr: _concrete(v) for i, v in enumerate(values) if i in captured_inputs
+                       and isinstance(v, torch.SymInt) and v.node.expr in scalars - symbols}  # fmt: skip
         self.reason: str | None = None
         if len(symbols) > 1:
             self.reason = (f"captured pieces read {len(symbols)} dynamic dimensions "
@@ -151,26 +160,33 @@ class Dispatch:
                         return int(r.lower), int(r.upper) if isinstance(r.upper, sympy.Integer) else None
         return 0, None
 
+    def _dim(self, d: Any) -> Any:
+        """A dim as :func:`_expr` gives it, the frozen int inputs replaced by their values."""
+        e = _expr(d)
+        return _expr(e.xreplace(self.frozen)) if self.frozen and isinstance(e, sympy.Expr) else e
+
     def _plain(self, v: torch.Tensor) -> bool:
         """No dim of ``v`` is a compound expression of the token symbol (padding needs plain dims)."""
         return all(e == self.symbol or not (isinstance(e, sympy.Expr) and self.symbol in e.free_symbols)
-                   for e in map(_expr, v.shape))
+                   for e in map(self._dim, v.shape))
 
     def _out_spec(self, leaf: Any) -> Any:
         v = leaf.meta.get("example_value") if isinstance(leaf, torch.fx.Node) else None
-        if isinstance(v, torch.SymInt) and self.symbol is not None and self.symbol in v.node.expr.free_symbols:
-            return "n" if v.node.expr == self.symbol else "fixed"
+        e = self._dim(v) if isinstance(v, torch.SymInt) else None
+        if isinstance(e, sympy.Expr) and self.symbol is not None and self.symbol in e.free_symbols:
+            return "n" if e == self.symbol else "fixed"
         if isinstance(v, torch.Tensor) and self.symbol is not None:
-            return tuple(d for d, e in enumerate(map(_expr, v.shape)) if e == self.symbol) if self._plain(v) else "fixed"
+            return tuple(d for d, e in enumerate(map(self._dim, v.shape)) if e == self.symbol) if self._plain(v) else "fixed"
         return ()
 
     def _classify(self, node: torch.fx.Node, value: Any, static: bool, captured: bool, on_cuda: bool) -> InputSpec:
         if isinstance(value, torch.SymInt):
-            kind = "sym" if self.symbol is not None and value.node.expr == self.symbol else "pass"
+            e = value.node.expr
+            kind = "sym" if self.symbol is not None and e == self.symbol else "host" if e in self.frozen else "pass"
             return InputSpec(node.name, kind)
         if not isinstance(value, torch.Tensor):
             return InputSpec(node.name, "pass")
-        shape = tuple(map(_expr, value.shape))
+        shape = tuple(map(self._dim, value.shape))
         dims = tuple(d for d, e in enumerate(shape) if e == self.symbol) if self.symbol is not None else ()
         if static:
             return InputSpec(node.name, "static", shape)

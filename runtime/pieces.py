@@ -13,7 +13,9 @@ capture) does not reach the caller unless ``Config.strict_capture`` (env ``FXREW
 on: the piece runs eagerly at that size and at every size captured after it (capture goes from the
 largest size down), a :class:`CaptureFailure` names the piece, the op that raised and its source
 line, and the pieces captured after it copy its outputs in as they copy attention's. Sizes captured
-before the failure keep their graphs.
+before the failure keep their graphs. A capture that CUDA itself invalidates (a device sync in an
+opaque op) leaves torch's allocators recording to the graph pool: :func:`abandon_pool` ends what
+Python can end and moves later captures to a fresh pool, so they all work.
 
 On CPU a capture is emulated (the piece runs and its outputs become the fixed outputs);
 :func:`capturing` is true during that run as during a real capture, so a test op can fail there.
@@ -84,6 +86,16 @@ class CaptureFailure:
                 "source": self.source, "reason": f"capture failed: {self.error}"}
 
 
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` where ``dst`` may be broadcast (an expanded mask: stride 0, which
+    ``copy_`` refuses to write): along such dims one row of each is copied, as the piece's graph
+    broadcasts that row."""
+    for d in range(dst.dim()):
+        if dst.stride(d) == 0 and dst.shape[d] > 1:
+            dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
+    dst.copy_(src)
+
+
 def size_label(size: int) -> str:
     """A capture size as the messages say it: 0 is the one graph of a static-shape graph."""
     return "its static shape" if size == 0 else f"{size} tokens"
@@ -130,6 +142,66 @@ def capture_context(device: torch.device) -> Iterator[None]:
         if gc_was_enabled:
             gc.enable()
         gc.unfreeze()
+
+
+_ABANDONED: list[Any] = []  # CUDAGraphs whose capture torch could not end: kept for the process (see abandon_pool)
+
+
+def capture_graph(fn: Any, static: Sequence[Any], owner: Any) -> tuple[Any, Any]:
+    """``fn(*static)`` captured as a CUDA graph into ``owner._pool`` (the Runner's); its outputs
+    and the graph. A capture that fails is ended and leaves the allocators fit for the next one
+    (:func:`abandon_pool` where torch could not end it), then its error propagates."""
+    graph = torch.cuda.CUDAGraph()
+    _clear_cublas_workspaces()  # the capture's GEMMs take theirs from the pool (see there)
+    try:
+        graph.capture_begin(pool=owner._pool)
+    except BaseException:
+        abandon_pool(owner, graph)  # begin may stop halfway: one allocator routed to the pool, not the other
+        raise
+    try:
+        outputs = fn(*static)
+    except BaseException:
+        try:
+            graph.capture_end()  # the stream leaves capture mode, whatever was captured
+        except Exception:  # noqa: BLE001 - CUDA invalidated the capture (a sync); the op's error is the one to report
+            abandon_pool(owner, graph)
+        _clear_cublas_workspaces()
+        raise
+    try:
+        graph.capture_end()
+    except BaseException:
+        abandon_pool(owner, graph)
+        raise
+    finally:
+        _clear_cublas_workspaces()
+    return outputs, graph
+
+
+def abandon_pool(owner: Any, graph: Any) -> None:
+    """After a capture torch could not end: later captures go to a fresh pool.
+
+    ``CUDAGraph.capture_begin`` tells both caching allocators, the device one and (torch 2.11,
+    2.13) the pinned-host one, to route the capturing stream's allocations to the pool;
+    ``capture_end`` checks ``cudaStreamEndCapture`` first, and when CUDA invalidated the capture
+    (a device sync, a host read inside an opaque op) it raises before telling either allocator
+    that the capture ended. Both keep the pool in their list of captures underway, so every later
+    ``capture_begin`` on that pool raises "beginAllocateToPool: already recording to mempool_id".
+    The device allocator's entry can be ended from Python (``_cuda_endAllocateToPool``; a no-op
+    where torch ended it already), the host allocator's cannot. So: end the device routing, retire
+    the pool (graphs captured in it keep it; nothing is allocated there again, so their memory
+    stays theirs) and give ``owner`` a fresh one; keep ``graph`` alive for the process, since the
+    host allocator's stale entry holds a filter that reads it. The pool's use count is left as is:
+    the retired pool stays reserved until the process ends, where a second release would assert.
+    """
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        with contextlib.suppress(RuntimeError):  # "not currently recording": already ended
+            end(torch.cuda.current_device(), owner._pool)
+    _ABANDONED.append(graph)
+    owner._pool = torch.cuda.graph_pool_handle()
+    owner._pools.append(owner._pool)
+    logger.info("graph pool %s retired after a capture torch could not end; now capturing into %s",
+                owner._pools[-2], owner._pool)
 
 
 class EagerPiece:
@@ -209,7 +281,7 @@ class CapturedPiece:
         else:
             for dst, src in zip(tree_flatten(outputs)[0], tree_flatten(self.fn(*static))[0]):
                 if isinstance(dst, torch.Tensor):
-                    dst.copy_(src)
+                    _copy_into(dst, src)
         return outputs
 
     def _serve_eagerly(self, args: Sequence[Any], outputs: Any, why: str) -> Any:
@@ -224,7 +296,7 @@ class CapturedPiece:
             if isinstance(dst, torch.Tensor):
                 if not isinstance(src, torch.Tensor) or src.shape != dst.shape:
                     raise ShapeError(f"{why}, and its outputs no longer fit the captured buffers")
-                dst.copy_(src)
+                _copy_into(dst, src)
         if runner._counts["piece_input_changed"] == 0:
             logger.warning("%s: it runs eagerly in such calls (stats: piece_input_changed)", why)
         runner._counts["piece_input_changed"] += 1
@@ -264,22 +336,7 @@ class CapturedPiece:
             with _emulating():
                 return self.fn(*warm), None
         self.fn(*warm)  # warm-up: lazy inits, library handles, workspaces
-        graph = torch.cuda.CUDAGraph()
-        _clear_cublas_workspaces()  # the capture's GEMMs take theirs from the pool (see above)
-        graph.capture_begin(pool=runner._pool)
-        try:
-            outputs = self.fn(*static)
-        except BaseException:
-            try:
-                graph.capture_end()
-            except Exception:  # noqa: BLE001 - an invalidated capture (a sync): CUDA ended it, torch
-                # raised before telling its allocator, which would keep serving this stream from the pool
-                with contextlib.suppress(Exception):
-                    torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), runner._pool)
-            _clear_cublas_workspaces()
-            raise
-        graph.capture_end()
-        _clear_cublas_workspaces()
+        outputs, graph = capture_graph(self.fn, static, runner)
         if not self.last:
             graph.replay()  # capture computes nothing: later pieces' warm-ups must not read garbage (indices)
         return outputs, graph

@@ -7,6 +7,7 @@ call that CUDA-graph capture refuses does."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -106,6 +107,106 @@ def test_a_failure_outside_every_piece_runs_the_graph_eagerly(fragile_rec: Recor
     torch.testing.assert_close(runner(*args), fragile_rec.gm(*args))
     s = runner.stats()
     assert s["reason"] == "capture failed: RuntimeError: out of memory" and s["eager_reasons"] == {"unsupported": 1}
+
+
+# --- a capture CUDA invalidates: what torch leaves behind, and what pieces.capture_graph cleans up
+
+class TorchCapture:
+    """What ``CUDAGraph.capture_begin`` / ``capture_end`` do to the caching allocators' lists of
+    captures underway in torch 2.11 and 2.13 (aten/src/ATen/cuda/CUDAGraph.cpp): begin adds the
+    pool to the device allocator's list, then to the pinned-host allocator's, each refusing a
+    pool already there; end removes it from both, unless ``cudaStreamEndCapture`` fails (CUDA
+    invalidated the capture), where it raises first and leaves both. Python can end only the
+    device allocator's entry (``torch._C._cuda_endAllocateToPool``)."""
+
+    REFUSED = "CUDA error: operation not permitted when stream is capturing"
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.device: list[Any] = []
+        self.host: list[Any] = []
+        self.handles, self.invalidated = 0, False
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", self.graph)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", self.pool_handle)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", self.end_device, raising=False)
+        monkeypatch.setattr(pieces, "_clear_cublas_workspaces", lambda: None)
+        monkeypatch.setattr(pieces, "_ABANDONED", [])
+
+    def pool_handle(self) -> tuple[int, int]:
+        self.handles += 1
+        return (0, self.handles)
+
+    def end_device(self, device: int, pool: Any) -> None:
+        if pool not in self.device:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        self.device.remove(pool)
+
+    def graph(self) -> Any:
+        fake = self
+
+        class Graph:
+            def capture_begin(self, pool: Any) -> None:
+                for underway in (fake.device, fake.host):
+                    if pool in underway:
+                        raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+                    underway.append(pool)
+                self.pool = pool
+
+            def capture_end(self) -> None:
+                if fake.invalidated:
+                    fake.invalidated = False
+                    raise RuntimeError(fake.REFUSED)
+                fake.device.remove(self.pool)
+                fake.host.remove(self.pool)
+
+        return Graph()
+
+    def refused(self, x: torch.Tensor) -> torch.Tensor:
+        """An opaque op that syncs: CUDA invalidates the capture, the op raises."""
+        self.invalidated = True
+        raise RuntimeError(self.REFUSED)
+
+
+def test_after_a_capture_cuda_refuses_later_captures_take_a_fresh_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = TorchCapture(monkeypatch)
+    owner = SimpleNamespace(_pool=fake.pool_handle())
+    owner._pools = [owner._pool]
+    x = torch.ones(3)
+    outputs, _ = pieces.capture_graph(lambda t: t * 2, [x], owner)
+    assert torch.equal(outputs, x * 2) and fake.device == fake.host == []
+    with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):  # the op's error
+        pieces.capture_graph(fake.refused, [x], owner)
+    for _ in range(2):  # every later capture works, in a fresh pool
+        pieces.capture_graph(lambda t: t + 1, [x], owner)
+    assert owner._pools == [(0, 1), (0, 2)] and owner._pool == (0, 2)
+    # the device allocator's entry ended; the host allocator's stays, and the graph its filter reads too
+    assert fake.device == [] and fake.host == [(0, 1)] and len(pieces._ABANDONED) == 1
+
+
+def test_a_capture_begin_that_stops_halfway_is_cleaned_up_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = TorchCapture(monkeypatch)
+    owner = SimpleNamespace(_pool=fake.pool_handle())
+    owner._pools = [owner._pool]
+    fake.host.append(owner._pool)  # the host allocator still records to the pool: begin routes the device one, then raises
+    with pytest.raises(RuntimeError, match="already recording"):
+        pieces.capture_graph(lambda t: t, [torch.ones(1)], owner)
+    assert fake.device == [] and owner._pool == (0, 2)
+    pieces.capture_graph(lambda t: t, [torch.ones(1)], owner)
+
+
+def test_without_the_cleanup_torch_refuses_every_later_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The failure the H100 showed (torch 2.11): ending the device allocator's entry alone, as the
+    runner did, leaves the pool unusable; the model above must reproduce it."""
+    fake = TorchCapture(monkeypatch)
+    pool = fake.pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(pool=pool)
+    fake.invalidated = True
+    with pytest.raises(RuntimeError, match="not permitted"):
+        graph.capture_end()
+    fake.end_device(0, pool)
+    with pytest.raises(RuntimeError, match="beginAllocateToPool: already recording to mempool_id"):
+        torch.cuda.CUDAGraph().capture_begin(pool=pool)
 
 
 # --- hazards found before capture

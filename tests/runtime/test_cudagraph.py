@@ -260,6 +260,63 @@ def test_llama_host_scalar_change_runs_eagerly(llama: Recorded) -> None:
     assert runner.stats()["eager_reasons"] == {"host_scalar_changed": 1}
 
 
+class KeepsLast(ToyAttention):
+    """An int argument that slices the output rows, as transformers' ``logits_to_keep`` (0: every
+    row): where ``forward`` is Dynamo's frame (Falcon's) it is a SymInt input of its own, a second
+    symbol next to the token count that sizes no input tensor."""
+
+    def forward(self, x: torch.Tensor, keep: int = 0) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)[-keep:] + keep
+
+
+@pytest.fixture(scope="module")
+def keeps() -> Recorded:
+    return record(seeded(KeepsLast), toy_inputs((8, 5, 16)), dynamic=True)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_an_int_input_is_a_value_frozen_at_capture_not_a_second_dim(keeps: Recorded, mode: str) -> None:
+    runner = runner_for(keeps, mode=mode)
+    (keep,) = [i for i, v in enumerate(keeps.example_inputs) if isinstance(v, torch.SymInt) and i > 0]
+    assert runner.dispatch.inputs[keep].kind == "host" and not runner.dispatch.reason and runner.dispatch.pad
+    for args in keeps.calls:
+        torch.testing.assert_close(runner(*args), keeps.gm(*args))
+    s = runner.stats()
+    assert (s["replays"], s["padded_calls"], s["eager_calls"]) == (3, 1, 0)
+    # another value than the one captured: that call runs eagerly, with the right answer
+    args = list(keeps.calls[0])
+    args[keep] = 3
+    torch.testing.assert_close(runner(*args), keeps.gm(*args))
+    assert runner.stats()["eager_reasons"] == {"host_scalar_changed": 1}
+
+
+class MaskedAttention(torch.nn.Module):
+    """A causal mask built in the first piece and broadcast to every head (stride 0, as
+    transformers expands its mask over the batch), read by attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        i = torch.arange(t, device=x.device)
+        mask = (i[:, None] >= i[None, :]).expand(4, t, t)
+        q = self.qkv(x).view(t, 4, 8).transpose(0, 1)
+        return self.o(SDPA(q, q, q, attn_mask=mask).transpose(0, 1).reshape(t, 32))
+
+
+def test_a_broadcast_output_of_a_captured_piece_replays() -> None:
+    """On CPU a replay copies the piece's results into its fixed outputs: a broadcast one takes
+    one row per broadcast dim (``copy_`` refuses to write overlapping elements)."""
+    rec = record(seeded(MaskedAttention), toy_inputs((8, 5, 16)), dynamic=True)
+    runner = runner_for(rec, mode="piecewise")
+    for args in rec.calls * 2:
+        torch.testing.assert_close(runner(*args), rec.gm(*args))
+    mask = next(o for o in runner._pieces[0]._graphs[8][2] if o.dtype == torch.bool)
+    assert mask.stride(0) == 0 and runner.stats()["replays"] == 6
+
+
 def test_static_inputs_are_not_copied_and_moves_are_caught(llama: Recorded) -> None:
     runner = runner_for(llama, mode="full")
     args = list(llama.calls[1])

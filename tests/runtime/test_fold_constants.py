@@ -66,14 +66,18 @@ def test_a_tensor_of_a_runtime_value_stays() -> None:
 # --- zeros / ones / full of a static size (5.24's eager_mask, Falcon's ALiBi base)
 
 def eager_mask_524(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    zero = torch.zeros((), device=mask.device, dtype=x.dtype)
-    return x + torch.where(mask, zero, torch.finfo(x.dtype).min) + torch.ones(8, dtype=x.dtype)
+    """transformers 5.24's masking_utils.eager_mask: a 0-d zeros on the mask's device."""
+    return x + torch.where(mask, torch.zeros((), device=mask.device, dtype=x.dtype), torch.finfo(x.dtype).min)
+
+
+def eager_mask_and_ones(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return eager_mask_524(x, mask) + torch.ones(8, device=x.device, dtype=x.dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_zeros_and_ones_of_a_static_size_become_constants(dtype: torch.dtype) -> None:
     x, mask = torch.randn(5, 8, dtype=dtype), torch.rand(5, 8) > 0.3
-    result = fold(eager_mask_524, x, mask, absent=("torch.zeros", "torch.ones"))
+    result = fold(eager_mask_and_ones, x, mask, absent=("torch.zeros", "torch.ones"))
     assert folded(result) == 2 and sorted(tuple(v.shape) for v in constants(result).values()) == [(), (8,)]
 
 
