@@ -138,22 +138,36 @@ def _memory(a: Any) -> list[fx.Node]:
     return out
 
 
-def _reads(targets: tuple[fx.Node, ...], writers: list[fx.Node], order: dict[fx.Node, int]) -> tuple[set[fx.Node], list[fx.Node]]:
+def _base(n: Any) -> Any:
+    """The tensor ``n`` is a view of (``n`` itself when it is none): two nodes of one base alias."""
+    return _memory(n)[-1] if isinstance(n, fx.Node) else n
+
+
+def _reads(targets: tuple[fx.Node, ...], writers: list[fx.Node],
+           order: dict[fx.Node, int]) -> tuple[set[fx.Node], list[fx.Node], list[fx.Node]]:  # fmt: skip
     """What computing ``targets`` reads: their ancestors, and the in-place writes (of
-    ``writers``) into them before each target, with what those read. A write after a target
-    into what it reads would change the tables after the rotation read them: not folded."""
+    ``writers``) into them before each target, with what those read; and the writes after a
+    target into what it read. Such a write changes the tables only where it writes their own
+    memory (then they are not folded); else it changes an input of theirs after they were
+    computed, which matters to the folded op only if the input is its positions (a cache's
+    length advanced after the tables: the caller checks)."""
     read: set[fx.Node] = set()
     used: set[fx.Node] = set()
+    late: list[fx.Node] = []
     for t in targets:
         seen = meta.ancestors(t)
-        while new := [w for w in writers if w not in used and any(m in seen for a in meta.written_args(w) for m in _memory(a))]:
+        while new := [w for w in writers if w not in used and w not in late
+                      and any(m in seen for a in meta.written_args(w) for m in _memory(a))]:  # fmt: skip
             for w in new:
-                if order[w] > order[t]:
+                if order[w] < order[t]:
+                    used.add(w)
+                    seen |= meta.ancestors(w)
+                elif any(_base(a) is _base(t) for a in meta.written_args(w)):
                     raise _NotFoldable(f"`{w.name}` writes in place into the tables' `{t.name}` after it is computed")
-                used.add(w)
-                seen |= meta.ancestors(w)
+                else:
+                    late.append(w)
         read |= seen
-    return read, sorted(used, key=order.__getitem__)
+    return read, sorted(used, key=order.__getitem__), late
 
 
 class _NotFoldable(Exception):
@@ -172,7 +186,7 @@ class _Tables:
     def __init__(self, gm: fx.GraphModule, cos: fx.Node, sin: fx.Node, order: dict[fx.Node, int],
                  writers: list[fx.Node]) -> None:  # fmt: skip
         self.gm, self.targets = gm, (cos, sin)
-        read, self.writers = _reads(self.targets, writers, order)
+        read, self.writers, late = _reads(self.targets, writers, order)
         nodes = sorted(read, key=order.__getitem__)
         for literal_ints in (True, False):
             const = _constants(nodes, literal_ints)
@@ -194,6 +208,10 @@ class _Tables:
             raise _NotFoldable(f"each row of the tables ({tuple(meta.tensor(cos).shape[:-1])}) is computed from several "
                                f"positions (`{p.name}` {tuple(meta.tensor(p).shape)}: multimodal RoPE sections, say); "
                                "a cache row holds the angles of one position")  # fmt: skip
+        for w in late:
+            if any(_base(a) is _base(self.positions) for a in meta.written_args(w)):
+                raise _NotFoldable(f"`{w.name}` writes in place into the positions `{self.positions.name}` after the "
+                                   "tables are computed: the folded op would read the new values")  # fmt: skip
         between = meta.ancestors(*self.targets, *self.writers, stop=self.positions)
         self.nodes = [n for n in nodes if n in between]  # recomputed for other positions, in order
         self.depends = {self.positions} | {n for n in self.nodes if not const[n]}  # the positions flow into them

@@ -11,6 +11,8 @@ tests/rewrites/test_rotary_families.py runs the real families.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from helpers.rewrites import BF16, DYNAMIC, F32, LlamaRMSNorm, check, fused, fused_nodes, reasons
@@ -473,6 +475,44 @@ class LateWriteRope(HFRope):
 def test_tables_written_in_place_elsewhere_do_not_fold(model: torch.nn.Module, why: str) -> None:
     r = check(model, *qk(), expect={"apply_rotary": 2})
     assert reasons(r, "rotary_embedding") == [why] * 2
+
+
+class CacheLengthRope(HFRope):
+    """A static KV cache's way (transformers' StaticCache): positions counted from the length the
+    cache holds, which the cache advances in place after the tables are computed (between the
+    rotations of q and k here, as layer 0's cache write comes before layer 1's rotation): the
+    positions are a new tensor, so the folded op reads what the tables were computed from.
+    ``view``: the twin, positions that are a view of the length, which the write changes."""
+
+    def __init__(self, view: bool = False) -> None:
+        super().__init__("bhtd")
+        self.view = view
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = q.shape[1]
+        position_ids = length.expand(1, tokens) if self.view else (torch.arange(tokens) + length)[None]
+        cos, sin = self.tables(q, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = self.rotate(q.view(*q.shape[:2], -1, HEAD_DIM).transpose(1, 2), cos, sin)
+        length.add_(tokens)
+        return q, self.rotate(k.view(*k.shape[:2], -1, HEAD_DIM).transpose(1, 2), cos, sin)
+
+
+def _on_a_copy(model: CacheLengthRope) -> Any:
+    """The model on a copy of the length (eager and compiled both see 5: the write stays inside)."""
+    return lambda q, k, length: model(q, k, length.clone())
+
+
+def test_a_cache_length_advanced_after_the_tables_folds() -> None:
+    q, k, _ = qk()
+    check(_on_a_copy(CacheLengthRope()), q, k, torch.tensor([5]), expect=PAIR, dynamic=False)
+
+
+def test_positions_written_after_the_tables_do_not_fold() -> None:
+    q, k, _ = qk()
+    r = check(_on_a_copy(CacheLengthRope(view=True)), q, k, torch.tensor([5]), expect={"apply_rotary": 2}, dynamic=False)
+    assert reasons(r, "rotary_embedding") == ["`add_` writes in place into the positions `getitem` after the tables "
+                                              "are computed: the folded op would read the new values"] * 2
 
 
 class ComplexRope(HFRope):
