@@ -262,9 +262,9 @@ def poison_allocator(device: torch.device | str = "cuda", total_mb: int = 1024) 
 
 
 def _routers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
-    """(module whose output holds router logits, top-k) for every MoE router in ``model``: a module
-    with an integer ``top_k`` and either a 2-D ``weight`` of its own (a router module; its output,
-    or the first element of it, is the logits) or a linear ``gate`` child."""
+    """(module that computes router logits, top-k) for every MoE router in ``model``: a module
+    with an integer ``top_k`` and either a 2-D ``weight`` of its own (a router module) or a
+    linear ``gate`` child; :func:`_logits_of` reads the logits of each call."""
     found = []
     for m in model.modules():
         k = getattr(m, "top_k", None)
@@ -278,19 +278,42 @@ def _routers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
     return found
 
 
+def _logits_of(router: torch.nn.Module, inputs: list[Any], out: Any) -> torch.Tensor:
+    """One router call's logits, [tokens, experts] float32: its weight (and ``bias``) applied to
+    its input, as the call computed them: the tensor of its output closest to that product in
+    float32 (the router's own rounding; the logits need not come first: Llama 4's router returns
+    its scores, then its logits); for an output without them, the product in the weight's dtype.
+    A router whose input is not the weight's: the first tensor of its output."""
+    first = out[0] if isinstance(out, tuple) else out
+    weight, bias = router.weight.detach(), getattr(router, "bias", None)
+    x = next((a for a in inputs if isinstance(a, torch.Tensor)), None)
+    if x is None or x.shape[-1] != weight.shape[1]:
+        return first.detach().float().reshape(-1, first.shape[-1])
+    bias = bias.detach() if isinstance(bias, torch.Tensor) and bias.shape == weight.shape[:1] else None
+    want = torch.nn.functional.linear(x.detach().float(), weight.float(), None if bias is None else bias.float())
+    want = want.reshape(-1, weight.shape[0])
+    outs = [t.detach().float().reshape(want.shape) for t in (out if isinstance(out, tuple) else (out,))
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape[-1:] == weight.shape[:1]
+            and t.numel() == want.numel()]  # fmt: skip
+    if outs:
+        return min(outs, key=lambda t: (t - want).abs().nan_to_num(float("inf")).max().item())
+    low = x.detach().to(weight.dtype)
+    low = torch.nn.functional.linear(low, weight, None if bias is None else bias.to(weight.dtype))
+    return low.float().reshape(want.shape)
+
+
 def _router_logits(model: torch.nn.Module, *args: Any) -> list[tuple[torch.Tensor, int]]:
-    """Call ``model(*args)`` and return each router call's logits ([tokens, experts], float32)
-    and top-k, in call order."""
+    """Call ``model(*args)`` and return each router call's logits ([tokens, experts], float32,
+    :func:`_logits_of`) and top-k, in call order."""
     calls: list[tuple[torch.Tensor, int]] = []
 
     def record(k: int) -> Any:
-        def hook(_m: torch.nn.Module, _args: Any, out: Any) -> None:
-            logits = out[0] if isinstance(out, tuple) else out
-            calls.append((logits.detach().float().reshape(-1, logits.shape[-1]), k))
+        def hook(m: torch.nn.Module, m_args: tuple[Any, ...], m_kwargs: dict[str, Any], out: Any) -> None:
+            calls.append((_logits_of(m, [*m_args, *m_kwargs.values()], out), k))
 
         return hook
 
-    handles = [m.register_forward_hook(record(k)) for m, k in _routers(model)]
+    handles = [m.register_forward_hook(record(k), with_kwargs=True) for m, k in _routers(model)]
     try:
         with torch.no_grad():
             model(*args)

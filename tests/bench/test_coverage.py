@@ -21,6 +21,7 @@ import pytest
 import shrink
 import torch
 import torch.nn.functional as F
+from helpers.families import family_param
 from helpers.rewrites import LlamaRMSNorm
 
 F32 = (torch.float32,)
@@ -222,7 +223,7 @@ def test_a_look_alike_is_not_a_candidate(kind: str) -> None:
 SUBSET = ("llama", "gpt2", "qwen3_moe", "falcon_mamba")
 
 
-@pytest.mark.parametrize("family", SUBSET)
+@pytest.mark.parametrize("family", [family_param(f) for f in SUBSET])
 def test_representative_families_run_through_the_sweep(family: str) -> None:
     row = coverage.run_family(family, F32)
     assert row["status"] in ("fused", "partial"), row.get("error") or row["dtypes"]

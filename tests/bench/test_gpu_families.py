@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import gpu_families as gf
+from helpers.families import family_param
 
 pytest.importorskip("transformers")
 
@@ -40,7 +41,7 @@ def test_pieces_not_captured_are_counted_with_their_reasons() -> None:
                    "submod_4 (sizes [8, 4]): call_function fragile at File m.py, line 9: capture failed: RuntimeError: no"]
 
 
-@pytest.mark.parametrize("family", gf.COVERAGE_FAMILIES)
+@pytest.mark.parametrize("family", [family_param(f) for f in gf.COVERAGE_FAMILIES])
 def test_each_new_family_builds_at_the_bench_shape(family: str) -> None:
     model = gf.build(family)
     vocab, hidden = model.get_input_embeddings().weight.shape

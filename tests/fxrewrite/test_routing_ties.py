@@ -1,5 +1,7 @@
 """``fxrewrite.testing.routing_near_ties``: the tokens an MoE comparison leaves out are those whose
-top-k choice a rounding can flip, found at router modules and at linear ``gate`` children."""
+top-k choice a rounding can flip, found at router modules and at linear ``gate`` children,
+wherever a router's output holds its logits (first, after its scores as Llama 4's, or not at
+all: then its weight and bias applied to its input)."""
 
 from __future__ import annotations
 
@@ -36,12 +38,39 @@ class GatedBlock(nn.Module):
         return self.gate(x.to(self.gate.weight.dtype)).softmax(-1)
 
 
+class ScoresFirstRouter(nn.Linear):
+    """Llama 4's spelling: a linear subclass returning (scores, logits), the scores the sigmoid of
+    the top-k logits scattered over -inf (0 for every expert not chosen)."""
+
+    def __init__(self, weight: torch.Tensor, top_k: int) -> None:
+        super().__init__(weight.shape[1], weight.shape[0], bias=False)
+        self.weight.data.copy_(weight)
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = super().forward(x.to(self.weight.dtype))
+        values, ids = logits.topk(self.top_k, dim=-1)
+        return torch.full_like(logits, float("-inf")).scatter(-1, ids, values).sigmoid(), logits
+
+
+class ChoiceOnlyRouter(Router):
+    """A router with a bias (gpt-oss's) whose output holds only the choice: (weights, ids)."""
+
+    def __init__(self, weight: torch.Tensor, top_k: int) -> None:
+        super().__init__(weight, top_k)
+        self.bias = nn.Parameter(torch.tensor([0.0, 0.0, 0.5]))  # expert 2's bias: 0.5 below the others
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        values, ids = F.linear(x.to(self.weight.dtype), self.weight, self.bias).topk(self.top_k, dim=-1)
+        return values.softmax(-1), ids
+
+
 WEIGHT = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])  # three experts; logits = the token's two values
 TOKENS = torch.tensor([[1.0, 0.999], [1.0, 0.0]])  # a near-tie of experts 0 and 1 (0.999 rounds to 1 in bf16); a clear choice
 
 
 def test_a_near_tie_is_flagged_and_a_clear_choice_is_not() -> None:
-    for model in (Router(WEIGHT, 1), GatedBlock(WEIGHT, 1)):
+    for model in (Router(WEIGHT, 1), GatedBlock(WEIGHT, 1), ScoresFirstRouter(WEIGHT, 1), ChoiceOnlyRouter(WEIGHT, 1)):
         near = routing_near_ties(model, copy.deepcopy(model).to(torch.bfloat16), TOKENS.clone())
         assert near is not None and near.tolist() == [True, False], type(model).__name__
 
@@ -62,3 +91,12 @@ def test_causal_marks_the_later_tokens_of_a_marked_sequence() -> None:
     model = Router(WEIGHT, 1)
     near = routing_near_ties(model, copy.deepcopy(model).to(torch.bfloat16), tokens, causal=(2, 3))
     assert near is not None and near.tolist() == [[False, True, True], [False, False, False]]
+
+
+def test_the_bias_is_part_of_the_logits() -> None:
+    """Negative twin of the choice-only router: a bias that lifts expert 2 to 1.0 makes the
+    clear choice (1.0 against 0.0) a tie of experts 0 and 2, seen only with the bias added."""
+    model = ChoiceOnlyRouter(WEIGHT, 1)
+    model.bias.data[2] = 0.999
+    near = routing_near_ties(model, copy.deepcopy(model).to(torch.bfloat16), TOKENS.clone())
+    assert near is not None and near.tolist() == [True, True]

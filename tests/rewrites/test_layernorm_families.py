@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.families import family_param
 from helpers.rewrites import BF16, F32, compile_modes, fused
 
 from fxrewrite.testing import Compiled, compile_once
@@ -55,7 +56,7 @@ TABLE: dict[str, dict[str, tuple[int, int]]] = {
     "bert": {"layer_norm": (0, 1), "fused_add_layer_norm_": (2, 1)},
 }
 CASES = [
-    pytest.param(family, layers, dtype, dynamic, id=f"{family}-L{layers}-{name}")
+    family_param(family, layers, dtype, dynamic, id=f"{family}-L{layers}-{name}", cls=FAMILIES[family][0])
     for family in FAMILIES
     for layers, dtype, dynamic, name in ((2, F32, True, "f32-dynamic"), (1, BF16, "lifted", "bf16-lifted"))
 ]

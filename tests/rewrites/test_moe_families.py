@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.moe import run_bf16
 from helpers.rewrites import BF16, F32, compile_modes, fused, fused_nodes, sites
 
 from fxrewrite import meta, models
 from fxrewrite.__main__ import main
-from fxrewrite.testing import Compiled, compile_once, routing_near_ties
+from fxrewrite.testing import Compiled, compile_once
 
 # family -> fused op -> (count per layer, count once per model). The add + norm after each MoE
 # block runs functional: its residual is the block's output reshaped (a view), which the
@@ -142,38 +143,13 @@ def test_the_readme_table_matches() -> None:
 
 
 def run_on(device: str, family: str, mode: str) -> tuple[float, dict[str, object], float, float, int, int]:
-    """A 2-layer bf16 ``family`` compiled in ``mode`` on ``device`` and called at 8, 5 (padded to
-    a captured 8) and 1 tokens (a graph of its own: Dynamo specializes a dimension of 1): (fxr.moe
-    per graph, what served fxr.moe, the compiled output's largest error and eager bf16's, each
-    relative to the float32 model's largest value, over the tokens that neither have a routing
-    near-tie nor follow one in their sequence (:func:`fxrewrite.testing.routing_near_ties`), the
-    tokens compared, the tokens left out)."""
-    import copy
-
-    import fxrewrite
-    from fxrewrite.runtime import providers
-
-    torch._dynamo.reset()
-    providers.reset_counts()
+    """A 2-layer ``family`` run by :func:`helpers.moe.run_bf16` on ``device`` in ``mode``: (fxr.moe
+    per graph, what served fxr.moe, the compiled output's largest error and eager bf16's on the
+    tokens no routing near-tie reaches, the tokens compared, the tokens left out)."""
     ref32 = models.build(family, layers=2, hidden=256, heads=4, kv_heads=2, vocab=512).to(device)
-    eager16 = copy.deepcopy(ref32).to(BF16)
-    backend = fxrewrite.Backend(mode=mode, capture_sizes=(1, 2, 4, 8), max_capture_size=8)
-    compiled = backend.compile(copy.deepcopy(eager16))  # merge_siblings re-lays its copy's weights
-    err = err_eager = 0.0
-    kept = left_out = 0
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for tokens in (8, 5, 1, 8):
-            ids = torch.randint(0, 512, (1, tokens), device=device, generator=gen)
-            keep = ~routing_near_ties(ref32, eager16, ids, causal=(1, tokens)).reshape(-1)
-            kept, left_out = kept + int(keep.sum()), left_out + int((~keep).sum())
-            ref = models.hidden_states(ref32(ids)).float().reshape(tokens, -1)
-            for out, name in ((compiled(ids), "compiled"), (eager16(ids), "eager")):
-                diff = (models.hidden_states(out).float().reshape(tokens, -1) - ref)[keep]
-                rel = (diff.abs().max() / ref.abs().max()).item() if keep.any() else 0.0
-                err, err_eager = (max(err, rel), err_eager) if name == "compiled" else (err, max(err_eager, rel))
-    moe_per_graph = backend.report.fused_ops()["moe"] / len(backend.report.graphs)
-    return moe_per_graph, providers.served().get("moe", {}), err, err_eager, kept, left_out
+    r = run_bf16(ref32, mode)
+    moe_per_graph = r.backend.report.fused_ops()["moe"] / len(r.backend.report.graphs)
+    return moe_per_graph, r.served.get("moe", {}), r.err, r.err_eager, r.kept, r.left_out
 
 
 def test_the_end_to_end_check_runs_on_cpu() -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.families import family_param
 from helpers.rewrites import BF16, F32, compile_modes, fused, reasons
 
 from fxrewrite import models
@@ -77,8 +78,8 @@ ROTARIES = {
 }  # fmt: skip
 # Where the fold is new: bf16 (floats lifted, as plain torch.compile leaves them) and static shapes.
 CHANGED = ("roformer", "phimoe", "qwen3_5_text", "llama4_text", "deepseek_v2")
-CASES = [pytest.param(f, F32, True, id=f"{f}-f32-dynamic") for f in ROTARIES] + [
-    pytest.param(f, dtype, dynamic, id=f"{f}-{name}")
+CASES = [family_param(f, F32, True, id=f"{f}-f32-dynamic") for f in ROTARIES] + [
+    family_param(f, dtype, dynamic, id=f"{f}-{name}")
     for f in CHANGED
     for dtype, dynamic, name in ((BF16, "lifted", "bf16-lifted"), (F32, False, "f32-static"))
 ]

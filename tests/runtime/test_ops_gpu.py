@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.gpu import fresh_counts, gen  # noqa: F401  (pytest fixtures of this module)
+from helpers.gpu import force, fresh_counts, gen  # noqa: F401  (fresh_counts, gen: pytest fixtures of this module)
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import activation, collective, moe, norm, norm_variants, quant, rotary
+from fxrewrite.runtime.ops import activation, collective, moe, moe_route, norm, norm_variants, quant, rotary
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -38,15 +38,11 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 # 3420 (Qwen2.5-VL MLP half: not 16-byte rows), 5120.
 # Ops whose arguments are [tokens, hidden] activations; the rotary ops (q/k per head, a cache)
 # have tests/runtime/test_rotary_gpu.py, the all-reduce ops (a process group) test_collective_ops.py,
-# fxr.moe (routing and stacked experts) test_moe_gpu.py.
-GENERIC = [op for op in ops.DEFS if op not in rotary.DEFS + collective.DEFS + moe.DEFS]
+# fxr.moe (routing and stacked experts) test_moe_gpu.py, fxr.moe_route (router logits [tokens,
+# experts] with no two equal in a row, the router's kind; its ids compared exactly)
+# test_moe_route_gpu.py.
+GENERIC = [op for op in ops.DEFS if op not in rotary.DEFS + collective.DEFS + moe.DEFS + moe_route.DEFS]
 SHAPES = [(1, 4096), (7, 4096), (64, 4096), (513, 4096), (4096, 4096), (3, 33), (5, 3420), (2, 5120)]
-
-
-def force(provider: str) -> None:
-    if not providers.available(provider):
-        pytest.skip(f"{provider} is not importable here: {providers._REGISTRY.import_errors.get(provider)}")
-    providers.configure(provider)
 
 
 def is_activation(op: OpDef) -> bool:

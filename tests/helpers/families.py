@@ -1,0 +1,31 @@
+"""Test parameters over HF transformers families, imported as ``helpers.families``: a family the
+installed transformers lacks is skipped with the reason, not failed (families come and go
+between releases: the GPU machine runs transformers 5.17, which has no ``kolibri1``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+def missing(family: str, cls: str | None = None) -> str | None:
+    """Why ``family`` cannot be built with the installed transformers, or None: no transformers,
+    no causal-LM entry ``family`` in its auto mapping (what ``bench/coverage.py`` builds), or,
+    given ``cls``, no class of that name."""
+    try:
+        import transformers as tf
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return "transformers is not installed"
+    if cls is not None:
+        return None if cls in dir(tf) else f"transformers {tf.__version__} has no {cls}"
+    if family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return f"transformers {tf.__version__} has no causal-LM family {family!r}"
+    return None
+
+
+def family_param(family: str, *values: Any, id: str | None = None, cls: str | None = None) -> Any:  # noqa: A002
+    """``pytest.param(family, *values, id=id)``, skipped where :func:`missing` says why."""
+    reason = missing(family, cls)
+    return pytest.param(family, *values, id=id, marks=[pytest.mark.skip(reason=reason)] if reason else [])
