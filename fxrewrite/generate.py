@@ -175,6 +175,33 @@ def logits(model: Callable[..., Any], input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, use_cache=False).logits[0].float()
 
 
+def windows(input_ids: torch.Tensor, count: int, stride: int) -> list[torch.Tensor]:
+    """``count`` slices of ``input_ids`` ([1, T]) of one width, starting ``stride`` tokens apart:
+    one text read at several offsets. Every position and attention sum of a window differs from the
+    next one's, so each window draws a low-precision model's rounding error afresh (what
+    :func:`logit_error` averages over)."""
+    width = input_ids.shape[-1] - stride * (count - 1)
+    if count < 1 or stride < 1 or width < 1:
+        raise ValueError(f"{count} windows {stride} tokens apart do not fit {input_ids.shape[-1]} tokens")
+    return [input_ids[:, k * stride : k * stride + width] for k in range(count)]
+
+
+def logit_error(model: Callable[..., Any], texts: Sequence[torch.Tensor], references: Sequence[torch.Tensor]) -> float:
+    """Mean |logits - reference| over every position of every text (``references``: another model's
+    :func:`logits` of each, say the float32 model's).
+
+    Why several texts (:func:`windows`): in bf16 any change of rounding anywhere, even one GEMM
+    output in 10^4 rounded the other way, redraws the rounding error of every later layer, so the
+    error of one ~300-token text moves by about 5 % (one standard deviation, SmolLM2-135M) between
+    two computations of equal precision, such as eager at one and at two CPU threads; the mean
+    over n texts moves about sqrt(n) times less (``tests/fxrewrite/test_smollm2.py``)."""
+    if len(texts) != len(references) or not texts:
+        raise ValueError(f"{len(texts)} texts for {len(references)} references")
+    errors = [(logits(model, ids) - ref).abs().mean().item() for ids, ref in zip(texts, references)]
+    weights = [ids.shape[-1] for ids in texts]  # a mean over positions, whatever the widths
+    return sum(e * w for e, w in zip(errors, weights)) / sum(weights)
+
+
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """The first position where the token lists differ (a shorter list differs where it ends), or
     None when they are equal."""

