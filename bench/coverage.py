@@ -411,6 +411,39 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _why(r: dict[str, Any]) -> list[str]:
+    """What a row leaves unfused, by kind, with the reason (near miss) or UNEXPLAINED; errors."""
+    if "dtypes" not in r:
+        return [r.get("error", "")[:160]]
+    out = [f"{d['dtype']}: {d['error'][:120]}" for d in r["dtypes"] if not d.get("ok")]
+    out += [f"{d['dtype']}: PASS FAILED {e[:120]}" for d in r["dtypes"] for e in d.get("pass_errors", [])]
+    out += [f"{d['dtype']} error {d['ratio']:.2f}x eager's" for d in r["dtypes"]
+            if d.get("ok") and d["dtype"] != "float32" and not d["numerics_ok"]]  # fmt: skip
+    out += [f"float32 off eager by {d['err_vs_eager']:.1e}" for d in r["dtypes"]
+            if d.get("ok") and d["dtype"] == "float32" and not d["numerics_ok"]]  # fmt: skip
+    left = collections.Counter((s["kind"], (s.get("why") or "UNEXPLAINED").split(" (", 1)[0][:110])
+                               for d in r["dtypes"] for s in d.get("left", []))  # fmt: skip
+    return out + [f"{kind}: {why}" for (kind, why), _ in sorted(left.items())]
+
+
+def readme(rows: list[dict[str, Any]], when: str = "") -> str:
+    """The README's coverage section: the summary, the fused families by name, a row for each
+    other family with what it leaves and why."""
+    s = summary(rows)
+    runs = s["fused"] + s["partial"] + s["fxrewrite fails"]
+    lines = [f"{s['families']} families{when}: {runs} run under Dynamo with `fullgraph=True`; of those {s['fused']} "
+             f"({s['fused_share']:.0%}) fuse every candidate site in float32 and bf16, {s['partial']} leave some "
+             f"unfused, {s['fxrewrite fails']} fail with fxrewrite; {s['dynamo fails']} do not run under Dynamo, "
+             f"{s['no build']} do not build from a config. Unfused sites without a near miss: "
+             f"{s['unexplained_unfused_sites']}.", "",
+             "Every candidate site fused: " + ", ".join(r["family"] for r in rows if r["status"] == "fused") + ".", "",
+             "| family | status | left unfused (kind: why), errors |", "|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if r["status"] != "fused":
+            lines.append(f"| {r['family']} | {r['status']} | {'; '.join(_why(r)) or '-'} |".replace("\n", " "))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--families", default=None, help="comma-separated (default: every causal-LM family)")
@@ -419,15 +452,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600, help="seconds per family before its worker is killed")
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--markdown", default=None, metavar="JSON", help="print the table of an earlier --json run")
+    p.add_argument("--readme", action="store_true", help="print the README's section instead of the full table")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     dtypes = tuple(getattr(torch, d) for d in args.dtypes.split(","))
     if args.worker:
         return _worker(dtypes)
+    when = ""
     if args.markdown:
         with open(args.markdown) as f:
-            rows = json.load(f)["rows"]
+            data = json.load(f)
+        rows, when = data["rows"], f" (transformers {data['transformers']}, torch {data['torch']}, {data['date']})"
     else:
         families = args.families.split(",") if args.families else family_names()
         rows = _run_all(families, args.jobs, args.timeout, args.dtypes, not args.quiet)
@@ -436,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump({"summary": summary(rows), "rows": rows, "torch": torch.__version__,
                            "transformers": _tf_version(),
                            "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"}, f, indent=1)
-    print(markdown(rows))
+    print(readme(rows, when) if args.readme else markdown(rows))
     s = summary(rows)
     print(f"\ntorch {torch.__version__}, transformers {_tf_version()}: " + ", ".join(f"{k} {v if not isinstance(v, float) else f'{v:.0%}'}" for k, v in s.items()))
     return 1 if s["fxrewrite fails"] else 0
