@@ -39,6 +39,58 @@ MAX = sys.maxsize
 SLICE, RESHAPE, PERMUTE = A.slice.Tensor, A.reshape.default, A.permute.default
 FLATTEN, UNFLATTEN = A.flatten.using_ints, A.unflatten.int
 
+RESHAPES = frozenset({RESHAPE, FLATTEN, UNFLATTEN})
+"""The canonical spellings of a reshape (the same elements in the same order, another shape),
+chosen by the shapes: code that looks for "a reshape" accepts each (:func:`reshape_sizes`)."""
+
+SPELLINGS: dict[Any, frozenset[Any]] = {RESHAPE: RESHAPES}
+"""A pattern's target -> the graph targets that may compute the same, their arguments read as
+the pattern's by :func:`args_as`. A pattern is canonicalized without shapes, so its
+``reshape(x, sizes)`` stays ``aten.reshape``; the graph's may have become ``aten.flatten`` or
+``aten.unflatten``, and still pairs with it."""
+
+
+def pairs_with(target: Any) -> frozenset[Any]:
+    """The graph targets a pattern node calling ``target`` may pair with: itself and its
+    :data:`SPELLINGS`."""
+    return SPELLINGS.get(target, frozenset()) | {target}
+
+
+def reshape_sizes(node: fx.Node) -> list[Any] | None:
+    """The sizes ``aten.reshape`` would be written with to compute ``node``, a canonical reshape
+    (:data:`RESHAPES`): a reshape's own list; for ``flatten(x, s, e)`` ``x``'s sizes with dims
+    ``s..e`` as one ``-1``, for ``unflatten(x, d, sizes)`` ``x``'s sizes with dim ``d`` as
+    ``sizes`` (``x``'s sizes ints, or SymInts where symbolic). None for another node, or where
+    ``x``'s shape is unknown::
+
+        aten.unflatten(%h, -1, [-1, 16])  of h: [s0, 64]   -> [s0, -1, 16]
+        aten.flatten(%g, -2, -1)          of g: [s0, 4, 16] -> [s0, -1]
+    """
+    if node.op != "call_function" or node.target not in RESHAPES:
+        return None
+    if node.target is RESHAPE:
+        return list(node.args[1])
+    t = meta.tensor(node.args[0])
+    if t is None or t.dim() == 0:
+        return None
+    shape = list(t.shape)
+    if node.target is FLATTEN:
+        start, end = (d % len(shape) for d in node.args[1:3])
+        return shape[:start] + [-1] + shape[end + 1 :]
+    dim = node.args[1] % len(shape)
+    return shape[:dim] + list(node.args[2]) + shape[dim + 1 :]
+
+
+def args_as(target: Any, node: fx.Node) -> list[Any] | None:
+    """``node``'s arguments as a call of ``target`` takes them, where ``node`` computes what that
+    call would (``target`` a pattern's, ``node.target`` one of its :data:`SPELLINGS`); None where
+    they cannot be read so."""
+    if node.target == target:
+        return list(node.args)
+    if target is RESHAPE and (sizes := reshape_sizes(node)) is not None:
+        return [node.args[0], sizes]
+    return None
+
 
 def reshape(canon: Any, node: fx.Node) -> None:
     """``view`` / ``reshape`` / ``view_as`` / ``reshape_as`` -> removed, ``aten.flatten``,
