@@ -41,8 +41,9 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
   collective, patterns trace to ``.default``.
 
 Pattern graphs (traced with ``torch.fx.symbolic_trace``, no fake values) go through the same code;
-rules that depend on shapes (negative dims, no-op removal) only act where shapes are known, so
-patterns are written with negative dims.
+rules that depend on shapes (negative dims, no-op removal, the reshape spellings) only act where
+shapes are known, so patterns are written with negative dims, and a pattern's reshape stays
+``aten.reshape``: the matcher pairs it with each spelling (``canonicalize_shape.SPELLINGS``).
 """
 
 from __future__ import annotations

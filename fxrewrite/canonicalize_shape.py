@@ -19,6 +19,11 @@ no-op, ``neg_dim`` makes dims negative where ranks are known)::
 * ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed; ``cat``
   drops operands empty along its dim (and a ``cat`` of one operand is that operand);
   ``permute`` of a ``transpose`` / ``permute`` becomes one permute, and the identity is removed.
+
+Which reshape spelling a graph gets depends on shapes, which a pattern does not have: a pattern's
+``reshape(x, sizes)`` stays ``aten.reshape``. :data:`RESHAPES` names the spellings, for code that
+looks for "a reshape"; the matcher pairs a pattern's reshape with each (:data:`SPELLINGS`), its
+sizes read by :func:`reshape_sizes`.
 """
 
 from __future__ import annotations
@@ -60,8 +65,9 @@ def reshape_sizes(node: fx.Node) -> list[Any] | None:
     """The sizes ``aten.reshape`` would be written with to compute ``node``, a canonical reshape
     (:data:`RESHAPES`): a reshape's own list; for ``flatten(x, s, e)`` ``x``'s sizes with dims
     ``s..e`` as one ``-1``, for ``unflatten(x, d, sizes)`` ``x``'s sizes with dim ``d`` as
-    ``sizes`` (``x``'s sizes ints, or SymInts where symbolic). None for another node, or where
-    ``x``'s shape is unknown::
+    ``sizes`` (``x``'s sizes ints, or SymInts where symbolic: no graph node holds them, so a
+    replacement may read only the static entries). None for another node, or where ``x``'s shape
+    is unknown::
 
         aten.unflatten(%h, -1, [-1, 16])  of h: [s0, 64]   -> [s0, -1, 16]
         aten.flatten(%g, -2, -1)          of g: [s0, 4, 16] -> [s0, -1]
