@@ -55,6 +55,7 @@ the pattern's by :func:`args_as`. A pattern is canonicalized without shapes, so 
 ``aten.unflatten``, and still pairs with it."""
 
 
+@functools.cache
 def pairs_with(target: Any) -> frozenset[Any]:
     """The graph targets a pattern node calling ``target`` may pair with: itself and its
     :data:`SPELLINGS`."""
