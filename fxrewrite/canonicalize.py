@@ -26,22 +26,14 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
 * ``x.index_select(d, i)`` / ``torch.index_select`` -> ``aten.index_select`` with a negative dim;
 * ``F.linear`` -> ``aten.linear``; ``x @ w.t()`` (``.T``, ``.mT``, ``transpose``, ``permute``; ``matmul``
   or ``mm``) of a matrix ``w`` -> ``aten.linear(x, w)``;
-* ``view`` and ``reshape`` (and ``view_as`` / ``reshape_as`` of a static shape) -> ``aten.reshape``
-  when the input is contiguous (then both are views); a reshape to the same shape is removed; one
-  that merges the trailing dims and keeps the leading ones -> ``aten.flatten(x, start, -1)``
-  (``stack((-x2, x1), -1).reshape_as(x)`` is ``.flatten(-2)``), and one that splits the last dim
-  into pieces other than 1 -> ``aten.unflatten(x, -1, [-1, *rest])``, as ``x.unflatten`` of the
-  last dim is spelled (``x.reshape(*x.shape[:-1], -1, 2)`` is ``x.unflatten(-1, (-1, 2))``);
-* ``x[..., a:b:s]``, ``chunk`` and ``split`` along one dim -> ``aten.slice.Tensor`` with a negative
-  dim, start 0 for None and end ``sys.maxsize`` for "to the end"; full-range slices are removed;
+* reshapes (``view``, ``reshape``, ``flatten``, ``unflatten``: ``aten.reshape``, or ``aten.flatten`` /
+  ``aten.unflatten`` where they merge or split the last dims), slices (``x[..., a:b]``, ``chunk``,
+  ``split``: ``aten.slice.Tensor``), ``contiguous``, ``expand``, ``cat``, ``permute``:
+  :mod:`fxrewrite.canonicalize_shape`;
 * reduction dims -> a list of negative ints (``mean``, ``amax``, ``sum`` over dims);
-  ``flatten`` -> ``aten.flatten.using_ints`` with negative dims (removed when it keeps the shape);
 * ``F.softmax`` / ``torch.softmax`` / ``x.softmax`` -> ``aten.softmax.int(x, dim)`` with a negative
   dim, its ``dtype=`` argument as a cast before it (what the argument means);
   ``torch.topk`` / ``x.topk`` -> ``aten.topk`` with every argument bound (dim negative);
-* ``contiguous()`` on a contiguous tensor and ``expand`` to the same shape are removed; ``cat``
-  drops operands empty along its dim (and a ``cat`` of one operand is that operand);
-  ``permute`` of a ``transpose`` / ``permute`` becomes one permute, and the identity is removed;
 * ``F.layer_norm`` / ``torch.layer_norm`` -> ``aten.layer_norm`` and ``var`` -> ``aten.var.correction``,
   every argument bound: :mod:`fxrewrite.canonicalize_norm`;
 * a call of an op packet with one overload -> that overload, arguments bound: Dynamo records
@@ -49,41 +41,38 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
   collective, patterns trace to ``.default``.
 
 Pattern graphs (traced with ``torch.fx.symbolic_trace``, no fake values) go through the same code;
-rules that depend on shapes (negative dims, no-op removal) only act where shapes are known, so
-patterns are written with negative dims.
+rules that depend on shapes (negative dims, no-op removal, the reshape spellings) only act where
+shapes are known, so patterns are written with negative dims, and a pattern's reshape stays
+``aten.reshape``: the matcher pairs it with each spelling (``canonicalize_shape.SPELLINGS``).
 """
 
 from __future__ import annotations
 
-import functools
 import operator
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxrewrite import meta
-from fxrewrite.canonicalize_norm import NORMALIZERS
+from fxrewrite import canonicalize_norm, canonicalize_shape, meta
+# the shape forms' targets, named here with the others rules use
+from fxrewrite.canonicalize_shape import FLATTEN, MAX, PERMUTE, RESHAPE, SLICE, UNFLATTEN  # noqa: F401
 
 A = torch.ops.aten
 CAST = torch.ops.prims.convert_element_type.default
-MAX = sys.maxsize
 
 # The canonical targets rules can name.
 ADD, SUB, MUL, DIV, RSUB = A.add.Tensor, A.sub.Tensor, A.mul.Tensor, A.div.Tensor, A.rsub.Scalar
 POW, RSQRT, SQRT, RECIP = A.pow.Tensor_Scalar, A.rsqrt.default, A.sqrt.default, A.reciprocal.default
-MEAN, SLICE, RESHAPE, LINEAR = A.mean.dim, A.slice.Tensor, A.reshape.default, A.linear.default
+MEAN, LINEAR = A.mean.dim, A.linear.default
 SILU, GELU, SIGMOID, NEG = A.silu.default, A.gelu.default, A.sigmoid.default, A.neg.default
-CLAMP, AMAX, FLATTEN, UNFLATTEN = A.clamp.default, A.amax.default, A.flatten.using_ints, A.unflatten.int
+CLAMP, AMAX = A.clamp.default, A.amax.default
 INDEX_SELECT = A.index_select.default
 SUM, SOFTMAX, TOPK = A.sum.dim_IntList, A.softmax.int, A.topk.default
 
 COMMUTATIVE = frozenset({ADD, MUL})
 # Canonical ops that may still become no-ops (after a rewrite changed an input's dtype or shape).
-PERMUTE = A.permute.default
 _NOOP_CANDIDATES = frozenset({CAST, RESHAPE, SLICE, RECIP, PERMUTE})
 
 _DTYPE_METHODS = {
@@ -92,6 +81,9 @@ _DTYPE_METHODS = {
     "bfloat16": torch.bfloat16,
     "double": torch.float64,
 }
+
+# (op, target) -> the normalizer of a form kept in its own module, called with the pass and the node
+NORMALIZERS = {**canonicalize_norm.NORMALIZERS, **canonicalize_shape.NORMALIZERS}
 
 _MATMUL = {("call_function", operator.matmul), ("call_function", torch.matmul), ("call_method", "matmul"),
            ("call_function", torch.mm), ("call_method", "mm")}
@@ -146,9 +138,6 @@ _CLAMP = {("call_function", f) for f in (torch.clamp, torch.clip, torch.clamp_mi
 }
 
 
-_CAT = {("call_function", torch.cat), ("call_function", torch.concat), ("call_function", torch.concatenate)}
-
-
 def _key(node: fx.Node) -> tuple[str, Any]:
     return (node.op, node.target)
 
@@ -173,28 +162,6 @@ def bind_schema(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[t
         else:
             out_args.append(v)
     return tuple(out_args), out_kwargs
-
-
-def _empty_along(t: torch.Tensor | None, dim: int) -> bool:
-    """Whether ``torch.cat(..., dim)`` takes nothing from ``t``: no rows along ``dim``, or the
-    legacy 1-D empty tensor cat skips whatever the rank of the others."""
-    if t is None:
-        return False
-    if t.dim() == 1 and isinstance(t.shape[0], int) and t.shape[0] == 0:
-        return True
-    if not -t.dim() <= dim < t.dim():
-        return False
-    n = t.shape[dim]
-    return isinstance(n, int) and n == 0
-
-
-def _same_promotion(node: fx.Node, operands: list[Any]) -> bool:
-    """Whether ``operands`` alone promote to the dtype ``node`` returns: an empty float32
-    operand makes ``cat([empty_f32, x_bf16])`` float32, and dropping it would change that."""
-    out, values = meta.tensor(node), [meta.tensor(t) for t in operands]
-    if out is None or any(v is None for v in values):
-        return False
-    return functools.reduce(torch.promote_types, [v.dtype for v in values]) == out.dtype
 
 
 class _Canon:
@@ -309,37 +276,6 @@ class _Canon:
             return self.set(node, LINEAR, node.args, node.kwargs)
         if key in _MATMUL:
             return self.matmul(node)
-        if key in (("call_method", "view"), ("call_method", "reshape"), ("call_function", torch.reshape),
-                   ("call_method", "view_as"), ("call_method", "reshape_as")):
-            return self.reshape(node)
-        if key in (("call_method", "flatten"), ("call_function", torch.flatten)):
-            x = node.args[0]
-            start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
-            end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
-            if meta.same_shape(node, x):
-                return self.drop(node, x)  # flattening a 1-d tensor (an engine's positions)
-            return self.set(node, FLATTEN, (x, self.neg_dim(x, start), self.neg_dim(x, end)))
-        if key in (("call_method", "unflatten"), ("call_function", torch.unflatten)):
-            return self.unflatten(node)
-        if key == ("call_method", "contiguous"):
-            t = meta.tensor(node.args[0])
-            if t is not None and t.is_contiguous() and not node.kwargs:
-                return self.drop(node, node.args[0])
-            return None
-        if key in (("call_method", "expand"), ("call_method", "expand_as")) and meta.same_shape(node, node.args[0]):
-            return self.drop(node, node.args[0])
-        if key == ("call_function", operator.getitem) and meta.is_tensor(node.args[0]):
-            return self.getitem(node)
-        if key in (("call_function", torch.chunk), ("call_method", "chunk")):
-            return self.chunk(node)
-        if key in (("call_function", torch.split), ("call_method", "split")):
-            return self.split(node)
-        if key in _CAT:
-            return self.cat(node)
-        if node.op == "call_function" and node.target is PERMUTE:
-            return self.permute(node)
-        if node.op == "call_function" and node.target in (SLICE,):
-            return self.slice_(node, *node.args[:5])
         return None
 
     # -- forms ---------------------------------------------------------------------------------
@@ -415,49 +351,6 @@ class _Canon:
         if src is None or not meta.promotion_makes(src, x.args[1], o):
             return x
         return x.args[0]
-
-    def cat(self, node: fx.Node) -> None:
-        """``cat`` drops operands that are empty along its dim (Phi-3's partial-rotary code keeps
-        ``q[..., rotary_dim:]`` even when the rotation covers the whole head) and the legacy empty
-        ``[0]`` tensors it skips at any dim (a KV cache that starts as ``torch.tensor([])``);
-        ``cat`` of one operand is that operand, unless a user writes the result in place."""
-        tensors = node.args[0] if node.args else node.kwargs.get("tensors")
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int):
-            return None
-        keep = [t for t in tensors if not _empty_along(meta.tensor(t), dim)]
-        if len(keep) == len(tensors) or not keep or not _same_promotion(node, keep):
-            return None
-        if len(keep) == 1 and meta.same_shape(node, keep[0]) and not any(meta.written_args(u) for u in node.users):
-            return self.drop(node, keep[0])
-        node.args, node.kwargs = (keep, dim), {}
-        self.changed += 1
-        return None
-
-    def permute(self, node: fx.Node) -> None:
-        """``permute`` of a ``transpose`` or ``permute`` -> one permute of the source; the identity
-        permutation is removed (a rewrite that views ``[B, H, T, D]`` as ``[B, T, H, D]`` undoes
-        the model's transpose)."""
-        x, dims = node.args[0], node.args[1]
-        r = self.rank(x)
-        if r is None or not isinstance(x, fx.Node) or not all(isinstance(d, int) for d in dims):
-            return None
-        dims = [d % r for d in dims]
-        inner: list[int] | None = None
-        if x.op == "call_method" and x.target == "transpose" and len(x.args) == 3 and all(isinstance(d, int) for d in x.args[1:]):
-            inner = list(range(r))
-            a, b = x.args[1] % r, x.args[2] % r
-            inner[a], inner[b] = inner[b], inner[a]
-        elif x.op == "call_function" and x.target is PERMUTE and all(isinstance(d, int) for d in x.args[1]):
-            inner = [d % r for d in x.args[1]]
-        src = x
-        if inner is not None:
-            dims, src = [inner[d] for d in dims], x.args[0]
-        if dims == list(range(r)):
-            return self.drop(node, src)
-        if src is not x:
-            self.set(node, PERMUTE, (src, dims))
-        return None
 
     def matmul(self, node: fx.Node) -> None:
         """``x @ w.t()`` (``.T``, ``.mT``, ``transpose(0, 1)``, ``permute(1, 0)``; ``matmul`` or
@@ -562,143 +455,6 @@ class _Canon:
         if isinstance(dtype, torch.dtype) and self.dtype(x) == dtype:
             return self.drop(node, x)
         self.set(node, CAST, (x, dtype))
-
-    def reshape(self, node: fx.Node) -> None:
-        x, shape = node.args[0], node.args[1:]
-        if node.target in ("view_as", "reshape_as"):  # the other tensor's shape, as ints where known
-            other = meta.tensor(shape[0]) if len(shape) == 1 else None
-            shape = [tuple(other.shape)] if other is not None and all(isinstance(s, int) for s in other.shape) else [None]
-        if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
-            shape = shape[0]
-        elif len(shape) == 1 and isinstance(shape[0], fx.Node) and not isinstance(meta.value(shape[0]), int):
-            return  # x.view(y.shape): a Size-valued node, kept as written
-        if "size" in node.kwargs or "shape" in node.kwargs:
-            shape = node.kwargs.get("size", node.kwargs.get("shape"))
-        if any(isinstance(s, torch.dtype) for s in shape):
-            return  # view(dtype) reinterprets bits
-        if meta.same_shape(node, x):
-            return self.drop(node, x)
-        t = meta.tensor(x)
-        if node.target in ("view", "view_as") and (t is None or not t.is_contiguous()):
-            return
-        start = _merged_tail(t, meta.tensor(node))
-        if start is not None:
-            return self.set(node, FLATTEN, (x, start, -1))
-        pieces = _split_last(t, meta.tensor(node), list(shape))
-        if pieces is not None:
-            return self.set(node, UNFLATTEN, (x, -1, pieces))
-        if any(s is None for s in shape):
-            return  # x.reshape_as(y) of a symbolic shape that is not a flatten: kept as written
-        self.set(node, RESHAPE, (x, list(shape)))
-
-    def unflatten(self, node: fx.Node) -> None:
-        """``x.unflatten(d, sizes)`` -> ``aten.unflatten.int``; of the last dim, as a reshape
-        splitting it spells it (``[-1, *rest]``); patterns, without shapes, as written."""
-        x = node.args[0]
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        sizes = node.args[2] if len(node.args) > 2 else node.kwargs.get("sizes")
-        if not isinstance(dim, int) or not isinstance(sizes, (list, tuple)):
-            return
-        pieces = _split_last(meta.tensor(x), meta.tensor(node))
-        if pieces is not None:
-            return self.set(node, UNFLATTEN, (x, -1, pieces))
-        self.set(node, UNFLATTEN, (x, self.neg_dim(x, dim), list(sizes)))
-
-    def slice_(
-        self, node: fx.Node, x: Any, dim: int = 0, start: Any = None, end: Any = None, step: Any = None
-    ) -> None:
-        step = 1 if step is None else step
-        start, end, dim = 0 if start is None else start, MAX if end is None else end, self.neg_dim(x, dim)
-        t = meta.tensor(x)
-        if t is not None and isinstance(end, int) and isinstance(t.shape[dim], int) and end >= t.shape[dim]:
-            end = MAX
-        if start == 0 and end == MAX and step == 1:
-            return self.drop(node, x)
-        self.set(node, SLICE, (x, dim, start, end, step))
-
-    def getitem(self, node: fx.Node) -> None:
-        """``x[..., a:b:s]`` and ``x[a:b, :]`` -> one slice along one dim (other forms untouched)."""
-        x, idx = node.args
-        idx = idx if isinstance(idx, tuple) else (idx,)
-        if not all(isinstance(i, slice) or i is Ellipsis for i in idx) or idx.count(Ellipsis) > 1:
-            return
-        real = [(pos, s) for pos, s in enumerate(idx) if isinstance(s, slice) and s != slice(None)]
-        if len(real) > 1:
-            return
-        if not real:
-            return self.drop(node, x)
-        pos, s = real[0]
-        # after an Ellipsis the dim counts from the end; before it (or without one), from the front
-        dim = pos - len(idx) if Ellipsis in idx and pos > idx.index(Ellipsis) else pos
-        self.slice_(node, x, dim, s.start, s.stop, s.step)
-
-    def _split_users(self, node: fx.Node, bounds: list[tuple[int, int]], dim: int) -> None:
-        x = node.args[0]
-        users = list(node.users)
-        if not all(u.target is operator.getitem and isinstance(u.args[1], int) and -len(bounds) <= u.args[1] < len(bounds) for u in users):
-            return
-        for u in users:
-            start, end = bounds[u.args[1]]
-            self.slice_(u, x, dim, start, end)
-        if not node.users:
-            self.graph.erase_node(node)
-
-    def chunk(self, node: fx.Node) -> None:
-        chunks = node.args[1] if len(node.args) > 1 else node.kwargs.get("chunks")
-        self._split(node, lambda size: [-(-size // chunks)] * chunks)
-
-    def split(self, node: fx.Node) -> None:
-        sizes = node.args[1] if len(node.args) > 1 else node.kwargs.get("split_size_or_sections")
-        if isinstance(sizes, fx.Node) or (isinstance(sizes, (list, tuple)) and not all(isinstance(n, int) for n in sizes)):
-            return  # symbolic sizes: the bounds are not known here
-        self._split(node, lambda size: [sizes] * -(-size // sizes) if isinstance(sizes, int) else list(sizes))
-
-    def _split(self, node: fx.Node, pieces: Callable[[int], list[Any]]) -> None:
-        """``chunk`` / ``split`` along a static dim, read by ``getitem`` users -> one slice each."""
-        x = node.args[0]
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-        t = meta.tensor(x)
-        if t is None or not isinstance(t.shape[dim], int):
-            return
-        size = t.shape[dim]
-        bounds, start = [], 0
-        for n in pieces(size):
-            if not isinstance(n, int) or start >= size:
-                break
-            bounds.append((start, min(start + n, size)))
-            start += n
-        self._split_users(node, bounds, self.neg_dim(x, dim))
-
-
-def _merged_tail(x: torch.Tensor | None, out: torch.Tensor | None) -> int | None:
-    """``start`` (negative) when ``out`` is ``x`` with its dims from ``start`` on merged into one
-    and at least one leading dim kept: what ``x.flatten(start)`` makes. Else None."""
-    if x is None or out is None or not 2 <= out.dim() < x.dim():
-        return None
-    keep = out.dim() - 1
-    if not all(meta.dim_key(a) == meta.dim_key(b) for a, b in zip(x.shape[:keep], out.shape[:keep])):
-        return None
-    merged = functools.reduce(operator.mul, x.shape[keep:], 1)
-    return keep - x.dim() if meta.dim_key(merged) == meta.dim_key(out.shape[-1]) else None
-
-
-def _split_last(x: torch.Tensor | None, out: torch.Tensor | None, written: list[Any] = ()) -> list[int] | None:
-    """``[-1, *rest]`` when ``out`` is ``x`` with its last dim split into pieces, none of them 1,
-    every one after the first static (``rest``; the sizes ``written`` in the reshape where Dynamo
-    left an expression of a symbolic head size): what ``x.unflatten(-1, (-1, *rest))`` makes. Else
-    None."""
-    if x is None or out is None or x.dim() == 0 or out.dim() <= x.dim():
-        return None
-    keep = x.dim() - 1
-    if not all(meta.dim_key(a) == meta.dim_key(b) for a, b in zip(x.shape[:keep], out.shape[:keep])):
-        return None
-    first, *rest = out.shape[keep:]
-    if len(written) == out.dim() and all(isinstance(w, int) for w in written[keep + 1 :]):
-        rest = written[keep + 1 :]
-    if not all(isinstance(r, int) and r > 1 for r in rest) or meta.dim_key(first) == 1:
-        return None
-    return [-1, *rest]
-
 
 def noop_source(node: fx.Node) -> fx.Node | None:
     """The input ``node`` passes on unchanged when it is a canonical no-op (a cast to the dtype

@@ -6,7 +6,9 @@ the graph's size. From the anchor the matcher walks the pattern's inputs backwar
 pattern node with a graph node:
 
 * operations pair when their canonical targets are equal and their arguments pair; for ``add``
-  and ``mul`` both argument orders are tried (backtracking);
+  and ``mul`` both argument orders are tried (backtracking); a pattern's ``reshape`` (canonicalized
+  without shapes) also pairs with the graph's ``flatten`` / ``unflatten``, its size list read as a
+  reshape would write it (``canonicalize_shape.SPELLINGS``);
 * a pattern argument (placeholder) binds a graph node the first time and must see the same node
   every later time; a scalar wildcard binds a literal or a symbolic scalar node;
 * a cast in the pattern pairs with nothing when the graph value already has that dtype (the
@@ -34,6 +36,7 @@ import torch.fx as fx
 
 from fxrewrite import meta
 from fxrewrite.canonicalize import ADD, CAST, COMMUTATIVE, DIV, MAX, MUL, SUB
+from fxrewrite.canonicalize_shape import SPELLINGS, args_as
 from fxrewrite.rule import COMPLETE, NOT_A_SITE, Bindings, Rule, Scalar
 
 ARITHMETIC = frozenset({ADD, SUB, MUL, DIV})
@@ -247,7 +250,7 @@ class _Walker:
         if not isinstance(g, fx.Node):
             self.fail(st, f"expected `{_target_name(p.target)}`, found literal {g!r}", None)
             return
-        if g.op != "call_function" or g.target != p.target:
+        if g.op != "call_function" or (g.target != p.target and g.target not in SPELLINGS.get(p.target, ())):
             self.fail(st, lambda: self.mismatch_reason(p, g), g)
             return
         if g in st.owner:
@@ -257,9 +260,13 @@ class _Walker:
         if keyword_set != g.kwargs.keys():
             self.fail(st, f"`{g.name}`: keyword arguments {sorted(g.kwargs)} != {list(keywords)}", g)
             return
+        ga = args_as(p.target, g)
+        if ga is None:
+            self.fail(st, f"`{g.name}` computes a `{_target_name(p.target)}` of a shape not known here", g)
+            return
         st = st.copy()
         st.nodes[p], st.owner[g] = g, p
-        pa, ga = list(p.args), list(g.args)
+        pa = list(p.args)
         if len(pa) != len(ga):
             self.fail(st, f"`{g.name}`: {len(ga)} arguments, pattern has {len(pa)}", g)
             return

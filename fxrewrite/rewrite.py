@@ -35,6 +35,7 @@ from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
 from fxrewrite import meta
 from fxrewrite.canonicalize import CAST, noop_source
+from fxrewrite.canonicalize_shape import pairs_with
 from fxrewrite.match import Failure, Match, inplace_blocker, match_at
 from fxrewrite.passes import mark_site
 from fxrewrite.report import NearMiss, PassResult, Rejected, Site
@@ -220,9 +221,9 @@ def _may_match(p: fx.Node, g: fx.Node) -> bool:
     want: set[Any] = set()
     for a in p.all_input_nodes:
         if a.op == "call_function":
-            want.add(a.target)
+            want |= pairs_with(a.target)
             if a.target is CAST and isinstance(a.args[0], fx.Node) and a.args[0].op == "call_function":
-                want.add(a.args[0].target)  # the graph may have elided this cast
+                want |= pairs_with(a.args[0].target)  # the graph may have elided this cast
     return not want or any(a.op == "call_function" and a.target in want for a in g.all_input_nodes)
 
 

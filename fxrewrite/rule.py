@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from fxrewrite import meta
 from fxrewrite.canonicalize import CAST, canonicalize
+from fxrewrite.canonicalize_shape import pairs_with
 
 
 class RuleError(ValueError):
@@ -216,11 +217,12 @@ class CompiledRule:
     @property
     def anchor_targets(self) -> set[Any]:
         """Targets a graph node may have to start a match: the anchor's, and where the anchor is
-        a cast (which the graph may not need), its input's."""
-        targets = {self.anchor.target}
+        a cast (which the graph may not need), its input's; each with the graph spellings it
+        pairs with (``canonicalize_shape.pairs_with``)."""
+        targets = set(pairs_with(self.anchor.target))
         inner = self.anchor.args[0] if self.anchor.target is CAST else None
         if isinstance(inner, fx.Node) and inner.op == "call_function":
-            targets.add(inner.target)
+            targets |= pairs_with(inner.target)
         return targets
 
     @classmethod

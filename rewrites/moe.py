@@ -69,7 +69,8 @@ import torch.fx as fx
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite import meta
-from fxrewrite.canonicalize import CAST, CLAMP, GELU, MUL, PERMUTE, RESHAPE, SIGMOID, SILU, SLICE, SUM, TOPK
+from fxrewrite.canonicalize import CAST, CLAMP, GELU, MUL, PERMUTE, SIGMOID, SILU, SLICE, SUM, TOPK
+from fxrewrite.canonicalize_shape import RESHAPES
 from fxrewrite.passes import SiteFilter
 from fxrewrite.report import NearMiss, PassResult, Rejected, Site
 from fxrewrite.rewrites import moe_router
@@ -85,7 +86,7 @@ MAX_BLOCK_NODES = 400
 
 # Ops that pass a [T, H] output on unchanged but for dtype and layout (a top-1 block's sum over
 # its one slot included): the block's output is followed through them.
-_PASS_THROUGH = frozenset({CAST, RESHAPE, SUM, torch.ops.aten.squeeze.dim, torch.ops.aten.unsqueeze.default})
+_PASS_THROUGH = frozenset({CAST, *RESHAPES, SUM, torch.ops.aten.squeeze.dim, torch.ops.aten.unsqueeze.default})
 _PASS_THROUGH_METHODS = frozenset({"view", "reshape", "squeeze", "unsqueeze", "contiguous"})
 # Views that lead from a 3-D weight graph input to the GEMM that reads it.
 _WEIGHT_VIEWS = frozenset({PERMUTE, torch.ops.aten.transpose.int})

@@ -43,7 +43,8 @@ import torch
 import torch.fx as fx
 
 from fxrewrite import meta
-from fxrewrite.canonicalize import CAST, CLAMP, DIV, MUL, RESHAPE, SIGMOID, SOFTMAX, SUM, TOPK, A
+from fxrewrite.canonicalize import CAST, CLAMP, DIV, MUL, SIGMOID, SOFTMAX, SUM, TOPK, A
+from fxrewrite.canonicalize_shape import RESHAPES
 from fxrewrite.runtime.ops.moe_route import moe_route_reference
 from fxrewrite.verify import agrees, extract_nodes
 
@@ -415,8 +416,9 @@ def writes(n: fx.Node) -> fx.Node | None:
 
 def _groups(nodes: list[fx.Node], topk: fx.Node, e: Any) -> tuple[int, int, int]:
     """(n_group, topk_group, group_top) from the region's ``[T, G, E/G]`` view, its per-group
-    top-``m`` (or max) and its top-``g`` over ``[T, G]``; (1, 1, 2) without groups."""
-    views = [n for n in nodes if n.target is RESHAPE and (t := meta.tensor(n)) is not None and t.dim() >= 3
+    top-``m`` (or max) and its top-``g`` over ``[T, G]``; (1, 1, 2) without groups. The view is
+    any canonical reshape (``aten.unflatten(scores, -1, [-1, E/G])`` as written in most code)."""
+    views = [n for n in nodes if n.target in RESHAPES and (t := meta.tensor(n)) is not None and t.dim() >= 3
              and meta.dim_key(t.shape[-1] * t.shape[-2]) == meta.dim_key(e)]  # fmt: skip
     if not views:
         return 1, 1, 2

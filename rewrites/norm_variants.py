@@ -18,7 +18,10 @@ Gated RMSNorm, in the orders model code writes it:
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
     y = w * g.view(*lead, n).to(dtype)
 
-The reshapes of the grouped form bind their size lists whole (``Scalar(list)``); the guard
+The reshapes of the grouped form bind their size lists whole (``Scalar(list)``), whichever
+canonical spelling the graph has (the split into groups is ``aten.unflatten(h, -1, [-1, G])``,
+the join ``aten.flatten(g, -2, -1)``, one group of the whole row a reshape to ``[..., 1, n]``:
+the matcher reads each as the reshape's sizes, ``canonicalize_shape.reshape_sizes``); the guard
 checks that they split the last dim into groups and join it back, and the replacement reads the
 group size from the list. These rules run before the plain RMSNorm rules, which would take the
 norm inside each and leave the gate.
@@ -31,13 +34,13 @@ import torch.nn.functional as F
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite import meta
+from fxrewrite.canonicalize import RESHAPE
 from fxrewrite.meta import dim_key, same_sizes
 from fxrewrite.rewrites.norm import (
     DTYPE, EPS, cast_back_guard, cast_last_guard, float32_guard, norm_guard, normed,
 )  # fmt: skip
 from fxrewrite.rule import Bindings, Rule, Scalar
 
-RESHAPE = torch.ops.aten.reshape.default
 SIZES = Scalar(list)
 GATED = {"eps": EPS, "dtype": DTYPE}  # the L2 norm's wildcards too
 GROUPED = {**GATED, "groups": SIZES, "ungroups": SIZES}
@@ -77,8 +80,9 @@ def gated_cast_last_guard(b: Bindings) -> bool | str:
 
 
 def _sizes(values: list) -> list:
-    """A reshape's size list as comparable keys: ints, symbolic expressions of size nodes."""
-    return [dim_key(meta.value(v)) if isinstance(v, torch.fx.Node) else v for v in values]
+    """A reshape's size list as comparable keys: ints, symbolic expressions of size nodes and
+    of SymInts (a flatten's or unflatten's sizes read from its input's shape)."""
+    return [dim_key(meta.value(v) if isinstance(v, torch.fx.Node) else v) for v in values]
 
 
 def groups_guard(b: Bindings) -> bool | str:

@@ -16,7 +16,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxrewrite.canonicalize import CAST, MAX
+from fxrewrite import meta
+from fxrewrite.canonicalize import CAST, FLATTEN, MAX, RESHAPE, UNFLATTEN
+from fxrewrite.canonicalize_shape import args_as, reshape_sizes
 from fxrewrite.rule import trace
 from fxrewrite.testing import Compiled, assert_counts, check_rewrite
 
@@ -390,6 +392,22 @@ def test_reshape_that_does_not_merge_or_split_the_last_dims_stays_a_reshape() ->
               expect={"aten.reshape": 4, "method.view_as": 1, "aten.unflatten": 1}, absent=["aten.flatten"])  # fmt: skip
     assert [tuple(n.args[1:]) for n in calls(r, A.unflatten.int)] == [(-3, [1, 2])]
 
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_each_canonical_reshape_reads_as_the_sizes_a_reshape_writes(dynamic: bool) -> None:
+    """What the matcher pairs a pattern's ``reshape(x, sizes)`` with: ``flatten`` and ``unflatten``
+    read as the size list ``aten.reshape`` would be written with (the input's sizes, SymInts where
+    symbolic, the merged dims one -1), a reshape as its own list. Twin: another op is no reshape."""
+    r = canon(lambda x: (x.view(x.shape[0], x.shape[1], 4, 2) + 1, x.view(x.shape[0], -1) + 1, x.reshape(-1, 8) + 1),
+              x2d(2, 3, 8), dynamic=dynamic, expect={"aten.unflatten": 1, "aten.flatten": 1, "aten.reshape": 1})  # fmt: skip
+    b, t = meta.tensor(placeholder(r, "x")).shape[:2]
+    assert isinstance(b, torch.SymInt) == dynamic
+    (un,), (flat,), (re,) = calls(r, UNFLATTEN), calls(r, FLATTEN), calls(r, RESHAPE)
+    keys = lambda sizes: [meta.dim_key(s) for s in sizes]  # noqa: E731
+    assert keys(reshape_sizes(un)) == keys([b, t, -1, 2]) and keys(reshape_sizes(flat)) == keys([b, -1])
+    assert reshape_sizes(re) == [-1, 8] and args_as(RESHAPE, un) == [un.args[0], reshape_sizes(un)]
+    add = next(iter(un.users))
+    assert reshape_sizes(add) is None and args_as(RESHAPE, add) is None
 
 def test_index_select_method_and_function_become_aten_index_select() -> None:
     cache, pos = x2d(16, 8), torch.tensor([3, 0, 7])

@@ -457,6 +457,56 @@ def test_a_pattern_upcast_pairs_with_nothing_where_promotion_makes_it(x_dtype: t
     assert bool(reasons(r)) == (sites == 0)
 
 
+# -- a pattern's reshape and the graph's canonical spellings of it ------------------------------
+
+RESHAPE = torch.ops.aten.reshape.default
+
+
+def relu_of_reshape(x, sizes):
+    return torch.relu(RESHAPE(x, sizes))
+
+
+def reshape_of_relu(x, sizes):
+    return RESHAPE(torch.relu(x), sizes)
+
+
+def relu_of_pairs(x):
+    return torch.relu(RESHAPE(x, [2, 3, -1, 2]))
+
+
+def reshaped_relu(x, sizes):
+    return RESHAPE(torch.ops.fxrtest.relu_relu(x), sizes)
+
+
+def pairs_relu(x):
+    return RESHAPE(torch.ops.fxrtest.relu_relu(x), [2, 3, -1, 2])
+
+
+RELU_OF_RESHAPE = Rule("relu_of_reshape", relu_of_reshape, reshaped_relu, scalars={"sizes": Scalar(list)})
+RESHAPE_OF_RELU = Rule("reshape_of_relu", reshape_of_relu, reshaped_relu, scalars={"sizes": Scalar(list)})
+RELU_OF_PAIRS = Rule("relu_of_pairs", relu_of_pairs, pairs_relu)
+
+
+def test_a_pattern_reshape_pairs_with_each_canonical_spelling_of_the_graph() -> None:
+    """A pattern is canonicalized without shapes: its ``reshape(x, sizes)`` stays a reshape, where
+    the graph's split of the last dim became ``unflatten`` and its merge of the last dims
+    ``flatten``. Each pairs, the sizes bound as a reshape writes them, also with the reshape as
+    the anchor. Twin: a literal size list, which another split does not write."""
+
+    def f(x):
+        return (torch.relu(x.view(2, 3, 4, 2)), torch.relu(x.view(2, 24)), torch.relu(x.view(6, 8)),
+                torch.relu(x).view(2, 3, 4, 2))  # fmt: skip
+
+    r = check_rewrite(f, t(2, 3, 8), rules=[RELU_OF_RESHAPE, RESHAPE_OF_RELU], dynamic=False,
+                      expect={"fxrtest.relu_relu": 4, "aten.relu": 0, "aten.unflatten": 0, "aten.flatten": 0})  # fmt: skip
+    assert r.counts_before()["method.view"] == 4 and r.report.rules() == {"relu_of_reshape": 3, "reshape_of_relu": 1}
+    sizes = [n.args[1] for n in r.graph.graph.nodes if n.op == "call_function" and n.target is RESHAPE]
+    assert sorted(sizes) == [[2, -1], [2, 3, -1, 2], [2, 3, -1, 2], [6, 8]]
+    r = check_rewrite(lambda x: (torch.relu(x.view(2, 3, 4, 2)), torch.relu(x.view(2, 3, 2, 4))), t(2, 3, 8),
+                      rules=[RELU_OF_PAIRS], dynamic=False, expect={"fxrtest.relu_relu": 1, "aten.unflatten": 1})  # fmt: skip
+    assert reasons(r) == ["`view_1` shape: literal 4 != 2"]
+
+
 # -- replacement checks -----------------------------------------------------------------------
 
 

@@ -138,6 +138,23 @@ def test_single_token_and_top_1() -> None:
     assert fused_args(r)[6] == 1 and not r.report.near_misses
 
 
+def slot_merged(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Top-1 with the one slot dropped by a reshape ``[T, 1, H] -> [T, H]`` instead of a sum:
+    the reshape merges the last dims, canonically ``aten.flatten``."""
+    k, flat = ids.shape[-1], ids.reshape(-1)
+    gate_up = torch.bmm(m.gate_up[flat], x.repeat_interleave(k, dim=0).unsqueeze(-1)).squeeze(-1)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.bmm(m.down[flat], m.act(gate).mul(up).unsqueeze(-1)).squeeze(-1)
+    return (out * w.reshape(-1, 1)).view(-1, k, out.shape[-1]).reshape(x.shape[0], -1)
+
+
+def test_the_block_output_is_followed_through_every_reshape_spelling() -> None:
+    """The block's output is followed through its views (the slot view, then the merge back,
+    an ``aten.flatten``): they go with the block, nothing reads fxr.moe's output through them."""
+    r = check(MoE(experts=slot_merged, top_k=1), x(), expect={"moe": 1})
+    assert r.counts()["aten.flatten"] == r.counts()["aten.reshape"] == 0 and not r.report.near_misses
+
+
 def swapped(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The activation on the up half: not the op's gate-first layout."""
     k, flat = ids.shape[-1], ids.reshape(-1)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from helpers.rewrites import BF16, DYNAMIC, F32, check, fused_nodes, reasons, sites
 
-from fxrewrite.rewrites import norm, norm_variants
+from fxrewrite.rewrites import layernorm, norm, norm_variants
 
 DTYPES = pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 
@@ -469,7 +469,12 @@ def test_rule_order_puts_gated_norms_before_the_plain_ones() -> None:
 
     (group,) = [s for s in PIPELINE if getattr(s, "name", None) == "fuse_norm"]
     rules = list(group.rules)
-    assert rules[: len(norm_variants.RULES)] == norm_variants.RULES
+    # LayerNorm's rules come first on purpose (the RMSNorm rules would take a LayerNorm's second
+    # half, an RMSNorm of the centered input: test_layernorm); the gated norms right after them,
+    # before every plain RMSNorm rule
+    n = len(layernorm.RULES)
+    assert rules[:n] == layernorm.RULES and rules[n : n + len(norm_variants.RULES)] == norm_variants.RULES
+    assert rules[n + len(norm_variants.RULES) :] == norm.RULES
     assert rules.index(norm.RMS_NORM) < rules.index(norm.RMS_NORM_UNWEIGHTED) < rules.index(norm.RMS_NORM_ROUNDED_SCALE)
     assert rules.index(norm.ADD_RMS_NORM) < rules.index(norm.ADD_RMS_NORM_UNWEIGHTED) < rules.index(norm.RMS_NORM)
     assert importlib.import_module("fxrewrite.rewrites").norm_variants is norm_variants

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.rewrites import BF16, DYNAMIC, F32, LlamaRMSNorm, check, fused, fused_nodes, reasons
+from helpers.rewrites import BF16, DYNAMIC, F32, LlamaRMSNorm, check, fused, fused_nodes, reasons, sites
 
 from fxrewrite import Config
 from fxrewrite.rewrites import rotary
@@ -592,6 +592,10 @@ def test_per_head_norms_on_either_side_of_the_rotation(order: str, dtype: torch.
 
 def test_rotation_inside_a_norm_leaves_the_norm_unfused() -> None:
     """Twin: the weight scales the rotated normalized value; a fused norm would scale before
-    rotating, which differs. The rotation fuses, the norm's pieces stay."""
+    rotating, which differs. The rotation fuses; the weighted norm does not take the weight
+    across it. The normalization alone is a weightless RMSNorm, which the norms' weightless rule
+    (rms_norm_unweighted, added after this test was written) fuses: the weight's product stays."""
     model = QKNormRope("inside")
-    check(model, *hidden(), expect=PAIR)
+    r = check(model, *hidden(), expect={**PAIR, "rms_norm": 2})
+    assert [s.rule for s in sites(r) if "norm" in s.rule] == ["rms_norm_unweighted"] * 2
+    assert [n.args[1] for n in fused_nodes(r, "rms_norm")] == [None, None]
