@@ -9,8 +9,8 @@ float32 reference next to eager bf16's (issue 19). GPU only.
 
 Cases: each family of ``fxrewrite.models.MODELS``, the MoE families included (tiny config: hidden
 512, 8 heads of 64, 2 KV heads, 2 layers, vocab 1024, random weights), and the families of
-:data:`COVERAGE_FAMILIES` (GPT-NeoX, StarCoder2, Falcon, Phi, gpt-oss, GLM-4.5-MoE, Llama 4: other
-shapes of model code), built as ``bench/coverage.py`` builds every transformers family (its
+:data:`COVERAGE_FAMILIES` (GPT-NeoX, StarCoder2, Falcon, Phi, gpt-oss, GLM-4.5-MoE, Llama 4, OLMo,
+Qwen3-Next, Bamba, nanochat: other shapes of model code), built as ``bench/coverage.py`` builds every transformers family (its
 ``build(family, Shape(...))`` at the same hidden size, heads and vocabulary; one layer of each
 kind, at least two; SDPA where the family has it, else its eager attention, as gpt-oss), in each
 mode (none, piecewise, full), compiled with ``Backend(mode=...).compile(model)`` (``dynamic=True``,
@@ -56,8 +56,11 @@ from typing import Any
 import torch
 
 FAMILY_SHAPE = dict(layers=2, hidden=512, heads=8, kv_heads=2, vocab=1024)
-# families that are not Llama-shaped, built by bench/coverage.py at FAMILY_SHAPE's size (issue 34)
-COVERAGE_FAMILIES = ("gpt_neox", "starcoder2", "falcon", "phi", "gpt_oss", "glm4_moe", "llama4_text")
+# families that are not Llama-shaped, built by bench/coverage.py at FAMILY_SHAPE's size (issue 34),
+# and those of issue 29's mechanisms: LayerNorm without weight or bias (olmo), the gated RMSNorm
+# after Gated DeltaNet (qwen3_next) and Mamba2's over groups (bamba), the weightless RMSNorm (nanochat)
+COVERAGE_FAMILIES = ("gpt_neox", "starcoder2", "falcon", "phi", "gpt_oss", "glm4_moe", "llama4_text", "olmo",
+                     "qwen3_next", "bamba", "nanochat")
 SHAPES = ((1, 9), (4, 17), (1, 1), (8, 1))
 MODES = ("none", "piecewise", "full")
 MARK = "RESULT "
