@@ -18,6 +18,10 @@ Gated RMSNorm, in the orders model code writes it:
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
     y = w * g.view(*lead, n).to(dtype)
 
+    # gate first, norm over the whole row, no reshapes (Mamba2's norm in transformers 5.17)
+    h = x.float() * F.silu(z.float())                          y = torch.ops.fxr.rms_norm_gated(x, z, w, eps, None, True)
+    y = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
 The reshapes of the grouped form bind their size lists whole (``Scalar(list)``), whichever
 canonical spelling the graph has (the split into groups is ``aten.unflatten(h, -1, [-1, G])``,
 the join ``aten.flatten(g, -2, -1)``, one group of the whole row a reshape to ``[..., 1, n]``:
@@ -143,10 +147,15 @@ def rms_norm_gated_sigmoid_cast_last_replacement(x, gate, weight, eps):
     return torch.ops.fxr.rms_norm_gated(x, gate, weight, eps, None, False, "sigmoid", True)
 
 
+def gated_first(x, gate):
+    """The gate applied before the norm, in float32."""
+    return x.to(torch.float32) * F.silu(gate.to(torch.float32))
+
+
 # gate first, norm over groups: w * group_norm(x.float() * silu(gate.float())).to(dtype)
 #   -> fxr.rms_norm_gated(x, gate, weight, eps, G, True)
 def rms_norm_gated_groups_pattern(x, gate, weight, eps, dtype, groups, ungroups):
-    h = RESHAPE(x.to(torch.float32) * F.silu(gate.to(torch.float32)), groups)
+    h = RESHAPE(gated_first(x, gate), groups)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * RESHAPE(h, ungroups).to(dtype)
 
@@ -155,6 +164,20 @@ def rms_norm_gated_groups_replacement(x, gate, weight, eps, groups):
     return torch.ops.fxr.rms_norm_gated(x, gate, weight, eps, groups[-1], True)
 
 
+# gate first, norm over the whole row (no reshapes): w * norm(x.float() * silu(gate.float())).to(dtype)
+#   -> fxr.rms_norm_gated(x, gate, weight, eps, None, True)
+def rms_norm_gated_first_pattern(x, gate, weight, eps, dtype):
+    h = gated_first(x, gate)
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+def rms_norm_gated_first_replacement(x, gate, weight, eps):
+    return torch.ops.fxr.rms_norm_gated(x, gate, weight, eps, None, True)
+
+
+RMS_NORM_GATED_FIRST = Rule(
+    "rms_norm_gated_first", rms_norm_gated_first_pattern, rms_norm_gated_first_replacement, gated_guard, GATED
+)
 RMS_NORM_GATED = Rule("rms_norm_gated", rms_norm_gated_pattern, rms_norm_gated_replacement, gated_guard, GATED)
 RMS_NORM_GATED_SIGMOID = Rule(
     "rms_norm_gated_sigmoid", rms_norm_gated_sigmoid_pattern, rms_norm_gated_sigmoid_replacement, gated_guard, GATED
@@ -177,6 +200,6 @@ L2_NORM_FLOAT32 = Rule("l2_norm_float32", l2_norm_float32_pattern, l2_norm_repla
 # holds a plain RMSNorm. In float32 (casts elided) the rounding orders are one computation: the
 # first of each pair takes it.
 RULES: list[Rule] = [
-    RMS_NORM_GATED_GROUPS, RMS_NORM_GATED, RMS_NORM_GATED_SIGMOID, RMS_NORM_GATED_CAST_LAST,
+    RMS_NORM_GATED_GROUPS, RMS_NORM_GATED_FIRST, RMS_NORM_GATED, RMS_NORM_GATED_SIGMOID, RMS_NORM_GATED_CAST_LAST,
     RMS_NORM_GATED_SIGMOID_CAST_LAST, L2_NORM, L2_NORM_FLOAT32,
 ]  # fmt: skip

@@ -8,6 +8,7 @@ and bf16, and negative twins whose one defect keeps the rule off.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 
 import pytest
@@ -420,6 +421,53 @@ def test_groups_guard_refuses_sizes_that_do_not_group_the_row() -> None:
         "reshape to [10, 64] does not join the groups back into (2, 5, 64)")
 
 
+# -- gated RMSNorm: gate first, norm over the whole row (no reshapes) -------------------------------
+
+
+def whole_row_gate(act: Callable[[torch.Tensor], torch.Tensor] = F.silu, dim: int = -1) -> Callable[..., torch.Tensor]:
+    def gated(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32) * act(z.to(torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(dim, keepdim=True) + 1e-6)
+        return w * h.to(x.dtype)
+
+    return gated
+
+
+@pytest.mark.parametrize("heads", [1, 4], ids=["rows", "per-head"])
+@DTYPE_DYNAMIC
+def test_gate_first_whole_row_rms_norm(dtype: torch.dtype, dynamic: bool | str, heads: int) -> None:
+    r = compiled(whole_row_gate(), dtype, {"rms_norm_gated": 1}, inputs=2, heads=heads, weight=64 // heads,
+                 dynamic=dynamic, exact=dtype == BF16)  # fmt: skip
+    assert fused_rules(r) == ["rms_norm_gated_first"] and not r.report.near_misses
+    ((x, z, w, eps, group_size, gate_first),) = [n.args for n in fused_nodes(r, "rms_norm_gated")]
+    assert (group_size, gate_first) == (None, True)
+    assert r.counts()["aten.silu"] == r.counts()["aten.rsqrt"] == 0
+
+
+@pytest.mark.parametrize(
+    ("defect", "reason"),
+    [("sigmoid-gate", None),  # fails at the gate, early in the walk from the weight: below near_miss_min
+     ("broadcast-gate", "guard: gate shape (2, 5, 1) != input shape (2, 5, 64)")],
+)  # fmt: skip
+def test_gate_first_whole_row_negative_twins_fuse_only_the_norm(defect: str, reason: str | None) -> None:
+    """Another activation, a gate that broadcasts: the rule refuses; the norm of the gated value
+    fuses alone (weightless, in float32: the weight multiplies after the cast) and the gate stays."""
+
+    def defective(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        z = z[..., :1] if defect == "broadcast-gate" else z
+        return whole_row_gate(torch.sigmoid if defect == "sigmoid-gate" else F.silu)(x, z, w)
+
+    r = compiled(defective, BF16, {"rms_norm": 1}, inputs=2, weight=64, dynamic=False)
+    assert reasons(r, "rms_norm_gated_first") == ([reason] if reason else [])
+    assert fused_rules(r) == ["rms_norm_unweighted"]
+    assert r.counts()["aten.sigmoid" if defect == "sigmoid-gate" else "aten.silu"] == 1
+
+
+def test_gate_first_whole_row_negative_twin_mean_over_another_dim() -> None:
+    r = compiled(whole_row_gate(dim=-2), BF16, {}, inputs=2, weight=64, dynamic=False)
+    assert reasons(r, "rms_norm_gated_first") == ["`mean` dim: literal -2 != -1"]
+
+
 # -- the transformers modules themselves ---------------------------------------------------------
 
 
@@ -442,16 +490,26 @@ HF = {
     "kimi-gated-sigmoid": ("kimi_linear.modeling_kimi_linear", "KimiLinearRMSNormGated", (64,), 2,
                            {"rms_norm_gated": 1}),
     "bamba-gated-groups": ("bamba.modeling_bamba", "BambaRMSNormGated", (64, 16), 2, {"rms_norm_gated": 1}),
+    "bamba-gated-whole-row": ("bamba.modeling_bamba", "BambaRMSNormGated", (64,), 2, {"rms_norm_gated": 1}),
     "nemotron-h-gated-one-group": ("nemotron_h.modeling_nemotron_h", "NemotronHRMSNormGated", (64, 64), 2,
                                    {"rms_norm_gated": 1}),
 }  # fmt: skip
+
+
+# Spellings that changed across transformers releases: the constructor's leading parameters of each
+# (BambaRMSNormGated normalizes over groups in 5.24, over the whole row in 5.17).
+SIGNATURES = {"bamba-gated-groups": ["hidden_size", "group_size"], "bamba-gated-whole-row": ["hidden_size", "eps"]}
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", list(HF))
 def test_transformers_modules(case: str, dtype: torch.dtype) -> None:
     path, name, args, inputs, expect = HF[case]
-    module = _module(path, name)(*args)
+    cls = _module(path, name)
+    params = list(inspect.signature(cls).parameters)
+    if case in SIGNATURES and params[: len(SIGNATURES[case])] != SIGNATURES[case]:
+        pytest.skip(f"{name}{params} is the other spelling in this transformers")
+    module = cls(*args)
 
     def call(*xs: torch.Tensor) -> torch.Tensor:
         return module(*xs)
