@@ -7,7 +7,9 @@ The rules (``RULES``) match the rotation itself, whatever computed the tables::
                                                        cat((x1*cos - x2*sin, x2*cos + x1*sin)).to(dt)
         -> fxr.apply_rotary(x, cos, sin, interleaved, full_tables)
 
-and the GPT-J (interleaved) forms of both, the complex form (Llama 4, DeepSeek-V2: pairs of x as
+the GPT-J (interleaved) forms of both, each also in the other direction (``rotate_half`` as
+``cat((x2, -x1))``, nanochat: the rotation by the negated angle, ``fxr.apply_rotary(x, cos, -sin,
+..)``), the complex form (Llama 4, DeepSeek-V2: pairs of x as
 complex numbers times complex angles ``freqs``, whose real and imaginary parts are the
 half-width tables), and partial rotary (``cat((rotate(x[..., :r]), x[..., r:]))``). The next
 stage (``rotary_tables.py``, the ``fold_rotary`` pass) folds the tables into a cache indexed by
@@ -122,6 +124,27 @@ def _interleaved_half(x, cos, sin):
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
+# The other direction (``rotate_half`` as ``cat((x2, -x1))``): the rotation by -angle, that is the
+# one above with sin negated. Its replacements rotate by ``-sin``; fold_rotary folds the sign
+# into the cache's sin half.
+def _neox_full_reverse(x, cos, sin, half):
+    return x * cos + torch.cat((x[..., half:], -x[..., :half]), dim=-1) * sin
+
+
+def _neox_half_reverse(x, cos, sin, half):
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+
+
+def _interleaved_full_reverse(x, cos, sin):
+    return x * cos + torch.stack((x[..., 1::2], -x[..., 0::2]), dim=-1).flatten(-2) * sin
+
+
+def _interleaved_half_reverse(x, cos, sin):
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).flatten(-2)
+
+
 # x * cos + rotate_half(x) * sin -> fxr.apply_rotary(x, cos, sin, False, True)   (HF)
 def neox_full_pattern(x, cos, sin, half):
     return _neox_full(x, cos, sin, half)
@@ -212,6 +235,74 @@ def complex_upcast_replacement(x, freqs, dtype):
     return torch.ops.fxr.apply_rotary(x, torch.real(freqs), torch.imag(freqs), True, False).to(dtype)
 
 
+# x * cos + cat((x2, -x1)) * sin -> fxr.apply_rotary(x, cos, -sin, False, True)   (rotate_half the other way)
+def neox_full_reverse_pattern(x, cos, sin, half):
+    return _neox_full_reverse(x, cos, sin, half)
+
+
+def neox_full_reverse_replacement(x, cos, sin):
+    return torch.ops.fxr.apply_rotary(x, cos, -sin, False, True)
+
+
+def neox_full_reverse_upcast_pattern(x, cos, sin, half, dtype):
+    return _neox_full_reverse(x.to(torch.float32), cos, sin, half).to(dtype)
+
+
+def neox_full_reverse_upcast_replacement(x, cos, sin, dtype):
+    return torch.ops.fxr.apply_rotary(x, cos, -sin, False, True).to(dtype)
+
+
+# cat((x1*cos + x2*sin, x2*cos - x1*sin)) -> fxr.apply_rotary(x, cos, -sin, False, False)
+def neox_half_reverse_pattern(x, cos, sin, half):
+    return _neox_half_reverse(x, cos, sin, half)
+
+
+def neox_half_reverse_replacement(x, cos, sin):
+    return torch.ops.fxr.apply_rotary(x, cos, -sin, False, False)
+
+
+def neox_half_reverse_upcast_pattern(x, cos, sin, half, dtype):
+    return _neox_half_reverse(x.to(torch.float32), cos, sin, half).to(dtype)
+
+
+def neox_half_reverse_upcast_replacement(x, cos, sin, dtype):
+    return torch.ops.fxr.apply_rotary(x, cos, -sin, False, False).to(dtype)
+
+
+# x * cos + stack((x[1::2], -x[0::2])).flatten(-2) * sin -> fxr.apply_rotary(x, cos, -sin, True, True)
+def interleaved_full_reverse_pattern(x, cos, sin):
+    return _interleaved_full_reverse(x, cos, sin)
+
+
+def interleaved_full_reverse_replacement(x, cos, sin):
+    return torch.ops.fxr.apply_rotary(x, cos, -sin, True, True)
+
+
+def interleaved_full_reverse_upcast_pattern(x, cos, sin, dtype):
+    return _interleaved_full_reverse(x.to(torch.float32), cos, sin).to(dtype)
+
+
+def interleaved_full_reverse_upcast_replacement(x, cos, sin, dtype):
+    return torch.ops.fxr.apply_rotary(x, cos, -sin, True, True).to(dtype)
+
+
+# stack((x1*cos + x2*sin, x2*cos - x1*sin)).flatten(-2) -> fxr.apply_rotary(x, cos, -sin, True, False)
+def interleaved_half_reverse_pattern(x, cos, sin):
+    return _interleaved_half_reverse(x, cos, sin)
+
+
+def interleaved_half_reverse_replacement(x, cos, sin):
+    return torch.ops.fxr.apply_rotary(x, cos, -sin, True, False)
+
+
+def interleaved_half_reverse_upcast_pattern(x, cos, sin, dtype):
+    return _interleaved_half_reverse(x.to(torch.float32), cos, sin).to(dtype)
+
+
+def interleaved_half_reverse_upcast_replacement(x, cos, sin, dtype):
+    return torch.ops.fxr.apply_rotary(x, cos, -sin, True, False).to(dtype)
+
+
 def partial_guard(b: Bindings) -> bool | str:
     """The rotated slice is exactly the table width; the rest passes through."""
     width = b["cos"].shape[-1] * (1 if b["full"] else 2)
@@ -253,11 +344,28 @@ ROTATION_RULES: list[Rule] = [
          all_of(complex_guard, casts_back_guard), _D),
     Rule("rotary_complex", complex_pattern, complex_replacement, complex_guard),
 ]  # fmt: skip
+# The other direction of each (sin negated), in the same order.
+REVERSE_RULES: list[Rule] = [
+    Rule("rotary_neox_reverse_upcast", neox_full_reverse_upcast_pattern, neox_full_reverse_upcast_replacement,
+         all_of(neox_full_guard, casts_back_guard), _HD),
+    Rule("rotary_neox_reverse", neox_full_reverse_pattern, neox_full_reverse_replacement, neox_full_guard, _H),
+    Rule("rotary_neox_half_reverse_upcast", neox_half_reverse_upcast_pattern, neox_half_reverse_upcast_replacement,
+         all_of(neox_half_guard, casts_back_guard), _HD),
+    Rule("rotary_neox_half_reverse", neox_half_reverse_pattern, neox_half_reverse_replacement, neox_half_guard, _H),
+    Rule("rotary_interleaved_reverse_upcast", interleaved_full_reverse_upcast_pattern,
+         interleaved_full_reverse_upcast_replacement, all_of(interleaved_full_guard, casts_back_guard), _D),
+    Rule("rotary_interleaved_reverse", interleaved_full_reverse_pattern, interleaved_full_reverse_replacement,
+         interleaved_full_guard),
+    Rule("rotary_interleaved_half_reverse_upcast", interleaved_half_reverse_upcast_pattern,
+         interleaved_half_reverse_upcast_replacement, all_of(interleaved_half_guard, casts_back_guard), _D),
+    Rule("rotary_interleaved_half_reverse", interleaved_half_reverse_pattern, interleaved_half_reverse_replacement,
+         interleaved_half_guard),
+]  # fmt: skip
 PARTIAL = Rule(
     "rotary_partial", partial_pattern, partial_replacement, partial_guard,
     {"r": HALF, "interleaved": FLAG, "full": FLAG},
 )  # fmt: skip
-RULES: list[Rule] = ROTATION_RULES + [PARTIAL]
+RULES: list[Rule] = ROTATION_RULES + REVERSE_RULES + [PARTIAL]
 
 # --------------------------------------------------------------------------- pairing q and k
 

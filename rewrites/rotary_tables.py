@@ -37,7 +37,7 @@ import torch.fx as fx
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite import meta
-from fxrewrite.canonicalize import CAST, PERMUTE, RESHAPE
+from fxrewrite.canonicalize import CAST, NEG, PERMUTE, RESHAPE
 from fxrewrite.match import VIEW_METHODS, VIEW_TARGETS
 from fxrewrite.meta import dim_key
 from fxrewrite.report import NearMiss, PassResult
@@ -313,6 +313,16 @@ def _source(node: fx.Node) -> fx.Node:
     return node
 
 
+def _signed_source(node: fx.Node) -> tuple[fx.Node, bool]:
+    """``node`` with reshapes and negations peeled off, and whether it negates what is left (the
+    rotations the other way round read ``-sin``: the sign goes into the cache, and the tables
+    are evaluated once for both directions)."""
+    negated, node = False, _source(node)
+    while node.op == "call_function" and node.target is NEG and isinstance(node.args[0], fx.Node):
+        negated, node = not negated, _source(node.args[0])
+    return node, negated
+
+
 def _position_axes(t: torch.Tensor) -> list[int]:
     """The dims of the graph's positions ``t`` that other positions may run along: its last dim
     that is not 1 (the tokens); for one token (every dim 1, a decode step) each dim, last first,
@@ -353,8 +363,10 @@ def _half_of(table: torch.Tensor, interleaved: bool, what: str) -> torch.Tensor:
 CHECKED_POSITIONS = 1024  # positions re-evaluated, shuffled, to check the tables are per position
 
 
-def build_cache(tables: _Tables, width: int, full: bool, interleaved: bool, max_positions: int, device: Any) -> torch.Tensor:
-    """``[P, R]`` float32 ``cat(cos, sin)`` of the half-width angles per position, checked."""
+def build_cache(tables: _Tables, width: int, full: bool, interleaved: bool, max_positions: int, device: Any,
+                negated: tuple[bool, bool] = (False, False)) -> torch.Tensor:  # fmt: skip
+    """``[P, R]`` float32 ``cat(cos, sin)`` of the half-width angles per position, checked;
+    ``negated``: cos, sin read negated by the rotation."""
     p = tables.rows(max_positions)
     pos_t = meta.tensor(tables.positions)
     arange = torch.arange(p, device=device)
@@ -369,6 +381,7 @@ def build_cache(tables: _Tables, width: int, full: bool, interleaved: bool, max_
         raise _NotFoldable("cos/sin are not per-position tables (shuffled positions do not shuffle them)")
     if full:
         cos, sin = _half_of(cos, interleaved, "cos"), _half_of(sin, interleaved, "sin")
+    cos, sin = (-t if neg else t for t, neg in zip((cos, sin), negated))
     return torch.cat((cos, sin), dim=-1).float().contiguous()
 
 
@@ -411,16 +424,18 @@ class _Folder:
         x, cos, sin, interleaved, full = n.args
         # Layers that each reshape the model's tables (HF's per-layer ``cos.unsqueeze(1)``) read
         # the same values: evaluate the tables once per source, not once per layer.
-        key = (_source(cos), _source(sin), interleaved, full)
+        (c, c_neg), (s, s_neg) = _signed_source(cos), _signed_source(sin)
+        key = (c, s, c_neg, s_neg, interleaved, full)
         if key in self.unfoldable:  # every layer reading these tables fails alike
             raise _NotFoldable(self.unfoldable[key])
         if key not in self.caches:
             if self._order is None:
                 self._order = {node: i for i, node in enumerate(self.graph.nodes)}
             try:
-                tables = _Tables(self.gm, key[0], key[1], self._order, self.writers)
+                tables = _Tables(self.gm, c, s, self._order, self.writers)
                 width = meta.tensor(cos).shape[-1]
-                value = build_cache(tables, width, full, interleaved, self.max_positions, meta.tensor(x).device)
+                value = build_cache(tables, width, full, interleaved, self.max_positions, meta.tensor(x).device,
+                                    (c_neg, s_neg))  # fmt: skip
             except _NotFoldable as e:
                 self.unfoldable[key] = str(e)
                 raise
