@@ -217,14 +217,14 @@ _FI = "flashinfer.norm"
 _triton_kernel = functools.partial(providers.triton_kernel, module=TRITON_LAYER_NORM)
 
 
-# Not yet measured (the lead times them on the GPU, bench/bench_ops.py): flashinfer's kernel
-# first where a call fits it (a library kernel, one CUDA block per row, vectorized loads), our
-# Triton kernel after it for every other call (bf16 weights, as a bf16 checkpoint holds them;
-# no weight or bias; float32 or fp16 inputs; strided rows). For the add, one Triton launch
-# first: torch's add then flashinfer's norm is two.
+# Measured (bench/bench_ops.py, H100, torch 2.11, 2026-11-25; bench/RESULTS.md): our Triton
+# kernel beats flashinfer's at every token count (LayerNorm of [T, 4096] bf16 with float32 affine:
+# 2.35 / 2.48 / 3.59 / 5.75 / 30.8 us against 3.05 / 3.10 / 4.23 / 8.37 / 54.5 at T = 1 / 8 / 64 /
+# 512 / 4096), so Triton first; flashinfer serves where Triton does not import. For the add, one
+# Triton launch against torch's add then flashinfer's norm (2.46 / 48.7 us against 4.24 / 89.3).
 LAYER_NORM_KERNELS = (
-    Kernel("flashinfer", flashinfer_layer_norm, flashinfer_check, module=_FI),
     _triton_kernel("layer_norm", triton_check),
+    Kernel("flashinfer", flashinfer_layer_norm, flashinfer_check, module=_FI),
 )
 FUSED_ADD_KERNELS = (
     _triton_kernel("fused_add_layer_norm", triton_add_check),
