@@ -231,7 +231,7 @@ def _find(attn: fx.Node) -> _Site | None:
 
 def _first_fp8(out: fx.Node) -> tuple[fx.Node | None, set[fx.Node]]:
     """The first node (graph order) at most :data:`MAX_HOPS` users away from ``out`` whose value
-    is FP8, and the nodes on the way from ``out`` to it."""
+    is FP8, and the nodes on the way from ``out`` to it (:func:`_between`)."""
     frontier, seen = [out], {out}
     for _ in range(MAX_HOPS):
         frontier = [u for n in frontier for u in n.users if u not in seen and u.op == "call_function"]
@@ -239,10 +239,28 @@ def _first_fp8(out: fx.Node) -> tuple[fx.Node | None, set[fx.Node]]:
         hits = [n for n in frontier if (t := meta.tensor(n)) is not None and t.dtype == FP8_DTYPE]
         if hits:
             quant = min(hits, key=lambda n: n.meta["_fxr_pos"])
-            return quant, meta.ancestors(quant, stop=out) & seen
+            return quant, _between(out, quant)
         if not frontier:
             break
     return None, set()
+
+
+def _between(out: fx.Node, quant: fx.Node) -> set[fx.Node]:
+    """The nodes on the way from ``out`` to ``quant``: those ``quant`` reads (directly or not)
+    that read ``out`` (directly or not). Graph order bounds the walks to the nodes between the two."""
+    lo = out.meta["_fxr_pos"]
+
+    def back(start: fx.Node) -> set[fx.Node]:
+        seen, stack = set(), [start]
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack += [a for a in n.all_input_nodes if a.meta.get("_fxr_pos", -1) > lo]
+        return seen
+
+    span = back(quant)
+    return {n for n in span if any(a is out for m in back(n) for a in m.all_input_nodes)}
 
 
 def _refusal(site: _Site, decl: AttentionQuant | None) -> str | None:
