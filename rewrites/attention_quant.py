@@ -153,7 +153,7 @@ class AttentionQuant:
 @dataclasses.dataclass
 class _Site:
     """One attention call whose output reaches an FP8 value: the reshapes from the call to the
-    value quantized, the quantizer's match (or why there is none), its scale."""
+    value quantized, the FP8 value, the quantizer's match, and why it does not fuse (if so)."""
 
     attn: fx.Node
     views: list[fx.Node]
@@ -184,19 +184,16 @@ def fuse_attention_quant(
             continue  # nothing FP8 computed from this output: not a site
         decl = next((d for op, d in declared.items() if target_matches(attn.target, op)), None)
         why = site.reason or _refusal(site, decl)
-        if why is None and site_filter is not None:
-            why = site_filter(attn, [attn, *site.views, *site.match.internal])
-            if why is not None:
-                result.rejected.append(Rejected(RULE, attn.name, meta.source_line(attn), why))
-                continue
-        if why is None:
-            assert decl is not None
-            why = _replace(gm.graph, site, decl, fake_mode, result)
-            if why is not None:
-                result.rejected.append(Rejected(RULE, attn.name, meta.source_line(attn), why))
+        if why is not None:
+            result.near_misses.append(NearMiss(RULE, attn.name, meta.source_line(attn), site.quant.name, why,
+                                               meta.module_path(attn)))  # fmt: skip
             continue
-        result.near_misses.append(NearMiss(RULE, attn.name, meta.source_line(attn), site.quant.name, why,
-                                           meta.module_path(attn)))  # fmt: skip
+        assert decl is not None
+        refusal = site_filter(attn, [attn, *site.views, *site.match.internal]) if site_filter is not None else None
+        if refusal is None:
+            refusal = _replace(gm.graph, site, decl, fake_mode, result)
+        if refusal is not None:
+            result.rejected.append(Rejected(RULE, attn.name, meta.source_line(attn), refusal))
     return result
 
 

@@ -185,3 +185,18 @@ def test_declaration_is_checked() -> None:
         AttentionQuant(ATTN, torch.ops.fxrtest_aq.attn_quant_bad.default, "scale")
     with pytest.raises(TypeError, match="must be a torch op"):
         AttentionQuant(ATTN, "fxrtest_aq::missing", "scale")
+
+
+def test_match_filter_refuses_a_site() -> None:
+    """Config.match_filter (bisection) sees the site as a FusionMatch and may refuse it."""
+    seen: list[object] = []
+
+    def refuse(m: object) -> str:
+        seen.append(m)
+        return "refused by the filter"
+
+    config = Config(splitting_ops=(ATTN,), attention_quant=DECLARED, match_filter=refuse)
+    r = check(Layer(), *inputs(BF16), expect={}, exact=True, config=config)
+    assert counts(r, "fxrtest_aq.attn") == 1 and counts(r, "fxrtest_aq.attn_quant") == 0
+    assert [m.anchor.target for m in seen] == [ATTN]  # type: ignore[attr-defined]
+    assert [x.reason for x in r.report.rejected if x.rule == RULE] == ["refused by the filter"]
