@@ -11,6 +11,11 @@ max |y - ref| / max |ref| of layer 0 against float64 SDPA; host us: the host tim
 call (layer 0), back to back. The attention op's decode step also writes the step's keys and
 values: "store, then triton" does it as ``store_kv`` before the kernel (two launches), "store in
 triton" inside the kernel's launch (what the op runs).
+
+``--fp8``: a second table, attention + FP8 output quantization (an FP8 o_proj's input, static
+scale): "pair" is the decode kernel then ``quant_fp8_static`` in torch (what the graph runs
+unfused), "fused" the kernel quantizing in its epilogue (``fxbench::attention_quant_fp8``); both
+write the step's keys and values. err: mean |q * scale - ref| / max |ref| against float64.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import decode_attention  # noqa: E402
 import engine_model  # noqa: E402
+from fxrewrite.runtime.ops.quant import quant_fp8_static  # noqa: E402
 
 HEADS, KV_HEADS, DIM, LAYERS = 32, 8, 128, 32
 
@@ -85,11 +91,33 @@ def sweep(batch, q, caches, seq_lens, length, floor) -> None:  # type: ignore[no
           + "; ".join(f"{t} {times[t]:.3f} ms ({times[t] / floor:.2f}x)" for t in best), flush=True)
 
 
+def fp8_row(batch, q, caches, seq_lens, length, kv, slots, floor) -> str:  # type: ignore[no-untyped-def]
+    """One row of the --fp8 table: the unfused pair and the fused kernel, timed and measured."""
+    scale = torch.tensor(2.0**-6, device="cuda")  # outputs within +-448 * scale = 7 (randn values)
+    store = (kv[:, 0], kv[:, 1], slots)
+
+    def pair(k, v):  # type: ignore[no-untyped-def]
+        return quant_fp8_static(decode_attention.decode_attention(q, k, v, seq_lens, length, store=store), scale)
+
+    def fused(k, v):  # type: ignore[no-untyped-def]
+        return decode_attention.decode_attention(q, k, v, seq_lens, length, store=store, out_scale=scale)
+
+    times = {name: graph_ms(lambda: [fn(k, v) for k, v in caches]) for name, fn in (("pair", pair), ("fused", fused))}
+    kv_range = torch.arange(length, dtype=torch.int32, device="cuda")
+    ref = engine_model._decode(q.double(), caches[0][0].double(), caches[0][1].double(), seq_lens, kv_range)
+    err = {name: ((fn(*caches[0]).double() * scale - ref).abs().mean() / ref.abs().max()).item()
+           for name, fn in (("pair", pair), ("fused", fused))}  # fmt: skip
+    return (f"| {batch} | {times['pair']:.3f} | {times['fused']:.3f} | {times['pair'] / times['fused']:.2f}x "
+            f"| {floor:.3f} | {times['fused'] / floor:.2f}x | {err['pair']:.2e} | {err['fused']:.2e} |")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--sweep", action="store_true", help="also time other launch parameters (decode_attention.Tuning)")
+    p.add_argument("--fp8", action="store_true", help="also time attention + FP8 output quantization, fused and not")
     args = p.parse_args()
+    fp8_rows = []
     bandwidth = copy_bandwidth()
     length = args.context + 1
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.3f} TB/s, "
@@ -121,10 +149,17 @@ def main() -> None:
         floor = 1e3 * LAYERS * batch * length * KV_HEADS * DIM * 2 * 2 / bandwidth
         if args.sweep:
             sweep(batch, q, caches, seq_lens, length, floor)
+        if args.fp8:
+            fp8_rows.append(fp8_row(batch, q, caches, seq_lens, length, kv, slots, floor))
         print(f"| {batch} | {row['triton']:.3f} | {row['torch']:.3f} | {row['torch'] / row['triton']:.2f}x | {floor:.3f} "
               f"| {row['triton'] / floor:.2f}x | {row['then']:.3f} | {row['in']:.3f} | {row['triton_err']:.1e} "
               f"| {row['torch_err']:.1e} | {row['triton_host']:.1f} | {row['torch_host']:.1f} |", flush=True)  # fmt: skip
         del caches
+    if fp8_rows:
+        print("\nattention + FP8 output (static scale), 32 layers in one CUDA graph")
+        print("| batch | pair ms | fused ms | pair / fused | floor ms | fused / floor | pair err | fused err |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(fp8_rows), flush=True)
 
 
 if __name__ == "__main__":

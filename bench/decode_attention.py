@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
+
 
 @triton.jit
 def _walk(q, m, total, acc, k_row, v_row, k_sn, v_sn, lo, hi, scale, d,
@@ -109,14 +111,17 @@ def _partial_kernel(
 
 
 @triton.jit
-def _combine_kernel(o_ptr, lse_ptr, out_ptr, out_sb, out_sh, heads,
-                    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr):  # fmt: skip
+def _combine_kernel(o_ptr, lse_ptr, out_ptr, scale_ptr, out_sb, out_sh, heads,
+                    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr,
+                    QUANT: tl.constexpr):  # fmt: skip
     bh = tl.program_id(0)
     s, d = tl.arange(0, SPLITS_PAD), tl.arange(0, DIM)
     lse = tl.load(lse_ptr + bh * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
     w = tl.exp(lse - tl.max(lse, 0))
     o = tl.load(o_ptr + (bh * SPLITS + s)[:, None] * DIM + d[None, :], mask=(s < SPLITS)[:, None], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    if QUANT:  # FP8 output, static scale: the float32 value / scale, clamped to +-448, rounded
+        out = tl.clamp(tl.math.div_rn(out, tl.load(scale_ptr)), -FP8_MAX, FP8_MAX)
     b, h = bh // heads, bh % heads
     tl.store(out_ptr + b * out_sb + h * out_sh + d, out.to(out_ptr.dtype.element_ty))
 
@@ -172,6 +177,7 @@ def split_plan(batch: int, kv_heads: int, length: int, device: torch.device, tun
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor, length: int,
     tuning: Tuning = Tuning(), store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, heads, dim] (one token per sequence) over cache rows ``b % rows``:
     keys ``[0, min(seq_lens[b], length))`` (at least one) of k_cache / v_cache
@@ -179,7 +185,11 @@ def decode_attention(
 
     ``store=(k, v, slots)``: first write k, v [B, kv_heads, dim] at the flat cache slots
     ``slots`` [B] (``row * max_len + position``; the caches must be contiguous), as
-    :func:`store_kv` would, in the same launch."""
+    :func:`store_kv` would, in the same launch.
+
+    ``out_scale`` (one float32 element): the output in float8_e4m3fn, quantized in the combine
+    kernel's epilogue from the float32 result: ``clamp(out / out_scale, -448, 448)``, rounded
+    to nearest even (the unfused pair rounds to q's dtype first, then divides)."""
     batch, heads, dim = q.shape
     rows, _, kv_heads, _ = k_cache.shape
     if q.stride(-1) != 1:
@@ -204,7 +214,9 @@ def decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=tuning.block,
         SPLITS=splits, PRECISION=precision, STORE=store is not None, num_warps=tuning.warps, num_stages=tuning.stages,
     )  # fmt: skip
-    out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
-    _combine_kernel[(batch * heads,)](o_part, lse, out, out.stride(0), out.stride(1), heads,
-                                      SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM=dim)  # fmt: skip
+    quant = out_scale is not None
+    out = torch.empty(batch, heads, dim, dtype=torch.float8_e4m3fn if quant else q.dtype, device=q.device)
+    _combine_kernel[(batch * heads,)](o_part, lse, out, out_scale if quant else lse, out.stride(0), out.stride(1), heads,
+                                      SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM=dim,
+                                      QUANT=quant)  # fmt: skip
     return out

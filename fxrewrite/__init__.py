@@ -8,6 +8,7 @@
 from fxrewrite.backend import Backend, compile, pipeline
 from fxrewrite.config import Config
 from fxrewrite.report import Report
+from fxrewrite.rewrites.attention_quant import AttentionQuant
 from fxrewrite.rule import Bindings, InPlace, Rule, RuleError, Scalar
 
-__all__ = ["Backend", "Bindings", "Config", "InPlace", "Report", "Rule", "RuleError", "Scalar", "compile", "pipeline"]
+__all__ = ["AttentionQuant", "Backend", "Bindings", "Config", "InPlace", "Report", "Rule", "RuleError", "Scalar", "compile", "pipeline"]

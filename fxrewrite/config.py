@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import torch
 
+from fxrewrite.split import resolve_op, target_matches
+
 Mode = Literal["none", "piecewise", "full"]
 
 DEFAULT_SPLITTING_OPS: tuple[Any, ...] = (
@@ -31,6 +33,16 @@ def _default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fxrewrite"
 
 
+def _with_quantized_twins(splitting_ops: Sequence[Any], attention_quant: Sequence[Any]) -> tuple[Any, ...]:
+    """``splitting_ops`` and the declared FP8-output twin of each of them (a fused attention is
+    still attention: the graph is cut at it as at the op it replaces)."""
+    ops = tuple(splitting_ops)
+    resolved = [resolve_op(s) for s in ops]
+    twins = [d.quant_op for d in attention_quant
+             if d.quant_op not in ops and any(r is not None and target_matches(d.op, r) for r in resolved)]  # fmt: skip
+    return ops + tuple(twins)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Everything the backend is told. Environment variables fill fields left at None.
@@ -48,6 +60,10 @@ class Config:
     mode:            "none" (run eagerly), "piecewise" (split at splitting ops, CUDA graph per
                      piece), "full" (one CUDA graph for the whole graph).
     splitting_ops:   call targets the graph is split at (attention).
+    attention_quant: the engine's attention ops that have a twin writing FP8 output
+                     (``fxrewrite.rewrites.attention_quant.AttentionQuant``): a static FP8
+                     quantization of such an op's output moves into the call. The twin of a
+                     splitting op is added to ``splitting_ops`` by :meth:`resolved`.
     capture_sizes:   token counts to capture; None means ``default_capture_sizes(max_capture_size)``.
     pad_inputs:      pad graph inputs along the token dimension up to the next captured size.
     match_filter:    called with each checked match before it is applied; returns None to go
@@ -88,6 +104,7 @@ class Config:
     near_miss_min: float = 0.5
     mode: Mode = "none"
     splitting_ops: Sequence[Callable[..., Any] | Any] = DEFAULT_SPLITTING_OPS
+    attention_quant: Sequence[Any] = ()
     capture_sizes: Sequence[int] | None = None
     max_capture_size: int = 512
     pad_inputs: bool = True
@@ -114,6 +131,7 @@ class Config:
             strict=strict,
             cache_dir=self.cache_dir or env.get("FXREWRITE_CACHE_DIR") or str(_default_cache_dir()),
             strict_capture=self.strict_capture if self.strict_capture is not None else strict,
+            splitting_ops=_with_quantized_twins(self.splitting_ops, self.attention_quant),
             capture_sizes=tuple(self.capture_sizes)
             if self.capture_sizes is not None
             else default_capture_sizes(self.max_capture_size),

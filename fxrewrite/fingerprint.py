@@ -250,6 +250,8 @@ def config_fingerprint(config: Any) -> list[Any]:
             value = None if v is None else [rule_fingerprint(r) for r in v]
         elif f.name == "splitting_ops":
             value = [op if isinstance(op, str) else target_ref(op) for op in v]
+        elif f.name == "attention_quant":
+            value = [[target_ref(d.op), target_ref(d.quant_op), d.scale_arg] for d in v]
         elif callable(v):
             value = callable_fingerprint(v)
         else:

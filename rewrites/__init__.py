@@ -6,7 +6,7 @@ last rule group, cleanup last). Nothing registers itself at import time.
 """
 
 from fxrewrite.passes import GraphPass, RuleGroup, Step
-from fxrewrite.rewrites import activation, collective, layernorm, linear, merge, moe, norm, norm_variants, quant, rotary, rotary_tables
+from fxrewrite.rewrites import activation, attention_quant, collective, layernorm, linear, merge, moe, norm, norm_variants, quant, rotary, rotary_tables
 
 PIPELINE: tuple[Step, ...] = (
     # one GEMM for linears that read the same input (Config.merge_siblings)
@@ -18,6 +18,11 @@ PIPELINE: tuple[Step, ...] = (
     RuleGroup("fuse_rotary", rotary.RULES),
     # all-reduce + add + norm (tensor parallel): before the other norms, or the add + norm rules would take its sites
     RuleGroup("fuse_collective", collective.RULES),
+    # static FP8 quant of an attention output -> the engine's declared twin of the attention op
+    # (Config.attention_quant): before the other quant rules, which would report its quantizer
+    # as a near miss of theirs
+    GraphPass("fuse_attention_quant", attention_quant.fuse_attention_quant,
+              options=("attention_quant", "splitting_ops"), fusion=True),
     RuleGroup("fuse_norm_quant", quant.NORM_RULES),
     # add + norm before plain norm (the lists' order); LayerNorm first: the RMSNorm rules would
     # take a LayerNorm's second half (an RMSNorm of the centered input); gated norms before plain
@@ -34,5 +39,5 @@ PIPELINE: tuple[Step, ...] = (
     GraphPass("fold_rotary", rotary_tables.fold_rotary_tables, options=("max_positions",)),
 )
 
-__all__ = ["PIPELINE", "activation", "collective", "layernorm", "linear", "merge", "moe", "norm", "norm_variants",
+__all__ = ["PIPELINE", "activation", "attention_quant", "collective", "layernorm", "linear", "merge", "moe", "norm", "norm_variants",
            "quant", "rotary", "rotary_tables"]

@@ -1,0 +1,146 @@
+"""The engine model (bench/engine_model.py) with static per-tensor FP8 linears, and its attention
+op's FP8-output twin: what an engine serving an FP8 checkpoint runs.
+
+:func:`to_fp8` turns every linear of the decoder layers into :class:`Fp8Linear`: the weight
+quantized offline (one scale per tensor, ``amax / 448``), the input quantized with a static scale
+calibrated on a sample step, then one scaled GEMM, as FP8 checkpoints with per-tensor scales
+are served::
+
+    xq = (x.float() / input_scale).clamp(-448, 448).to(float8_e4m3fn)      # quant_fp8_static
+    y = torch._scaled_mm(xq, w_fp8.t(), scale_a=input_scale, scale_b=weight_scale, out_dtype=x.dtype)
+
+So the graph quantizes after the input norm (qkv_proj), after the add + norm (gate_up_proj),
+after SiLU-and-mul (down_proj) and after attention (o_proj): the last one, ``quant_fp8_static(
+fxbench.attention(...).view(T, H * d), o_proj.input_scale)``, is what
+``fxrewrite.rewrites.attention_quant`` moves into the attention call, given the declaration
+:data:`ATTENTION_QUANT` (``Config(attention_quant=ATTENTION_QUANT)``). Its twin,
+``fxbench::attention_quant_fp8``, takes the attention op's arguments plus ``output_scale``:
+on CUDA at decode, the Triton split-KV kernel (bench/decode_attention.py) quantizes the float32
+result in its combine epilogue; elsewhere the op quantizes after the torch path's SDPA (the
+unfused pair, bit for bit).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+import engine_model
+from engine_model import _path, _triton, _use_triton
+from fxrewrite.rewrites.attention_quant import AttentionQuant
+from fxrewrite.runtime.ops.quant import FP8_DTYPE, FP8_MAX, quant_fp8_static
+
+__all__ = ["ATTENTION_QUANT", "Fp8Linear", "attention_quant_fp8", "float32_reference", "to_fp8"]
+
+
+@torch.library.custom_op("fxbench::attention_quant_fp8", mutates_args=("k_cache", "v_cache"))
+def attention_quant_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_range: torch.Tensor,
+    output_scale: torch.Tensor,
+    query_start: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``quant_fp8_static(fxbench.attention(q, k, ..., query_start), output_scale)``: the
+    attention output [T, heads, d] in float8_e4m3fn. ``output_scale``: one float32 element."""
+    contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
+    if _path(q, seq_lens, kv_range) == "decode" and _use_triton(k) and contiguous:
+        return _triton.decode_attention(q, k_cache, v_cache, seq_lens, kv_range.shape[0], store=(k, v, slots),
+                                        out_scale=output_scale)  # fmt: skip
+    out = engine_model.attention(q, k, v, k_cache, v_cache, slots, seq_lens, kv_range, query_start)
+    return quant_fp8_static(out, output_scale)
+
+
+@attention_quant_fp8.register_fake
+def _(q, k, v, k_cache, v_cache, slots, seq_lens, kv_range, output_scale, query_start=None):  # type: ignore[no-untyped-def]
+    torch._check(slots.shape[0] == q.shape[0], lambda: "one cache slot per new token")
+    _path(q, seq_lens, kv_range)
+    return q.new_empty(q.shape, dtype=FP8_DTYPE)
+
+
+# What ``Config.attention_quant`` names for this engine: ``fxbench.attention`` has an FP8 twin.
+ATTENTION_QUANT: tuple[AttentionQuant, ...] = (
+    AttentionQuant(torch.ops.fxbench.attention.default, torch.ops.fxbench.attention_quant_fp8.default, "output_scale"),
+)
+
+
+class Fp8Linear(nn.Module):
+    """A linear with an FP8 weight and per-tensor scales: the input quantized with the static
+    ``input_scale``, then ``torch._scaled_mm`` (module docstring). No bias."""
+
+    def __init__(self, weight: torch.Tensor, input_scale: float) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        scale = w.abs().amax().clamp(min=1e-12) / FP8_MAX
+        self.weight = nn.Parameter((w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), requires_grad=False)
+        self.weight_scale = nn.Parameter(scale.reshape(()), requires_grad=False)
+        self.input_scale = nn.Parameter(torch.tensor(input_scale, dtype=torch.float32, device=w.device),
+                                        requires_grad=False)  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq = quant_fp8_static(x, self.input_scale)
+        return torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
+                                out_dtype=x.dtype)  # fmt: skip
+
+
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@torch.no_grad()
+def to_fp8(model: engine_model.EngineLlama, calibration: dict[str, torch.Tensor]) -> engine_model.EngineLlama:
+    """Replace the decoder layers' linears by :class:`Fp8Linear`, in place, and return ``model``.
+
+    Each input scale is ``amax / 448`` of what the linear read on ``calibration`` (one step,
+    keyword arguments of ``model.forward``; a prefill of a few sequences calibrates best), with
+    headroom of 2x for other steps. The KV caches are zeroed after the calibration step."""
+    amax: dict[str, float] = {}
+    handles = []
+    for i, layer in enumerate(model.layers):
+        for name in _LINEARS:
+            key = f"{i}.{name}"
+
+            def record(_m: nn.Module, args: tuple[torch.Tensor, ...], key: str = key) -> None:
+                amax[key] = max(amax.get(key, 0.0), float(args[0].detach().abs().amax()))
+
+            handles.append(layer.get_submodule(name).register_forward_pre_hook(record))
+    try:
+        model(**calibration)
+    finally:
+        for h in handles:
+            h.remove()
+    for i, layer in enumerate(model.layers):
+        for name in _LINEARS:
+            parent, _, attr = name.rpartition(".")
+            linear = layer.get_submodule(name)
+            scale = max(2.0 * amax[f"{i}.{name}"], 1e-6) / FP8_MAX
+            setattr(layer.get_submodule(parent), attr, Fp8Linear(linear.weight, _round_scale(scale)))
+    for layer in model.layers:
+        layer.self_attn.k_cache.zero_()
+        layer.self_attn.v_cache.zero_()
+    return model
+
+
+def _round_scale(scale: float) -> float:
+    """The scale as a power of two above it: dividing by it is exact, as FP8 recipes choose."""
+    return 2.0 ** math.ceil(math.log2(scale))
+
+
+def float32_reference(model: engine_model.EngineLlama, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The FP8 model's output with every value that is not FP8 in float32 (weights, norms, the KV
+    cache, activations): the reference its FP8 quantizations are measured against. A copy runs
+    (small models only); the model's own KV cache is left untouched."""
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in store.items():
+                if t is not None and t.is_floating_point() and t.dtype not in (FP8_DTYPE, torch.float32):
+                    store[name] = nn.Parameter(t.float(), requires_grad=False) if isinstance(t, nn.Parameter) else t.float()
+    return ref(**batch).float()
