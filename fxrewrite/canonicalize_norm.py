@@ -1,7 +1,8 @@
 """Canonical forms of the norms' library calls: LayerNorm's call and the variance a hand-written
 LayerNorm reads, and RMSNorm's call decomposed into the arithmetic the RMSNorm rules match.
-Kept beside :mod:`fxrewrite.canonicalize`, whose pass calls these for the targets in :data:`NORMALIZERS` (the same ``_Canon`` helpers: ``set`` binds the schema,
-``neg_dim`` makes dims negative where ranks are known)::
+Kept beside :mod:`fxrewrite.canonicalize`, whose pass calls these for the targets in
+:data:`NORMALIZERS` (the same ``_Canon`` helpers: ``set`` binds the schema, ``neg_dim`` makes
+dims negative where ranks are known)::
 
     %y = call_function[F.layer_norm](%x, (64,), %w, None, eps=1e-05)
         -> %y = aten.layer_norm.default(%x, [64], %w, None, 1e-05, True)
