@@ -71,23 +71,32 @@ TRITON_MODULE = "fxrewrite.runtime.triton_nvfp4"
 def quant_nvfp4(y: Tensor, global_scale: Tensor) -> tuple[Tensor, Tensor]:
     """``y`` [..., H] (H a multiple of 16), ``global_scale`` one float32 element ->
     (values uint8 [..., H / 2], scales float8_e4m3fn [..., H / 16]); the module docstring has
-    the format. Literals stay inline (a Python float global would be lifted into the graph)::
+    the format, :func:`quant_e2m1_blocks` the code."""
+    return quant_e2m1_blocks(y, global_scale, 16)
 
-        blocks = y.float().unflatten(-1, (-1, 16))
+
+def quant_e2m1_blocks(y: Tensor, global_scale: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """The NVFP4 recipe with blocks of ``block`` values (NVFP4 is 16: :func:`quant_nvfp4`; the
+    rules bind the size and refuse others). Literals stay inline: a Python float global would be
+    lifted into the graph. The e2m1 grid has steps of 0.5 below 2, 1 below 4 and 2 up to 6, and
+    ``torch.round`` rounds ties to even, so ``round(a / step)`` plus the code of the step's first
+    value is the nearest code, ties to the even one::
+
+        blocks = y.float().unflatten(-1, (-1, block))
         amax = blocks.abs().amax(-1)
         scales = (global_scale * (amax * (1 / 6))).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
         t = scales.float() * (1.0 / global_scale)
-        v = (blocks * torch.where(t == 0, 0.0, 1.0 / t).unsqueeze(-1)).clamp(-6.0, 6.0)
-        a = v.abs()   # e2m1 steps: 0.5 below 2, 1 below 4, 2 up to 6; torch.round: ties to even
+        v = (blocks * torch.unsqueeze(torch.where(t == 0, 0.0, 1.0 / t), -1)).clamp(-6.0, 6.0)
+        a = v.abs()
         code = torch.where(a < 2, torch.round(a * 2), torch.where(a < 4, torch.round(a) + 2, torch.round(a / 2) + 4))
         code = code + (v < 0) * 8
         packed = (code[..., 0::2] + code[..., 1::2] * 16).flatten(-2).to(torch.uint8)
     """
-    blocks = y.float().unflatten(-1, (-1, 16))
+    blocks = y.float().unflatten(-1, (-1, block))
     amax = blocks.abs().amax(-1)
     scales = (global_scale * (amax * (1 / 6))).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     t = scales.float() * (1.0 / global_scale)
-    v = (blocks * torch.where(t == 0, 0.0, 1.0 / t).unsqueeze(-1)).clamp(-6.0, 6.0)
+    v = (blocks * torch.unsqueeze(torch.where(t == 0, 0.0, 1.0 / t), -1)).clamp(-6.0, 6.0)
     a = v.abs()
     code = torch.where(a < 2, torch.round(a * 2), torch.where(a < 4, torch.round(a) + 2, torch.round(a / 2) + 4))
     code = code + (v < 0) * 8
