@@ -56,7 +56,7 @@ def _quantize_nvfp4(y, col0, n, q_ptr, s_ptr, g_ptr, BLOCK: tl.constexpr):
     s = tl.clamp(g * (amax * 0.16666666666666666), -448.0, 448.0)  # 1 / 6 in float32, as the spec
     s8 = s.to(s_ptr.dtype.element_ty)
     t = s8.to(tl.float32) * tl.math.div_rn(one, g)
-    inv = tl.where(t == 0.0, 0.0, tl.math.div_rn(one, t))
+    inv = tl.where(t == 0.0, 0.0, tl.math.div_rn(one, tl.where(t == 0.0, 1.0, t)))  # no 1 / 0 computed
     v = tl.clamp(blocks * inv[:, None], -6.0, 6.0)
     a = tl.abs(v)
     code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
