@@ -18,7 +18,7 @@ from torch import Tensor
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import activation, layernorm, norm, quant, rotary
+from fxrewrite.runtime.ops import activation, layernorm, norm, quant, quant_nvfp4, rotary
 from fxrewrite.runtime.providers import Kernel, OpDef
 from samples import op_args  # this folder
 
@@ -438,6 +438,7 @@ def test_every_op_through_each_emulated_provider(
     if provider == "triton":
         both_libraries.modules[providers.TRITON_MODULE] = request.getfixturevalue("triton_kernels")
         both_libraries.modules[layernorm.TRITON_LAYER_NORM] = request.getfixturevalue("triton_layernorm")
+        both_libraries.modules[quant_nvfp4.TRITON_MODULE] = request.getfixturevalue("triton_nvfp4")
     providers.configure(provider)
     args = op_args(op, shape, gen)
     if provider == "flashinfer" and op in layernorm.DEFS:  # its LayerNorm takes float32 gamma and beta
