@@ -80,18 +80,8 @@ def quant_e2m1_blocks(y: Tensor, global_scale: Tensor, block: int) -> tuple[Tens
     rules bind the size and refuse others). Literals stay inline: a Python float global would be
     lifted into the graph. The e2m1 grid has steps of 0.5 below 2, 1 below 4 and 2 up to 6, and
     ``torch.round`` rounds ties to even, so ``round(a / step)`` plus the code of the step's first
-    value is the nearest code, ties to the even one::
-
-        blocks = y.float().unflatten(-1, (-1, block))
-        amax = blocks.abs().amax(-1)
-        scales = (global_scale * (amax * (1 / 6))).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        t = scales.float() * (1.0 / global_scale)
-        v = (blocks * torch.unsqueeze(torch.where(t == 0, 0.0, 1.0 / t), -1)).clamp(-6.0, 6.0)
-        a = v.abs()
-        code = torch.where(a < 2, torch.round(a * 2), torch.where(a < 4, torch.round(a) + 2, torch.round(a / 2) + 4))
-        code = code + (v < 0) * 8
-        packed = (code[..., 0::2] + code[..., 1::2] * 16).flatten(-2).to(torch.uint8)
-    """
+    value is the nearest code, ties to the even one; the sign is bit 3 of the code; two codes
+    make a byte, ``code[2i] + 16 * code[2i + 1]``."""
     blocks = y.float().unflatten(-1, (-1, block))
     amax = blocks.abs().amax(-1)
     scales = (global_scale * (amax * (1 / 6))).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
@@ -104,9 +94,14 @@ def quant_e2m1_blocks(y: Tensor, global_scale: Tensor, block: int) -> tuple[Tens
     return packed, scales
 
 
+def codes_nvfp4(packed: Tensor) -> Tensor:
+    """The 4-bit codes of ``packed`` [..., H / 2] in element order (low nibble first), int64 [..., H]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
+
+
 def unpack_nvfp4(packed: Tensor) -> Tensor:
     """The e2m1 values of ``packed`` [..., H / 2] as float32 [..., H] (no scales applied)."""
-    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
+    codes = codes_nvfp4(packed)
     table = torch.tensor(E2M1, device=packed.device)
     mag = table[codes & 7]
     return torch.where(codes >= 8, -mag, mag)
@@ -121,7 +116,7 @@ def dequant_nvfp4(packed: Tensor, scales: Tensor, global_scale: Tensor, dtype: t
 
 def _signed_index(packed: Tensor) -> Tensor:
     """Each value's position on the signed grid, -7..7 (both zeros 0)."""
-    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
+    codes = codes_nvfp4(packed)
     return torch.where(codes >= 8, -(codes & 7), codes)
 
 

@@ -38,11 +38,6 @@ def oracle_codes(v: torch.Tensor) -> torch.Tensor:
     return index + 8 * (v < 0).long()
 
 
-def codes_of(packed: torch.Tensor) -> torch.Tensor:
-    """The 4-bit codes in element order (low nibble first)."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
-
-
 def with_six(values: list[float] | torch.Tensor) -> torch.Tensor:
     """Rows of 16: a 6 then 15 of ``values`` (padded with zeros), so each block's scale is 1."""
     v = torch.as_tensor(values, dtype=torch.float32).flatten()
@@ -67,7 +62,7 @@ def test_layout_and_packing_order() -> None:
     assert q.shape == (1, 8) and q.dtype == torch.uint8 and s.shape == (1, 1) and s.dtype == nv.SCALE_DTYPE
     assert s.float().item() == 1.0
     assert q[0, :4].tolist() == [0x7 | 0x1 << 4, 0x2 | 0xB << 4, 0x4 | 0x5 << 4, 0xE | 0x0 << 4]
-    assert codes_of(q).tolist()[0][:8] == [7, 1, 2, 11, 4, 5, 14, 0]
+    assert nv.codes_nvfp4(q).tolist()[0][:8] == [7, 1, 2, 11, 4, 5, 14, 0]
 
 
 def test_every_grid_value_and_midpoint_rounds_to_even() -> None:
@@ -78,10 +73,10 @@ def test_every_grid_value_and_midpoint_rounds_to_even() -> None:
     values = torch.cat([values, -values])
     q, _ = nv.quant_nvfp4(with_six(values), ONE)
     want = oracle_codes(with_six(values))
-    assert torch.equal(codes_of(q), want)
+    assert torch.equal(nv.codes_nvfp4(q), want)
     # the ties by name: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4
     q, _ = nv.quant_nvfp4(with_six(ties), ONE)
-    assert codes_of(q)[0, 1:8].tolist() == [0, 2, 2, 4, 4, 6, 6]
+    assert nv.codes_nvfp4(q)[0, 1:8].tolist() == [0, 2, 2, 4, 4, 6, 6]
 
 
 def test_every_bf16_value_up_to_six_matches_the_oracle() -> None:
@@ -91,7 +86,7 @@ def test_every_bf16_value_up_to_six_matches_the_oracle() -> None:
         values = bits[bits.isfinite() & (bits.abs() <= 6)]
         y = with_six(values)
         q, _ = nv.quant_nvfp4(y, ONE)
-        assert torch.equal(codes_of(q), oracle_codes(y)), dtype
+        assert torch.equal(nv.codes_nvfp4(q), oracle_codes(y)), dtype
 
 
 def test_zeros_negatives_and_tiny_blocks() -> None:
@@ -102,7 +97,7 @@ def test_zeros_negatives_and_tiny_blocks() -> None:
     y[1, 31] = -0.01  # negative, rounds to zero in its block's scale
     q, s = nv.quant_nvfp4(y, ONE)
     assert s.float()[0].tolist() == [0.0, 0.0] and s.float()[1].tolist() == [1.0, 0.1015625]  # e4m3(0.1)
-    codes = codes_of(q)
+    codes = nv.codes_nvfp4(q)
     assert codes[0].tolist() == [0] * 32
     assert codes[1, 31].item() == 8  # a negative zero, as the hardware conversion gives it
     assert (codes[1, 16:] >= 8).all() and (codes[1, :7] >= 8).all() and (codes[1, 8:16] < 8).all()
@@ -135,7 +130,7 @@ def test_saturation_above_six_times_the_scale() -> None:
     assert s.float().tolist() == [[448.0, 448.0]]
     d = nv.dequant_nvfp4(q, s, torch.tensor([1000.0]))
     assert not d.isnan().any() and d.abs().max().item() == pytest.approx(6 * 448 / 1000)
-    codes = codes_of(q)[0]
+    codes = nv.codes_nvfp4(q)[0]
     assert codes[0].item() == 15 and codes[-1].item() == 7
 
 
