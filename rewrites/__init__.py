@@ -25,7 +25,8 @@ PIPELINE: tuple[Step, ...] = (
     # norms (each holds a plain norm)
     RuleGroup("fuse_norm", layernorm.RULES + norm_variants.RULES + norm.RULES),
     RuleGroup("fuse_activation", activation.RULES),
-    RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES + quant_nvfp4.ACTIVATION_RULES),  # FP8, NVFP4 of fused activations
+    # FP8 and NVFP4 quantization of fused activations
+    RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES + quant_nvfp4.ACTIVATION_RULES),
     # fxr.linear picks a decode-size GEMM by the rows of each call. Run eagerly (mode "none"),
     # each linear would pay the custom op's Python dispatch on the host, which replays do not
     # pay (not measured: extra_rules=linear.RULES opts in). Last: after every rule whose

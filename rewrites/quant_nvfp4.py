@@ -11,10 +11,10 @@ those cover is covered here::
     blocks = y.float().unflatten(-1, (-1, 16))               # (values uint8 [.., H/2], scales e4m3 [.., H/16])
     ... (amax, e4m3 scale, e2m1 rounding, packing)
 
-The block size (``quant_e2m1_blocks`` is the spec with it a parameter) is a wildcard bound by the guard (16: NVFP4's; a block of 32 is MXFP4's size, with
-power-of-two scales, and is refused with that reason). Norm rules run before the plain norm
-rules (they contain them); activation rules after SiLU / GELU-and-mul fused, on
-``fxr.silu_and_mul`` / ``fxr.gelu_and_mul``.
+The block size is a wildcard (``quant_e2m1_blocks`` is the spec with the size a parameter) bound by
+the guard: 16, NVFP4's; a block of 32 (MXFP4's size, whose scales are powers of two) is refused
+with that reason. Norm rules run before the plain norm rules (they contain them); activation rules
+after SiLU / GELU-and-mul fused, on ``fxr.silu_and_mul`` / ``fxr.gelu_and_mul``.
 """
 
 from __future__ import annotations

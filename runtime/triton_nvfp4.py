@@ -107,7 +107,8 @@ def _nvfp4_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr, q_ptr, s_ptr, g_ptr, x_st
 
 
 def _launch(x: Tensor, global_scale: Tensor, pre: int, n: int, weight: Tensor | None = None, eps: float = 0.0,
-            residual: Tensor | None = None, act: str = "silu", y_out: Tensor | None = None) -> tuple[Tensor, ...]:  # fmt: skip
+            residual: Tensor | None = None, act: str = "silu",
+            y_out: Tensor | None = None) -> tuple[Tensor, ...]:  # fmt: skip
     """(q, s[, sum]) shaped as the op returns them, for ``n`` output values a row; ``y_out``
     (rows x n, x's dtype) receives the quantizer's input."""
     rows = x.view(-1, x.shape[-1])
@@ -145,7 +146,8 @@ def rms_norm_quant_nvfp4(x: Tensor, weight: Tensor, eps: float, global_scale: Te
 
 def fused_add_rms_norm_quant_nvfp4(x: Tensor, residual: Tensor, weight: Tensor, eps: float, global_scale: Tensor,
                                    y_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    return _launch(x, global_scale, ADD_NORM, x.shape[-1], weight, eps, residual, y_out=y_out)  # type: ignore[return-value]
+    out = _launch(x, global_scale, ADD_NORM, x.shape[-1], weight, eps, residual, y_out=y_out)
+    return out  # type: ignore[return-value]
 
 
 def silu_and_mul_quant_nvfp4(x: Tensor, global_scale: Tensor, y_out: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -146,7 +146,9 @@ def nvfp4_mismatch(got: tuple[Tensor, Tensor], want: tuple[Tensor, Tensor], glob
 # --------------------------------------------------------------------------- references (the spec)
 
 
-def rms_norm_quant_nvfp4_reference(x: Tensor, weight: Tensor, eps: float, global_scale: Tensor) -> tuple[Tensor, Tensor]:
+def rms_norm_quant_nvfp4_reference(
+    x: Tensor, weight: Tensor, eps: float, global_scale: Tensor
+) -> tuple[Tensor, Tensor]:
     """``quant_nvfp4(rms_norm_reference(x, weight, eps), global_scale)``."""
     return quant_nvfp4(rms_norm_reference(x, weight, eps), global_scale)
 
@@ -165,7 +167,9 @@ def silu_and_mul_quant_nvfp4_reference(x: Tensor, global_scale: Tensor) -> tuple
     return quant_nvfp4(silu_and_mul_reference(x), global_scale)
 
 
-def gelu_and_mul_quant_nvfp4_reference(x: Tensor, global_scale: Tensor, approximate: str = "none") -> tuple[Tensor, Tensor]:
+def gelu_and_mul_quant_nvfp4_reference(
+    x: Tensor, global_scale: Tensor, approximate: str = "none"
+) -> tuple[Tensor, Tensor]:
     """``quant_nvfp4(gelu_and_mul_reference(x, approximate), global_scale)``."""
     return quant_nvfp4(gelu_and_mul_reference(x, approximate), global_scale)
 

@@ -67,7 +67,8 @@ class Nvfp4Block(torch.nn.Module):
         super().__init__()
         self.kind, self.quantize = kind, quantize
         # a norm's blocks from tiny to large: some scales underflow to 0, some saturate at 448
-        self.weight = torch.nn.Parameter((1 + 0.1 * torch.randn(hidden)) * torch.logspace(-6, 1, 4).repeat_interleave(16))
+        blocks = torch.logspace(-6, 1, hidden // 16).repeat_interleave(16)
+        self.weight = torch.nn.Parameter((1 + 0.1 * torch.randn(hidden)) * blocks)
         self.gate_up_proj = torch.nn.Linear(hidden, 2 * hidden, bias=False)
         self.eps = 1e-6
         self.register_buffer("global_scale", torch.tensor([150.0]))

@@ -21,7 +21,8 @@ def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.bfloat16)
 
 def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> list[Any]:
     """Arguments of ``op`` on CPU: ``x`` (and ``residual``) of ``shape``, a [hidden] weight, eps
-    1e-6, a static FP8 scale 0.02, an NVFP4 global scale 300, GELU's tanh approximation, the norms' ``cast_last`` order, a
+    1e-6, a static FP8 scale 0.02, an NVFP4 global scale 300, GELU's tanh approximation, the norms'
+    ``cast_last`` order, a
     gated norm's gate (grouped, gate first, SiLU), the
     default process group's name, rotary arguments from :mod:`rotary_samples`, MoE arguments from
     :mod:`moe_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias."""

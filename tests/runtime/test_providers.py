@@ -492,7 +492,7 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
             flashinfer__rope=None, flashinfer__comm=None)  # fmt: skip
     install(registry, **{providers.TRITON_MODULE: None, "fxrewrite.runtime.triton_moe": None,
                          layernorm.TRITON_LAYER_NORM: None, "fxrewrite.runtime.triton_route": None,
-                         "fxrewrite.runtime.triton_norms": None})  # fmt: skip
+                         "fxrewrite.runtime.triton_norms": None, quant_nvfp4.TRITON_MODULE: None})  # fmt: skip
     assert providers.preload() == {
         "flashinfer": False,
         "flashinfer.activation": False,
@@ -503,6 +503,7 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
         "fxrewrite.runtime.triton_layernorm": False,
         "fxrewrite.runtime.triton_moe": False,
         "fxrewrite.runtime.triton_norms": False,
+        "fxrewrite.runtime.triton_nvfp4": False,
         "fxrewrite.runtime.triton_route": False,
         "sgl_kernel": True,
     }

@@ -246,7 +246,8 @@ def test_checks_refuse_what_the_kernel_cannot_serve(gen: torch.Generator) -> Non
     assert triton_check(norm)(rand(gen, 2, 40), rand(gen, 40), EPS, g) == "40 values a row, not a multiple of 16"
     assert triton_check(norm)(x, w, EPS, g.to(torch.bfloat16)) == "global scale (1,) torch.bfloat16 is not one float32"
     assert triton_check(norm)(x, w, EPS, torch.ones(2)) == "global scale (2,) torch.float32 is not one float32"
-    assert triton_check(norm)(x, w.float(), EPS, g) == "weight torch.float32(64,) is not a contiguous [64] torch.bfloat16 vector"
+    want = "weight torch.float32(64,) is not a contiguous [64] torch.bfloat16 vector"
+    assert triton_check(norm)(x, w.float(), EPS, g) == want
     assert triton_check(norm)(rand(gen, 64, 2).t(), w, EPS, g) == "last dim not contiguous"
     wide = 2 * (nv.constraints.TRITON_MAX_ROW + 16)
     assert "exceeds one Triton program" in triton_check(norm)(torch.empty(1, wide // 2), torch.empty(wide // 2), EPS, g)
