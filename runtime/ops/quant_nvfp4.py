@@ -34,13 +34,13 @@ Layout of the outputs, for x of shape [..., H] (H a multiple of 16):
   ``fp4_quantize(..., is_sf_swizzled_layout=True)`` writes it from the quantization kernel),
   or to the rule that fuses the GEMM: the spec keeps the layout a reader can index.
 
-CUDA: our Triton kernel (``fxrewrite.runtime.triton_nvfp4``), one kernel per op, bit exact with
+CUDA: our Triton kernel (``fxrewrite.runtime.triton_nvfp4``; one launch per call), bit exact with
 the spec wherever its input to the quantizer is (IEEE divisions, comparisons against the grid's
 midpoints, e4m3 rounded to nearest even). flashinfer 0.7.2's ``fp4_quantize`` is not a provider:
 it builds a JIT module at its first call (nvcc on the serving machine; an sm90 module exists, its
 fused ``rmsnorm_fp4quant`` needs sm100), it takes reciprocals with ``rcp.approx`` where the spec
-divides (not bit exact), and it writes the swizzled layout by default; nothing it serves is
-usable on sm90 without a Blackwell GEMM to read it. The GEMMs that consume NVFP4 need Blackwell;
+divides (not bit exact), and it writes the swizzled layout by default; on sm90 it would serve
+the quantization alone, a second launch after the norm. The GEMMs that consume NVFP4 need Blackwell;
 :func:`dequant_nvfp4` is the reference for tests and a dequantizing reference GEMM.
 """
 
