@@ -224,6 +224,8 @@ def promotion_makes(src: torch.Tensor, dtype: torch.dtype, other: Any) -> bool:
     """
     if not (isinstance(dtype, torch.dtype) and src.is_floating_point() and dtype.is_floating_point):
         return False
+    if src.dtype.itemsize == 1 or dtype.itemsize == 1:
+        return False  # float8 types do not promote: the cast is what makes the arithmetic legal
     if torch.promote_types(src.dtype, dtype) != dtype:
         return False  # narrowing: the cast rounds
 

@@ -207,6 +207,14 @@ def test_of_two_widening_casts_one_stays() -> None:
     assert calls(r, A.add.Tensor)[0].args == (placeholder(r, "x"), cast) and cast.args[0] is placeholder(r, "y")
 
 
+def test_the_cast_of_an_fp8_operand_stays() -> None:
+    """``s.float() * x`` with ``s`` float8: float8 types do not promote (torch raises), so the cast
+    is what makes the product legal, not something promotion would do (NVFP4's block scales)."""
+    s = torch.randn(4, 16).to(torch.float8_e4m3fn)
+    r = canon(lambda s, x: s.float() * x, s, x2d(4, 16), expect={"prims.convert_element_type": 1, "aten.mul": 1})
+    assert calls(r, A.mul.Tensor)[0].args[0] is calls(r, CAST)[0]
+
+
 # -- elementwise forms ------------------------------------------------------------------------
 
 

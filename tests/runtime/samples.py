@@ -21,7 +21,8 @@ def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.bfloat16)
 
 def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> list[Any]:
     """Arguments of ``op`` on CPU: ``x`` (and ``residual``) of ``shape``, a [hidden] weight, eps
-    1e-6, a static FP8 scale 0.02, GELU's tanh approximation, the norms' ``cast_last`` order, a
+    1e-6, a static FP8 scale 0.02, an NVFP4 global scale 300, GELU's tanh approximation, the norms'
+    ``cast_last`` order, a
     gated norm's gate (grouped, gate first, SiLU), the
     default process group's name, rotary arguments from :mod:`rotary_samples`, MoE arguments from
     :mod:`moe_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias."""
@@ -31,6 +32,7 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
         "bias": lambda: rand(gen, shape[-1], dtype=dtype),
         "eps": lambda: EPS,
         "scale": lambda: torch.tensor([0.02]),
+        "global_scale": lambda: torch.tensor([300.0]),  # NVFP4: 448 * 6 / 9, an amax of 9 at the top scale
         "approximate": lambda: "tanh",
         "cast_last": lambda: True,
         # the norm variants: a gate of x's shape, groups of half the row (when it is even), gate first
