@@ -6,7 +6,7 @@ last rule group, cleanup last). Nothing registers itself at import time.
 """
 
 from fxrewrite.passes import GraphPass, RuleGroup, Step
-from fxrewrite.rewrites import activation, collective, layernorm, linear, merge, moe, norm, norm_variants, quant, rotary, rotary_tables
+from fxrewrite.rewrites import activation, collective, layernorm, linear, merge, moe, norm, norm_variants, quant, quant_block, rotary, rotary_tables
 
 PIPELINE: tuple[Step, ...] = (
     # one GEMM for linears that read the same input (Config.merge_siblings)
@@ -17,14 +17,14 @@ PIPELINE: tuple[Step, ...] = (
     # take it for a residual add where a per-head norm follows the rotation (rotary, then QK norm)
     RuleGroup("fuse_rotary", rotary.RULES),
     # all-reduce + add + norm (tensor parallel): before the other norms, or the add + norm rules would take its sites
-    RuleGroup("fuse_collective", collective.RULES),
-    RuleGroup("fuse_norm_quant", quant.NORM_RULES),
+    RuleGroup("fuse_collective", quant_block.COLLECTIVE_RULES + collective.RULES),
+    RuleGroup("fuse_norm_quant", quant.NORM_RULES + quant_block.NORM_RULES),
     # add + norm before plain norm (the lists' order); LayerNorm first: the RMSNorm rules would
     # take a LayerNorm's second half (an RMSNorm of the centered input); gated norms before plain
     # norms (each holds a plain norm)
     RuleGroup("fuse_norm", layernorm.RULES + norm_variants.RULES + norm.RULES),
     RuleGroup("fuse_activation", activation.RULES),
-    RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES),  # FP8 quant of fused activations
+    RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES + quant_block.ACTIVATION_RULES),  # FP8 quant of fused activations
     # fxr.linear picks a decode-size GEMM by the rows of each call. Run eagerly (mode "none"),
     # each linear would pay the custom op's Python dispatch on the host, which replays do not
     # pay (not measured: extra_rules=linear.RULES opts in). Last: after every rule whose
@@ -35,4 +35,4 @@ PIPELINE: tuple[Step, ...] = (
 )
 
 __all__ = ["PIPELINE", "activation", "collective", "layernorm", "linear", "merge", "moe", "norm", "norm_variants",
-           "quant", "rotary", "rotary_tables"]
+           "quant", "quant_block", "rotary", "rotary_tables"]
