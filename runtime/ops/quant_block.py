@@ -1,6 +1,7 @@
 """Block-wise FP8: per-token groups of ``group`` (128 in DeepSeek-V3 and the FP8 releases of Qwen3
 and others) along the last dim, float8_e4m3fn values, one float32 scale per group, fused with
-RMSNorm, add + RMSNorm, SiLU-and-mul and GELU-and-mul (and all-reduce + add + RMSNorm).
+RMSNorm, add + RMSNorm, SiLU-and-mul and GELU-and-mul (all-reduce + add + RMSNorm + block FP8:
+``runtime/ops/collective.py``).
 
 The quantizer, :func:`quant_fp8_block`, is written as model code writes it (vLLM's native
 ``QuantFP8`` group path, the torch fallbacks of the fine-grained FP8 integrations), with the
@@ -49,7 +50,6 @@ from fxrewrite.runtime.ops.activation import (
     sgl_silu_and_mul,
     silu_and_mul_reference,
 )
-from fxrewrite.runtime.ops.collective import all_reduce_sum
 from fxrewrite.runtime.ops.norm import add_then_norm, check_norm_args, fake_sum, rms_norm_reference, sgl_rms_norm
 from fxrewrite.runtime.ops.quant import AMAX_FLOOR, FP8_CAPABILITY, FP8_DTYPE, FP8_MAX
 from fxrewrite.runtime.providers import Kernel, OpDef
@@ -99,17 +99,6 @@ def fused_add_rms_norm_block_quant_fp8_reference(
     return q, s, total
 
 
-def all_reduce_add_rms_norm_block_quant_fp8_reference(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int, group_name: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(q, s, sum)``: ``fxr.fused_add_rms_norm_block_quant_fp8`` of
-    ``all_reduce_sum(x, group_name)`` (tensor parallelism: ``runtime/ops/collective.py``). No
-    library fuses the all-reduce with a block quantization: on CUDA too this runs NCCL's
-    all-reduce, then the fused op's kernel (a counted fallback, "no kernel")."""
-    return torch.ops.fxr.fused_add_rms_norm_block_quant_fp8.default(
-        all_reduce_sum(x, group_name), residual, weight, eps, group)
-
-
 def silu_and_mul_block_quant_fp8_reference(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
     """``quant_fp8_block(silu_and_mul_reference(x), group)``: [..., 2d] -> fp8 [..., d], [..., d / group]."""
     return quant_fp8_block(silu_and_mul_reference(x), group)
@@ -141,12 +130,6 @@ def _norm_fake(x: Tensor, weight: Tensor, eps: float, group: int) -> tuple[Tenso
 def _fused_add_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int) -> tuple[Tensor, ...]:
     total = fake_sum(x, residual)
     return (*block_outputs(total, group), total)
-
-
-def _all_reduce_fake(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int, group_name: str
-) -> tuple[Tensor, ...]:
-    return _fused_add_fake(x, residual, weight, eps, group)
 
 
 def _silu_fake(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
@@ -224,13 +207,15 @@ def _sgl_silu_check(x: Tensor, group: int) -> str | None:
 
 
 def sgl_group_quant(y: Tensor, group: int) -> tuple[Tensor, Tensor]:
-    """sgl-kernel ``sgl_per_token_group_quant_fp8`` on contiguous ``y`` (eps = the spec's amax
+    """sgl-kernel's per-token-group quantization on contiguous ``y`` (eps = the spec's amax
     floor, bounds +-448, float32 scales row-major ``[rows, H / group]``)."""
     rows = y.reshape(-1, y.shape[-1])
     q = torch.empty(rows.shape, dtype=FP8_DTYPE, device=y.device)
     s = torch.empty((rows.shape[0], rows.shape[1] // group), dtype=torch.float32, device=y.device)
-    fn = providers.library("sgl_kernel").sgl_per_token_group_quant_fp8  # type: ignore[union-attr]
-    fn(rows, q, s, group, AMAX_FLOOR, -FP8_MAX, FP8_MAX)
+    # what the wrapper ``sgl_per_token_group_quant_fp8`` calls for these groups (0.4.6): no UE8M0
+    # scales, no fused SiLU, no mask
+    torch.ops.sgl_kernel.sgl_per_token_group_quant_8bit_v2.default(
+        rows, q, s, group, AMAX_FLOOR, -FP8_MAX, FP8_MAX, False, False, None)
     return q.view(y.shape), s.view(*y.shape[:-1], s.shape[-1])
 
 
@@ -274,7 +259,6 @@ DEFS: tuple[OpDef, ...] = (
             Kernel("sgl_kernel", _sgl_fused_add_block, _sgl_fused_add_check, FP8_CAPABILITY, "sgl_kernel+torch"),
         ),
     ),
-    OpDef("all_reduce_add_rms_norm_block_quant_fp8", all_reduce_add_rms_norm_block_quant_fp8_reference, _all_reduce_fake),
     OpDef(
         "silu_and_mul_block_quant_fp8",
         silu_and_mul_block_quant_fp8_reference,
