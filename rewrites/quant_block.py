@@ -29,7 +29,9 @@ from __future__ import annotations
 import torch
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
-from fxrewrite.rewrites.collective import COLLECTIVE_WILDCARDS, REQUIRES, all_reduce_add_rms_norm_pattern, all_reduce_norm_guard
+from fxrewrite.rewrites.collective import (
+    COLLECTIVE_WILDCARDS, REQUIRES, all_reduce_add_rms_norm_pattern, all_reduce_norm_guard,
+)  # fmt: skip
 from fxrewrite.rewrites.norm import WILDCARDS, add_norm_guard, add_rms_norm_pattern, norm_guard, rms_norm_pattern
 from fxrewrite.rule import Bindings, Rule, Scalar, all_of
 from fxrewrite.runtime.ops.quant_block import check_group, quant_fp8_block

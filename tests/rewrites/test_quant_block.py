@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from helpers.rewrites import BF16, DYNAMIC, F32, FP8, check, fused_nodes, quant_per_token, reasons, sites
+from helpers.rewrites import (
+    BF16, DYNAMIC, F32, FP8, check, fake_process_group, fused_nodes, quant_per_token, reasons, sites,
+)  # fmt: skip
 
 from fxrewrite.rewrites import quant_block
 from fxrewrite.runtime.ops.quant_block import dequant_fp8_block, quant_fp8_block
@@ -233,14 +235,8 @@ def test_rule_order_in_the_pipeline() -> None:
 
 @pytest.fixture
 def fake_group() -> Iterator[None]:
-    """Rank 0 of a fake 2-rank group: its all-reduce returns its input (tests/rewrites/test_collective.py)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
+    with fake_process_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])

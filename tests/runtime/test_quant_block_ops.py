@@ -25,7 +25,6 @@ EPS = 1e-6
 # exp(-gate) of the large rows overflows to inf in the interpreter (silu is then -0, as in torch)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 NORMS = ["rms_norm_block_quant_fp8", "fused_add_rms_norm_block_quant_fp8"]
-ACTS = {"silu": (0, "none"), "gelu": (1, "none"), "gelu_tanh": (1, "tanh")}  # name: (mode offset, approximate)
 
 
 def u8(t: torch.Tensor) -> torch.Tensor:
@@ -224,9 +223,6 @@ def test_triton_activation_ops_equal_the_reference_but_for_exp_erf_last_bits(tri
 
 
 # -- GPU: each provider compiled, against the spec ---------------------------------------------
-
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
 
 @pytest.mark.parametrize("shape", [(1, 2048), (8, 4096), (33, 7168), (512, 4096)])
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
