@@ -15,7 +15,8 @@ to the input dtype where the unfused torch code rounds it (the sum, the normed v
 weighted value, the activation, its product), to nearest even as the GPU's ``cvt.rn`` rounds
 (the CPU tests make Triton's interpreter round so: ``tests/runtime/conftest.py``). ``rsqrt`` is
 ``1 / sqrt``, both steps IEEE, as torch computes it on CPU; ``exp`` and ``erf`` are Triton's,
-``tanh(z)`` is ``1 - 2 / (1 + exp(2z))``. What may differ from the reference is the order of the
+``tanh(z)`` is ``1 - 2 / (1 + exp(2z))``; built without FP fusion (no FMA contracts a product
+into a sum the spec rounds apart). What may differ from the reference is the order of the
 sum of squares and those functions' last bits (measured in the interpreter on random rows: none
 in bf16 / fp16 norms, about 1e-4 of the activations' FP8 values; float32 scales, unrounded, move
 with every last bit). With ``STORE_Y`` the kernel also stores ``y``: the tests quantize it with
@@ -39,8 +40,8 @@ FP8_MAX: tl.constexpr = tl.constexpr(quant.FP8_MAX)
 AMAX_FLOOR: tl.constexpr = tl.constexpr(quant.AMAX_FLOOR)
 ACT_BLOCK = 1024  # columns an activation program holds (the row is spread over programs)
 
-# the producer before the quantization (constexpr MODE)
-QUANT_ONLY, RMS_NORM, ADD_RMS_NORM, SILU, GELU, GELU_TANH = range(6)
+# the producer before the quantization (constexpr MODE; constexpr globals, as a kernel reads them)
+QUANT_ONLY, RMS_NORM, ADD_RMS_NORM, SILU, GELU, GELU_TANH = (tl.constexpr(i) for i in range(6))
 
 
 @triton.jit
@@ -92,6 +93,7 @@ def launch(mode: int, x: Tensor, n: int, group: int, weight: Tensor | None = Non
     """Run :func:`_block_quant_kernel` over ``x``'s rows (contiguous; ``n`` output columns per
     row); returns ``(q, s, sum or None)`` shaped as the op returns them. ``y_out`` (a tensor of
     the output's shape): store the value quantized there too."""
+    mode = int(getattr(mode, "value", mode))
     rows = x.numel() // x.shape[-1]
     shape = (*x.shape[:-1], n)
     q, s = quant_block.block_outputs(x, group, shape)
@@ -104,6 +106,7 @@ def launch(mode: int, x: Tensor, n: int, group: int, weight: Tensor | None = Non
             x, residual if residual is not None else dummy, weight if weight is not None else dummy,
             total if total is not None else dummy, q, s, y_out if y_out is not None else dummy, n, eps,
             GROUP=group, GROUPS=groups, MODE=mode, STORE_Y=y_out is not None, num_warps=_warps(groups * group),
+            enable_fp_fusion=False,  # no FMA: each product and sum rounds on its own, as the spec's
         )  # fmt: skip
     return q, s, total
 
