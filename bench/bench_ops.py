@@ -15,6 +15,9 @@ and give [T, 4096], i.e. d = hidden, change with --mlp-hidden, e.g. 14336 for Ll
 - fused:      ``torch.ops.fxr.<op>`` per call;
 - unfused:    the torch code the op replaces (its reference; for an in-place op, the functional
               twin's, as the model spells it) per call;
+- block FP8 (``*_block_quant_fp8``): groups of 128; "unfused" is the torch code, and the
+              forced ``sgl_kernel`` column the two-kernel pair (sgl-kernel's norm or activation,
+              then its per-token-group quantization);
 - floor:      bytes that must move (each tensor argument read once, each output written once)
               over the device-to-device copy bandwidth measured in this run (read + write).
 
@@ -121,6 +124,7 @@ def make_args(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, dtype: torch
         "group_size": lambda: None,
         "gate_first": lambda: False,
         "activation": lambda: "silu",
+        "group": lambda: 128,  # block FP8: per-token groups of 128 (DeepSeek-V3, Qwen3-FP8)
     }
     return [values[name]() if name in values else p.default for name, p in params.items()]
 

@@ -7,7 +7,7 @@ last rule group, cleanup last). Nothing registers itself at import time.
 
 from fxrewrite.passes import GraphPass, RuleGroup, Step
 from fxrewrite.rewrites import (activation, attention_quant, collective, layernorm, linear, merge, moe, norm,
-                                norm_variants, quant, quant_nvfp4, rotary, rotary_tables)
+                                norm_variants, quant, quant_block, quant_nvfp4, rotary, rotary_tables)
 
 PIPELINE: tuple[Step, ...] = (
     # one GEMM for linears that read the same input (Config.merge_siblings)
@@ -18,20 +18,20 @@ PIPELINE: tuple[Step, ...] = (
     # take it for a residual add where a per-head norm follows the rotation (rotary, then QK norm)
     RuleGroup("fuse_rotary", rotary.RULES),
     # all-reduce + add + norm (tensor parallel): before the other norms, or the add + norm rules would take its sites
-    RuleGroup("fuse_collective", collective.RULES),
+    RuleGroup("fuse_collective", quant_block.COLLECTIVE_RULES + collective.RULES),
     # static FP8 quant of an attention output -> the engine's declared twin of the attention op
     # (Config.attention_quant): before the other quant rules, which would report its quantizer
     # as a near miss of theirs
     GraphPass("fuse_attention_quant", attention_quant.fuse_attention_quant,
               options=("attention_quant", "splitting_ops"), fusion=True),
-    RuleGroup("fuse_norm_quant", quant.NORM_RULES + quant_nvfp4.NORM_RULES),  # FP8, NVFP4
+    RuleGroup("fuse_norm_quant", quant.NORM_RULES + quant_block.NORM_RULES + quant_nvfp4.NORM_RULES),  # FP8, block FP8, NVFP4
     # add + norm before plain norm (the lists' order); LayerNorm first: the RMSNorm rules would
     # take a LayerNorm's second half (an RMSNorm of the centered input); gated norms before plain
     # norms (each holds a plain norm)
     RuleGroup("fuse_norm", layernorm.RULES + norm_variants.RULES + norm.RULES),
     RuleGroup("fuse_activation", activation.RULES),
-    # FP8 and NVFP4 quantization of fused activations
-    RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES + quant_nvfp4.ACTIVATION_RULES),
+    # FP8, block FP8 and NVFP4 quantization of fused activations
+    RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES + quant_block.ACTIVATION_RULES + quant_nvfp4.ACTIVATION_RULES),
     # fxr.linear picks a decode-size GEMM by the rows of each call. Run eagerly (mode "none"),
     # each linear would pay the custom op's Python dispatch on the host, which replays do not
     # pay (not measured: extra_rules=linear.RULES opts in). Last: after every rule whose
@@ -42,4 +42,4 @@ PIPELINE: tuple[Step, ...] = (
 )
 
 __all__ = ["PIPELINE", "activation", "attention_quant", "collective", "layernorm", "linear", "merge", "moe", "norm",
-           "norm_variants", "quant", "quant_nvfp4", "rotary", "rotary_tables"]
+           "norm_variants", "quant", "quant_block", "quant_nvfp4", "rotary", "rotary_tables"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import inspect
 from typing import Any
 
@@ -25,7 +26,7 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
     ``cast_last`` order, a
     gated norm's gate (grouped, gate first, SiLU), the
     default process group's name, rotary arguments from :mod:`rotary_samples`, MoE arguments from
-    :mod:`moe_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias."""
+    :mod:`moe_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias, block FP8's group (32 where the row allows)."""
     values = {
         "weight": lambda: rand(gen, shape[-1], dtype=dtype) * 0.5,
         "w": lambda: rand(gen, shape[-1], shape[-1], dtype=dtype) * shape[-1] ** -0.5,
@@ -41,6 +42,8 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
         "gate_first": lambda: True,
         "activation": lambda: "silu",
         "round_scale": lambda: False,
+        # block FP8: a group that divides the row and the half row (an activation's output), at most 32
+        "group": lambda: math.gcd(shape[-1], shape[-1] // 2 or 1, 32),
         # the collective ops: the default group (test_ops.py makes a fake one)
         "group_name": lambda: torch.distributed.group.WORLD.group_name,
     }

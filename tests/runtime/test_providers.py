@@ -18,7 +18,7 @@ from torch import Tensor
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import activation, layernorm, norm, quant, quant_nvfp4, rotary
+from fxrewrite.runtime.ops import activation, layernorm, norm, quant, quant_block, quant_nvfp4, rotary
 from fxrewrite.runtime.providers import Kernel, OpDef
 from samples import op_args  # this folder
 
@@ -287,6 +287,16 @@ def _sgl_per_token_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> N
     s.view(-1).copy_(scale.view(-1))
 
 
+def _sgl_group_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group: int, eps: float, lo: float, hi: float,
+                     ue8m0: bool, silu: bool, masked_m: torch.Tensor | None) -> None:  # fmt: skip
+    assert x.dim() == 2 and x.is_contiguous() and s.shape == (x.shape[0], x.shape[1] // group)
+    assert not ue8m0 and not silu and masked_m is None
+    g = x.float().unflatten(-1, (-1, group))
+    scale = g.abs().amax(-1, keepdim=True).clamp(min=eps) / hi
+    q.copy_((g / scale).clamp(lo, hi).to(FP8).flatten(-2))
+    s.copy_(scale.flatten(-2))
+
+
 SGL_SCHEMAS = {  # as registered by sgl-kernel 0.4.6 (sm90/common_ops.abi3.so)
     "rmsnorm": (
         "rmsnorm(Tensor! output, Tensor input, Tensor weight, float eps, bool enable_pdl) -> ()",
@@ -310,6 +320,11 @@ SGL_SCHEMAS = {  # as registered by sgl-kernel 0.4.6 (sm90/common_ops.abi3.so)
     "sgl_per_token_quant_fp8": (
         "sgl_per_token_quant_fp8(Tensor input, Tensor! output_q, Tensor! output_s) -> ()",
         _sgl_per_token_quant,
+    ),
+    "sgl_per_token_group_quant_8bit_v2": (
+        "sgl_per_token_group_quant_8bit_v2(Tensor input, Tensor! output_q, Tensor! output_s, int group_size, "
+        "float eps, float fp8_min, float fp8_max, bool scale_ue8m0, bool fuse_silu_and_mul, Tensor? masked_m) -> ()",
+        _sgl_group_quant,
     ),
 }
 
@@ -401,7 +416,7 @@ def both_libraries(registry: providers._Registry, sgl_ops: None) -> providers._R
     """sgl-kernel and flashinfer emulated; Triton's kernels not importable (a test that wants
     them installs the ``triton_kernels`` fixture's module)."""
     registry.modules.update({"sgl_kernel": lib("sgl_kernel"), **flashinfer_modules()})
-    install(registry, **{providers.TRITON_MODULE: None, layernorm.TRITON_LAYER_NORM: None})
+    install(registry, **{providers.TRITON_MODULE: None, layernorm.TRITON_LAYER_NORM: None, quant_block.TRITON_MODULE: None})
     return registry
 
 
@@ -439,6 +454,7 @@ def test_every_op_through_each_emulated_provider(
         both_libraries.modules[providers.TRITON_MODULE] = request.getfixturevalue("triton_kernels")
         both_libraries.modules[layernorm.TRITON_LAYER_NORM] = request.getfixturevalue("triton_layernorm")
         both_libraries.modules[quant_nvfp4.TRITON_MODULE] = request.getfixturevalue("triton_nvfp4")
+        both_libraries.modules[quant_block.TRITON_MODULE] = request.getfixturevalue("triton_quant_block")
     providers.configure(provider)
     args = op_args(op, shape, gen)
     if provider == "flashinfer" and op in layernorm.DEFS:  # its LayerNorm takes float32 gamma and beta
@@ -492,7 +508,8 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
             flashinfer__rope=None, flashinfer__comm=None)  # fmt: skip
     install(registry, **{providers.TRITON_MODULE: None, "fxrewrite.runtime.triton_moe": None,
                          layernorm.TRITON_LAYER_NORM: None, "fxrewrite.runtime.triton_route": None,
-                         "fxrewrite.runtime.triton_norms": None, quant_nvfp4.TRITON_MODULE: None})  # fmt: skip
+                         "fxrewrite.runtime.triton_norms": None, quant_nvfp4.TRITON_MODULE: None,
+                         quant_block.TRITON_MODULE: None})  # fmt: skip
     assert providers.preload() == {
         "flashinfer": False,
         "flashinfer.activation": False,
@@ -502,6 +519,7 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
         "fxrewrite.runtime.triton_kernels": False,
         "fxrewrite.runtime.triton_layernorm": False,
         "fxrewrite.runtime.triton_moe": False,
+        "fxrewrite.runtime.triton_quant_block": False,
         "fxrewrite.runtime.triton_norms": False,
         "fxrewrite.runtime.triton_nvfp4": False,
         "fxrewrite.runtime.triton_route": False,
