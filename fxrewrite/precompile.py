@@ -146,7 +146,7 @@ class FusedGraph(SerializableCallable):  # type: ignore[misc]
         reads = {name: _digest(inputs[name]) for name in sorted(meta.reads(gm.graph)) if name in inputs}
         state = {"inputs": names, "recipes": recipes, "reads": reads, "report": _encode_report(report)}
         fn = cls(gm, state, runner)
-        fn.identity = identity
+        fn.identity, fn.report = identity, report
         return fn
 
     def __call__(self, *args: Any) -> Any:
