@@ -197,7 +197,7 @@ class Backend:
             # (it copies this instance attribute onto its wrapper of the backend)
             self.backend_ctx_ctor = _SpecializeFloats
         self._warned_floats = False
-        self._precompiling = False  # set by aot_compile: __call__ returns a serializable graph
+        self._precompiling: type[precompile.FusedGraph] | None = None  # aot_compile: __call__ returns one
         self._cache = self._open_cache()
         self.graphs: list[fx.GraphModule] = []
         self.runners: list[Any] = []
@@ -234,7 +234,7 @@ class Backend:
                 node.meta["fxr_buffer"] = value  # module state (a buffer): tables may fold from it
             elif _lifted(node):  # a Python scalar, not a one-element input such as one token's positions
                 node.meta["fxr_real"] = value.detach().clone()  # its compile-time value (see meta.constant)
-        identity = precompile.Identity.of(gm, example_inputs) if self._precompiling else None
+        identity = precompile.Identity.of(gm, example_inputs) if self._precompiling is not None else None
         cached = self._cache.graph(gm, example_inputs, self.config) if self._cache is not None else None
         graph_report = cached.load() if cached is not None and not self.config.dump_dir else None
         hit = graph_report is not None  # the rewritten graph is in gm, no pass ran
@@ -249,8 +249,8 @@ class Backend:
         self.graphs.append(gm)
         self.report.graphs.append(graph_report)
         runner = build_runtime(self, gm, example_inputs, graph_report, prebuild=hit)
-        if identity is not None:  # Backend.aot_compile: a graph torch can serialize
-            return precompile.FusedGraph.cold(gm, example_inputs, runner, graph_report, identity)
+        if identity is not None and self._precompiling is not None:  # aot_compile: a graph torch can serialize
+            return self._precompiling.cold(gm, example_inputs, runner, graph_report, identity, self.config)
         return runner
 
     def compile(self, model: Any, *, dynamic: bool | None = True) -> Any:

@@ -73,8 +73,9 @@ except ImportError:  # pragma: no cover - older torch: precompile raises at use
 log = logging.getLogger(__name__)
 
 MAGIC = b"FXRPRE1\n"  # then the header's length (8 bytes), the header (JSON), torch's bytes
-# Node metadata the runner reads (fake values, static-input marks, source lines for messages)
-KEPT_META = ("example_value", "val", "stack_trace", "tensor_dict")
+# Node metadata the runner and reports read: fake values, static-input marks, source lines and
+# module paths for messages (cut down by _portable)
+KEPT_META = ("example_value", "val", "stack_trace", "tensor_dict", "nn_module_stack")
 _STATIC_MARK = "_dynamo_static_input_type"
 
 
@@ -131,22 +132,23 @@ class FusedGraph(SerializableCallable):  # type: ignore[misc]
 
     def __init__(self, gm: fx.GraphModule, state: dict[str, Any], runner: Callable[..., Any] | None = None) -> None:
         self.gm, self.state, self.runner = gm, state, runner
-        self.identity: Identity | None = None
         self.backend: Backend | None = None
         self.report: GraphReport | None = None
 
     @classmethod
     def cold(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], runner: Callable[..., Any], report: GraphReport,
-             identity: Identity) -> FusedGraph:  # fmt: skip
-        """After the passes (and the runner) of a precompile: what the artifact keeps of ``gm``."""
+             identity: Identity, config: Any) -> FusedGraph:  # fmt: skip
+        """After the passes (and the runner) of a precompile: what the artifact keeps of ``gm``,
+        keyed under ``config``."""
         names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
         inputs = dict(zip(names, example_inputs))
         recipes = {name: None if r is None else [fingerprint.target_ref(r[0]), list(r[1])]
                    for name, r in gm.meta.get("fxr_constants", {}).items()}  # fmt: skip
         reads = {name: _digest(inputs[name]) for name in sorted(meta.reads(gm.graph)) if name in inputs}
-        state = {"inputs": names, "recipes": recipes, "reads": reads, "report": _encode_report(report)}
+        state = {"header": identity.header(config), "inputs": names, "recipes": recipes, "reads": reads,
+                 "report": _encode_report(report)}  # fmt: skip
         fn = cls(gm, state, runner)
-        fn.identity, fn.report = identity, report
+        fn.report = report
         return fn
 
     def __call__(self, *args: Any) -> Any:
@@ -157,10 +159,14 @@ class FusedGraph(SerializableCallable):  # type: ignore[misc]
 
     def bind(self, backend: Backend) -> None:
         """Hand the loaded graph to ``backend``: its report and graphs list it; the runner is
-        built with its configuration at the first call."""
+        built with its configuration at the first call. StaleArtifact when the graph's key under
+        ``backend``'s configuration, in this process, is not the one it was compiled under."""
+        check_header(self.state["header"], backend.config)
         self.backend = backend
         self.report = _decode_report(self.state["report"])
-        self.report.notes.append("loaded from a precompiled artifact: no Dynamo trace, no pass")
+        self.report.notes.append(f"loaded from a precompiled artifact: no Dynamo trace, no pass (they took "
+                                 f"{self.report.rewrite_ms / 1e3:.3f} s when compiled)")  # fmt: skip
+        self.report.rewrite_ms = 0.0
         backend.graphs.append(self.gm)
         backend.report.graphs.append(self.report)
 
@@ -241,7 +247,7 @@ def _slices() -> Any:
 
 def _portable(gm: fx.GraphModule, recipes: dict[str, Any]) -> fx.GraphModule:
     """A copy of ``gm`` to pickle: node metadata cut to :data:`KEPT_META` (the static-input
-    mark alone of ``tensor_dict``), constants with a recipe as empty tensors (made again from the
+    mark alone of ``tensor_dict``, the innermost path of ``nn_module_stack``), constants with a recipe as empty tensors (made again from the
     parameters on load), ``gm.meta`` empty. ``gm`` itself is untouched."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -249,6 +255,9 @@ def _portable(gm: fx.GraphModule, recipes: dict[str, Any]) -> fx.GraphModule:
         kept = {k: n.meta[k] for k in KEPT_META if k in n.meta}
         if "tensor_dict" in kept:
             kept["tensor_dict"] = {k: v for k, v in kept["tensor_dict"].items() if k == _STATIC_MARK}
+        if kept.get("nn_module_stack"):  # the innermost module's path, not its class
+            key, (path, _) = list(kept["nn_module_stack"].items())[-1]
+            kept["nn_module_stack"] = {key: (str(path), None)}
         n.meta = kept
     root: dict[str, Any] = {}
     for n in graph.find_nodes(op="get_attr"):
@@ -359,18 +368,18 @@ def aot_compile(backend: Backend, model: Any, args: Sequence[Any] = (), kwargs: 
 
     from fxrewrite.backend import _SpecializeFloats
 
-    backend._precompiling = True
+    backend._precompiling = FusedGraph
     try:
         with _SpecializeFloats() if backend.config.specialize_floats else _nothing():
             fn = aot_compile_fullgraph(call_module, ((model, *args), dict(kwargs or {})),
                                        hooks=Hooks(guard_filter_fn=serializable_guards), backend=backend,
                                        dynamic=dynamic)  # fmt: skip
     finally:
-        backend._precompiling = False
+        backend._precompiling = None
     graph = fn._artifacts.compiled_fn
-    if not isinstance(graph, FusedGraph) or graph.identity is None:
+    if not isinstance(graph, FusedGraph):
         raise RuntimeError(f"the backend returned {type(graph).__name__}, not a precompiled fxrewrite graph")
-    return Precompiled(fn, model, backend, graph.identity.header(backend.config), dynamic=dynamic, recompile=recompile)
+    return Precompiled(fn, model, backend, graph.state["header"], dynamic=dynamic, recompile=recompile)
 
 
 class _nothing:
