@@ -307,7 +307,9 @@ class Precompiled:
         return self._dynamo()(*args, **kwargs)
 
     def _guard_reason(self, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
-        f_locals = inspect.signature(call_module).bind(self.model, *args, **kwargs).arguments
+        bound = inspect.signature(call_module).bind(self.model, *args, **kwargs)
+        bound.apply_defaults()  # the empty *args / **kwargs too: the guards name them
+        f_locals = bound.arguments
         info = self.fn._artifacts.guard_manager.check_verbose(f_locals)
         return "; ".join(getattr(info, "verbose_code_parts", []) or [str(info)])
 
@@ -370,7 +372,7 @@ def aot_compile(backend: Backend, model: Any, args: Sequence[Any] = (), kwargs: 
 
     backend._precompiling = FusedGraph
     try:
-        with _SpecializeFloats() if backend.config.specialize_floats else _nothing():
+        with _SpecializeFloats() if backend.config.specialize_floats else _nothing(), _keeping_dim_marks():
             fn = aot_compile_fullgraph(call_module, ((model, *args), dict(kwargs or {})),
                                        hooks=Hooks(guard_filter_fn=serializable_guards), backend=backend,
                                        dynamic=dynamic)  # fmt: skip
@@ -380,6 +382,45 @@ def aot_compile(backend: Backend, model: Any, args: Sequence[Any] = (), kwargs: 
     if not isinstance(graph, FusedGraph):
         raise RuntimeError(f"the backend returned {type(graph).__name__}, not a precompiled fxrewrite graph")
     return Precompiled(fn, model, backend, graph.state["header"], dynamic=dynamic, recompile=recompile)
+
+
+# torch.compiler's dimension marks (mark_static, mark_dynamic, ...) on an input tensor: guarded
+_DIM_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
+              "_dynamo_strict_unbacked_indices", "_dynamo_static_indices", "_dynamo_shape_ids",
+              "_dynamo_unbacked_bounds", "_has_dynamo_dim_marking")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _keeping_dim_marks() -> Any:
+    """Dynamo's guards pickled with each tensor's dimension marks. torch (2.11 to 2.13) pickles a
+    guarded tensor as its meta tensor and drops them; the guards rebuilt on load then expect no
+    mark, and an input marked as at compile time (``mark_static``, as the CUDA-graph runner
+    wants for all but the token count) fails them. The marks ride along and are set back."""
+    from torch._dynamo.guards import GuardsStatePickler
+
+    original = GuardsStatePickler.reducer_override
+    tensor_fn = GuardsStatePickler._unpickle_tensor.__func__
+
+    def reducer_override(self: Any, obj: Any) -> Any:
+        out = original(self, obj)
+        if isinstance(out, tuple) and getattr(out[0], "__func__", None) is tensor_fn and isinstance(obj, torch.Tensor):
+            marks = {k: getattr(obj, k) for k in _DIM_MARKS if hasattr(obj, k)}
+            if marks:
+                return _unpickle_marked, (marks, out[0], out[1])
+        return out
+
+    GuardsStatePickler.reducer_override = reducer_override
+    try:
+        yield
+    finally:
+        GuardsStatePickler.reducer_override = original
+
+
+def _unpickle_marked(marks: dict[str, Any], unpickle: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:
+    t = unpickle(*args)
+    for k, v in marks.items():
+        setattr(t, k, v)
+    return t
 
 
 class _nothing:

@@ -257,6 +257,23 @@ def test_a_guard_failure_compiles_with_dynamo_or_raises(tmp_path: Path, user_mod
                 strict(x)
 
 
+def test_inputs_marked_as_at_compile_time_pass_the_loaded_guards(tmp_path: Path, user_model: Any) -> None:
+    """``mark_static`` on an input (what the CUDA-graph runner wants of every dimension but the
+    token count): torch pickles guarded tensors without their marks, fxrewrite keeps them."""
+    model, x = user_model.Norm(), torch.randn(8, 32)
+    torch._dynamo.mark_static(x, 1)
+    with torch.no_grad():
+        path = backend(tmp_path).aot_compile(model, (), {"x": x}).save(tmp_path / "norm.fxr")
+        step = fxrewrite.load(path, model, backend(tmp_path), recompile=False)
+        assert step.guard_check(x=x) and torch.equal(step(x=x), model(x))
+        y = torch.randn(5, 32)
+        torch._dynamo.mark_static(y, 1)
+        assert torch.equal(step(x=y), model(y))  # another token count, marked the same
+        torch._dynamo.mark_static(y, 0)
+        with pytest.raises(fxrewrite.GuardFailure, match="_dynamo_static_indices"):  # a new mark
+            step(x=y)
+
+
 def test_damaged_artifacts_are_misses(tmp_path: Path) -> None:
     model, x = llama()
     path, _ = saved(tmp_path, model, x)
