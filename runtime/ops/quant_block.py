@@ -31,8 +31,9 @@ Kernels considered and not used: flashinfer 0.7.2's ``norm.fused_add_rmsnorm_fp8
 computes another quantizer (read in ``include/flashinfer/norm.cuh``): amax floor 1e-4, values
 multiplied by ``448 / amax`` (not divided by the scale), and ``x * rsqrt * w`` rounded once where
 the spec rounds the normed value first; its scales are column-major. It can never equal the spec
-bit for bit. sgl-kernel's ``sgl_per_token_group_quant_fp8`` after the unfused op serves as a
-two-kernel provider behind Triton (its GPU test says whether it is bit-exact there).
+bit for bit. sgl-kernel 0.4.6's per-token-group quantization (``sgl_per_token_group_quant_8bit_v2``)
+requires its amax floor to be 1e-10 (it checks ``|eps - 1e-10| < 1e-13`` on the device, seen on
+an H200, 2026-11-26), where the spec's is 1e-12: it cannot serve the spec either.
 """
 
 from __future__ import annotations
@@ -45,12 +46,10 @@ from torch import Tensor
 from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.ops.activation import (
     GELU_APPROXIMATIONS,
-    check_act_and_mul,
     gelu_and_mul_reference,
-    sgl_silu_and_mul,
     silu_and_mul_reference,
 )
-from fxrewrite.runtime.ops.norm import add_then_norm, check_norm_args, fake_sum, rms_norm_reference, sgl_rms_norm
+from fxrewrite.runtime.ops.norm import add_then_norm, fake_sum, rms_norm_reference
 from fxrewrite.runtime.ops.quant import AMAX_FLOOR, FP8_CAPABILITY, FP8_DTYPE, FP8_MAX
 from fxrewrite.runtime.providers import Kernel, OpDef
 
@@ -186,50 +185,7 @@ def _triton_act_check(x: Tensor, group: int, approximate: str = "none") -> str |
     return _triton_rows(x) or check_group(x.shape[-1] // 2, group, power_of_two=True)
 
 
-def _sgl_check(d: int, group: int) -> str | None:
-    return check_group(d, group) or (None if group in (16, 32, 64, 128) else f"group {group} not one of sgl-kernel's")
-
-
-def _sgl_norm_check(x: Tensor, weight: Tensor, eps: float, group: int) -> str | None:
-    return check_norm_args(x, weight) or (None if x.is_contiguous() else "input not contiguous") or _sgl_check(
-        x.shape[-1], group)  # fmt: skip
-
-
-def _sgl_fused_add_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int) -> str | None:
-    return check_norm_args(x, weight, residual) or _sgl_check(x.shape[-1], group)
-
-
-def _sgl_silu_check(x: Tensor, group: int) -> str | None:
-    return check_act_and_mul(x, half_aligned=True) or _sgl_check(x.shape[-1] // 2, group)
-
-
 # --------------------------------------------------------------------------- kernels
-
-
-def sgl_group_quant(y: Tensor, group: int) -> tuple[Tensor, Tensor]:
-    """sgl-kernel's per-token-group quantization on contiguous ``y`` (eps = the spec's amax
-    floor, bounds +-448, float32 scales row-major ``[rows, H / group]``)."""
-    rows = y.reshape(-1, y.shape[-1])
-    q = torch.empty(rows.shape, dtype=FP8_DTYPE, device=y.device)
-    s = torch.empty((rows.shape[0], rows.shape[1] // group), dtype=torch.float32, device=y.device)
-    # what the wrapper ``sgl_per_token_group_quant_fp8`` calls for these groups (0.4.6): no UE8M0
-    # scales, no fused SiLU, no mask
-    torch.ops.sgl_kernel.sgl_per_token_group_quant_8bit_v2.default(
-        rows, q, s, group, AMAX_FLOOR, -FP8_MAX, FP8_MAX, False, False, None)
-    return q.view(y.shape), s.view(*y.shape[:-1], s.shape[-1])
-
-
-def _sgl_rms_norm_block(x: Tensor, weight: Tensor, eps: float, group: int) -> tuple[Tensor, Tensor]:
-    return sgl_group_quant(sgl_rms_norm(x, weight, eps), group)
-
-
-def _sgl_fused_add_block(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int) -> tuple[Tensor, ...]:
-    (q, s), total = add_then_norm(functools.partial(_sgl_rms_norm_block, group=group), x, residual, weight, eps)
-    return q, s, total
-
-
-def _sgl_silu_block(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
-    return sgl_group_quant(sgl_silu_and_mul(x), group)
 
 
 def _triton(op: str, check: object) -> Kernel:
@@ -238,8 +194,7 @@ def _triton(op: str, check: object) -> Kernel:
 
 # --------------------------------------------------------------------------- the ops
 
-# Triton first: one kernel, bit for bit the spec's quantizer; sgl-kernel's norm or activation
-# then its group quantization (two kernels, the add in torch) where Triton cannot serve.
+# Triton: one kernel, bit for bit the spec's quantizer; the torch reference where it cannot serve.
 DEFS: tuple[OpDef, ...] = (
     OpDef(
         "rms_norm_block_quant_fp8",
@@ -247,7 +202,6 @@ DEFS: tuple[OpDef, ...] = (
         _norm_fake,
         (
             _triton("rms_norm_block_quant_fp8", _triton_norm_check),
-            Kernel("sgl_kernel", _sgl_rms_norm_block, _sgl_norm_check, FP8_CAPABILITY),
         ),
     ),
     OpDef(
@@ -256,7 +210,6 @@ DEFS: tuple[OpDef, ...] = (
         _fused_add_fake,
         (
             _triton("fused_add_rms_norm_block_quant_fp8", _triton_fused_add_check),
-            Kernel("sgl_kernel", _sgl_fused_add_block, _sgl_fused_add_check, FP8_CAPABILITY, "sgl_kernel+torch"),
         ),
     ),
     OpDef(
@@ -265,7 +218,6 @@ DEFS: tuple[OpDef, ...] = (
         _silu_fake,
         (
             _triton("silu_and_mul_block_quant_fp8", _triton_act_check),
-            Kernel("sgl_kernel", _sgl_silu_block, _sgl_silu_check, FP8_CAPABILITY),
         ),
     ),
     OpDef(

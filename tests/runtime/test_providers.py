@@ -287,16 +287,6 @@ def _sgl_per_token_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> N
     s.view(-1).copy_(scale.view(-1))
 
 
-def _sgl_group_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group: int, eps: float, lo: float, hi: float,
-                     ue8m0: bool, silu: bool, masked_m: torch.Tensor | None) -> None:  # fmt: skip
-    assert x.dim() == 2 and x.is_contiguous() and s.shape == (x.shape[0], x.shape[1] // group)
-    assert not ue8m0 and not silu and masked_m is None
-    g = x.float().unflatten(-1, (-1, group))
-    scale = g.abs().amax(-1, keepdim=True).clamp(min=eps) / hi
-    q.copy_((g / scale).clamp(lo, hi).to(FP8).flatten(-2))
-    s.copy_(scale.flatten(-2))
-
-
 SGL_SCHEMAS = {  # as registered by sgl-kernel 0.4.6 (sm90/common_ops.abi3.so)
     "rmsnorm": (
         "rmsnorm(Tensor! output, Tensor input, Tensor weight, float eps, bool enable_pdl) -> ()",
@@ -320,11 +310,6 @@ SGL_SCHEMAS = {  # as registered by sgl-kernel 0.4.6 (sm90/common_ops.abi3.so)
     "sgl_per_token_quant_fp8": (
         "sgl_per_token_quant_fp8(Tensor input, Tensor! output_q, Tensor! output_s) -> ()",
         _sgl_per_token_quant,
-    ),
-    "sgl_per_token_group_quant_8bit_v2": (
-        "sgl_per_token_group_quant_8bit_v2(Tensor input, Tensor! output_q, Tensor! output_s, int group_size, "
-        "float eps, float fp8_min, float fp8_max, bool scale_ue8m0, bool fuse_silu_and_mul, Tensor? masked_m) -> ()",
-        _sgl_group_quant,
     ),
 }
 
