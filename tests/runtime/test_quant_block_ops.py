@@ -32,9 +32,14 @@ def u8(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_bits(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
+    """Equal bytes; e4m3 NaNs of either sign are one value (an activation that overflows float16
+    gives inf / inf: the GPU's conversion and torch's CPU one write NaN with other signs)."""
     assert [(g.shape, g.dtype) for g in got] == [(w.shape, w.dtype) for w in want]
     for i, (g, w) in enumerate(zip(got, want)):
+        nan = (g != g) & (w != w) if g.dtype == torch.float8_e4m3fn else None
         g, w = u8(g).cpu(), u8(w).cpu()
+        if nan is not None:
+            g, w = g.masked_fill(nan.cpu(), 0), w.masked_fill(nan.cpu(), 0)
         assert torch.equal(g, w), f"output {i}: {int((g != w).sum())} of {g.numel()} differ"
 
 
@@ -270,16 +275,7 @@ def test_gpu_triton_quantizes_its_values_as_the_spec(name: str, dtype: torch.dty
 
     args = op_args(name, shape, dtype, 128, "cuda")
     *outs, y = run_storing_y(tq, name, args)
-    if name.endswith("_tanh") and dtype != F32:
-        # seen on an H200 (2026-11-26): 1 to 3 FP8 values in a million one e4m3 step from the
-        # spec of the stored values, cause not found; the values within one step, scales exact
-        from fxrewrite.runtime.ops.quant import fp8_mismatch
-
-        q_ref, s_ref = qb.quant_fp8_block(y.cpu(), 128)
-        assert torch.equal(outs[1].cpu(), s_ref)
-        assert fp8_mismatch(outs[0].cpu(), q_ref, outs[1].cpu(), s_ref) is None
-    else:
-        assert_bits(tuple(o.cpu() for o in outs[:2]), qb.quant_fp8_block(y.cpu(), 128))
+    assert_bits(tuple(o.cpu() for o in outs[:2]), qb.quant_fp8_block(y.cpu(), 128))
     cpu_args = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
     assert_near(y, pre_quant(name, cpu_args))
 
