@@ -352,12 +352,15 @@ def _installed_globals(artifacts: Any) -> dict[str, Any]:
 
 
 def _globals(header: dict[str, Any]) -> dict[str, Any]:
-    """This module's globals, with those :func:`_installed_globals` named."""
+    """This module's globals, with those :func:`_installed_globals` named, over the builtins
+    (torch 2.11 looks each name the bytecode reads up in these globals alone: ``type`` missed
+    there; 2.13 also reads ``__builtins__``)."""
+    import builtins
     import importlib
 
     found = {name: importlib.import_module(ref[1]) if ref[0] == "module" else fingerprint.resolve_target(ref)
              for name, ref in header.get("globals", {}).items()}  # fmt: skip
-    return {**vars(sys.modules[__name__]), **found}
+    return {**vars(builtins), **vars(sys.modules[__name__]), **found}
 
 
 def aot_compile(backend: Backend, model: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, *,
