@@ -4,6 +4,7 @@ artifact: no Dynamo trace, no pass), and Inductor + CUDA graphs (issue 33's rows
 
     source .devkit/setup.sh && python bench/warm_start.py --shape 8b --repeat 3
     python bench/warm_start.py --shape tiny --device cpu --repeat 1      # a smoke test
+    python bench/warm_start.py --shape mid --device cpu --repeat 3       # 32 layers: our costs on CPU
 
 Each row runs in processes of its own, ``--repeat`` times, rows interleaved (round i runs every
 row once); the median is printed. A process builds the serving-engine Llama (``engine_model.py``,
@@ -60,7 +61,7 @@ def child(args: argparse.Namespace) -> dict[str, float]:
 
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    cfg = llama_8b() if args.shape == "8b" else tiny()
+    cfg = {"8b": llama_8b, "tiny": tiny, "mid": lambda: tiny(num_layers=32)}[args.shape]()
     model = build_model(cfg, device=device, dtype=dtype, seed=0)
     model.allocate_kv_cache(args.batch, CONTEXT + 1)
     batch = mark_static_metadata(make_batch(cfg, "decode", args.batch, CONTEXT, max_len=CONTEXT + 1, device=device))
@@ -147,7 +148,7 @@ def table(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--shape", choices=("8b", "tiny"), default="8b")
+    p.add_argument("--shape", choices=("8b", "tiny", "mid"), default="8b", help="mid: the tiny model with 32 layers")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default bf16 on cuda, fp32 on cpu")
     p.add_argument("--mode", choices=("none", "piecewise", "full"), default="full")
