@@ -32,17 +32,20 @@ tensor-parallel model's residual stream is): each rank reads its rows of it.
 
 The reference is the implementation on every device: the collectives through
 ``_c10d_functional`` (NCCL, gloo; capturable in CUDA graphs, as the all-reduce op's NCCL path),
-the add + norm through ``fxr.fused_add_rms_norm_``, whose providers serve it on CUDA.
+the add + norm through ``fxr.fused_add_rms_norm_``, whose providers serve it on CUDA. On CUDA
+``providers.served()`` counts the calls of each path ("reduce-scatter", "all-reduce").
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
 
 from fxrewrite.runtime import providers
 from fxrewrite.runtime.ops.collective import _fake
-from fxrewrite.runtime.providers import OpDef
+from fxrewrite.runtime.providers import Kernel, OpDef
 
 
 def group_size_and_rank(group_name: str) -> tuple[int, int]:
@@ -65,11 +68,22 @@ def sp_reduce_add_rms_norm_reference(
     """Returns ``(out, sum)``; see the module docstring. ``out`` equals
     ``fxr.all_reduce_add_rms_norm``'s; ``sum`` does in this rank's rows of a sharded call (all
     rows below ``min_tokens``)."""
+    path = _sharded if sharded(x.numel() // x.shape[-1], min_tokens) else _all_reduce
+    return path(x, residual, weight, eps, min_tokens, group_name)
+
+
+def _all_reduce(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, min_tokens: int, group_name: str
+) -> tuple[Tensor, Tensor]:
+    return torch.ops.fxr.all_reduce_add_rms_norm.default(x, residual, weight, eps, group_name)
+
+
+def _sharded(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, min_tokens: int, group_name: str
+) -> tuple[Tensor, Tensor]:
+    c10d = torch.ops._c10d_functional
     hidden = x.shape[-1]
     rows = x.numel() // hidden
-    if not sharded(rows, min_tokens):
-        return torch.ops.fxr.all_reduce_add_rms_norm.default(x, residual, weight, eps, group_name)
-    c10d = torch.ops._c10d_functional
     world, rank = group_size_and_rank(group_name)
     chunk = -(-rows // world)
     xs = x.reshape(rows, hidden)
@@ -86,11 +100,23 @@ def sp_reduce_add_rms_norm_reference(
     return out[:rows].view(x.shape), total[:rows].view(residual.shape)
 
 
+def _path_check(want: bool, x: Tensor, residual: Tensor, weight: Tensor, eps: float, min_tokens: int,
+                group_name: str) -> str | None:  # fmt: skip
+    rows = x.numel() // x.shape[-1]
+    if sharded(rows, min_tokens) == want:
+        return None
+    return f"{rows} rows {'<' if want else '>='} {min_tokens}"
+
+
 def _fake_sp(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float, min_tokens: int, group_name: str
 ) -> tuple[Tensor, Tensor]:
     return _fake(x, residual, weight, eps, group_name)
 
 
-DEFS: tuple[OpDef, ...] = (OpDef("sp_reduce_add_rms_norm", sp_reduce_add_rms_norm_reference, _fake_sp),)
+# On CUDA the two paths as two "kernels" (the reference's own steps, labelled), so that
+# ``providers.served()`` counts the calls each took; every call meets exactly one's check.
+_PATHS = tuple(Kernel("nccl", run, functools.partial(_path_check, want), label=label, module="torch.distributed")
+               for run, want, label in ((_sharded, True, "reduce-scatter"), (_all_reduce, False, "all-reduce")))  # fmt: skip
+DEFS: tuple[OpDef, ...] = (OpDef("sp_reduce_add_rms_norm", sp_reduce_add_rms_norm_reference, _fake_sp, _PATHS),)
 OPS: tuple[str, ...] = providers.define_all(DEFS)
