@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.rewrites import fake_process_group
 
 from fxrewrite.runtime.ops import sequence_parallel
 from fxrewrite.testing import run_ranks
@@ -64,13 +65,8 @@ def test_sharded_by_rows() -> None:
 
 @pytest.fixture
 def fake_group() -> Any:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
+    with fake_process_group():
         yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fake_impl_keeps_the_unsharded_shapes(fake_group: str) -> None:
