@@ -17,13 +17,23 @@ they run (the comparisons first, in case ``--budget-s`` runs out):
     piecewise, AR not fused       default rules without ``fuse_collective``: NCCL all-reduce, then
                                   the in-place fused add + RMSNorm kernel
     full, ... (the same three)    one CUDA graph per decode step
+    piecewise, AR fused + SP      sequence parallelism from ``--sp-min-tokens`` rows on
+                                  (``fxr.sp_reduce_add_rms_norm``: NCCL reduce-scatter, add +
+                                  RMSNorm on this rank's rows, all-gather); below it the same
+                                  flashinfer fused all-reduce as "piecewise, AR fused: flashinfer"
 
 Columns: decode of 8 and 64 sequences after ``--context`` cached tokens, prefill of 512 and 2048
-tokens (beyond the largest capture size, 512, the graph runs eagerly, as engines do). A cell is
+tokens (beyond the largest capture size, 512, the graph runs eagerly, as engines do); ``--decode``
+and ``--prefill`` name others. Sequence parallelism against today's fusion, one line:
+
+    torchrun --nproc-per-node 2 bench/bench_tp.py --systems pw-fi,pw-sp --decode 1,8,64 --prefill 512,2048,4096
+ A cell is
 the median step time of rank 0 (CUDA events, from an idle device; both ranks run the same
 fixed number of steps: a collective needs both); "first call" includes Dynamo, the passes,
 workspace creation and captures; "rel err" is the largest ``max|y - ref| / max|ref|`` against
-the eager TP model on fresh inputs. Rank 0 writes the markdown to ``--out`` after every row.
+the unsharded model computed in float32 (``engine_model.float32_reference``, one block at a
+time) on fresh inputs with no cached context (each step's new tokens attend to themselves: the
+random caches play no part, so the reference needs none of them). Rank 0 writes the markdown to ``--out`` after every row.
 """
 
 from __future__ import annotations
@@ -44,10 +54,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_e2e import FILL_SEED, CHECK_SEED, Clock, Scenario, _short, rel_err  # noqa: E402
-from engine_model import SPLITTING_OPS, build_model, llama_8b, make_batch, mark_static_metadata, tiny  # noqa: E402
+from engine_model import (SPLITTING_OPS, build_model, float32_reference, llama_8b, make_batch,  # noqa: E402
+                          mark_static_metadata, tiny)
 from tp_model import shard  # noqa: E402
 
 AR_OP = "all_reduce_add_rms_norm"
+SP_OP = "sp_reduce_add_rms_norm"
 WARMUP = {"decode": (3, 50), "prefill": (2, 10)}  # (warm-up calls, timed steps): the same on every rank
 
 
@@ -61,6 +73,7 @@ class System:
     provider: str = ""
     collective: bool = True
     kinds: tuple[str, ...] = ("decode", "prefill")
+    sequence_parallel: bool = False
 
 
 SYSTEMS = (
@@ -68,18 +81,22 @@ SYSTEMS = (
     System("pw-fi", "piecewise, AR fused: flashinfer", "piecewise"),
     System("pw-nccl", "piecewise, AR fused: NCCL", "piecewise", f"{AR_OP}=torch"),
     System("pw-none", "piecewise, AR not fused (NCCL + add-norm)", "piecewise", collective=False),
+    System("pw-sp", "piecewise, AR fused + sequence parallelism", "piecewise", sequence_parallel=True),
     System("full-fi", "full, AR fused: flashinfer", "full", kinds=("decode",)),
     System("full-nccl", "full, AR fused: NCCL", "full", f"{AR_OP}=torch", kinds=("decode",)),
     System("full-none", "full, AR not fused (NCCL + add-norm)", "full", collective=False, kinds=("decode",)),
 )
 
 
-def columns(shape: str, context: int) -> list[Scenario]:
-    """Decode 8 and 64; prefill 512 and 2048 (not 4096 as bench_e2e: the KV cache rows grow with
-    it, and full graphs save and restore the cache around each capture)."""
+def columns(shape: str, context: int, decode: str | None = None, prefill_sizes: str | None = None) -> list[Scenario]:
+    """Decode 8 and 64; prefill 512 and 2048 (not 4096 by default, as bench_e2e: the KV cache
+    rows grow with it, and full graphs save and restore the cache around each capture); or the
+    comma-separated sizes given."""
     prefill = (512, 2048) if shape == "8b" else (64, 256)
+    prefill = tuple(int(t) for t in prefill_sizes.split(",")) if prefill_sizes else prefill
     ctx = context if shape == "8b" else min(context, 64)
-    return [Scenario(f"decode {b}", "decode", b, ctx) for b in (8, 64)] + [
+    batches = tuple(int(b) for b in decode.split(",")) if decode else (8, 64)
+    return [Scenario(f"decode {b}", "decode", b, ctx) for b in batches] + [
         Scenario(f"prefill {t}", "prefill", t, 0) for t in prefill
     ]
 
@@ -102,7 +119,7 @@ class Row:
 
 
 def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, checks: dict, refs: dict,
-               clock: Clock, deadline: float) -> Row:  # fmt: skip
+               clock: Clock, deadline: float, sp_min_tokens: int = 512) -> Row:  # fmt: skip
     import fxrewrite
     from fxrewrite.runtime import providers
 
@@ -117,7 +134,8 @@ def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, 
     else:
         capture = tuple(sorted({c.size for c in cols if c.size <= 512 and c.kind in system.kinds}))
         backend = fxrewrite.Backend(mode=system.mode, splitting_ops=SPLITTING_OPS, capture_sizes=capture,
-                                    provider=system.provider, rules=rules(system.collective), progress=False)  # fmt: skip
+                                    provider=system.provider, rules=rules(system.collective), progress=False,
+                                    sequence_parallel_min_tokens=sp_min_tokens if system.sequence_parallel else None)  # fmt: skip
         step = backend.compile(model)
     errors = []
     for col in cols:
@@ -145,7 +163,11 @@ def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, 
         fused = sum(g.fused_ops.get(AR_OP, 0) for g in backend.report.graphs)
         row.notes.append(f"{AR_OP} sites {fused} in {len(backend.report.graphs)} graphs; served (Python calls: "
                          f"eager steps, warm-ups, captures) {served}")  # fmt: skip
-        misses = [f"{m.rule}: {m.reason}" for m in backend.report.near_misses if m.rule == AR_OP]
+        if system.sequence_parallel:
+            sp = [s for s in backend.report.sites if s.rule == "sequence_parallel"]
+            row.notes.append(f"{SP_OP} sites {len(sp)}, served {providers.served().get(SP_OP)}; "
+                             f"first: {sp[0].module}: {sp[0].note}" if sp else "no sequence-parallel site")  # fmt: skip
+        misses = [f"{m.rule}: {m.reason}" for m in backend.report.near_misses if m.rule in (AR_OP, "sequence_parallel")]
         if misses:
             row.notes.append(f"near misses: {misses[:3]}")
     del step, backend
@@ -189,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--context", type=int, default=1024, help="cached tokens per sequence in decode")
     p.add_argument("--systems", default=None, help="comma-separated keys: " + ", ".join(s.key for s in SYSTEMS))
+    p.add_argument("--decode", default=None, help="comma-separated decode batch sizes (default 8,64)")
+    p.add_argument("--prefill", default=None, help="comma-separated prefill token counts (default 512,2048)")
+    p.add_argument("--sp-min-tokens", type=int, default=512, help="pw-sp: sequence parallelism from this many tokens")
     p.add_argument("--budget-s", type=float, default=220.0, help="start no column after this many seconds")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -207,26 +232,27 @@ def main(argv: list[str] | None = None) -> int:
     cfg = llama_8b() if args.shape == "8b" else tiny()
     if args.layers:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
-    cols = columns(args.shape, args.context)
+    cols = columns(args.shape, args.context, args.decode, args.prefill)
     max_seqs = max(c.size for c in cols if c.kind == "decode")
     max_len = max(c.context + (1 if c.kind == "decode" else c.size) for c in cols)
     _log(f"rank {rank}/{world}: building {cfg.num_layers} layers on {device}, sharding")
     full = build_model(cfg, device=device, dtype=dtype, seed=0)
     model = shard(full, rank, world, dist.group.WORLD.group_name)
     weight_gb = sum(t.numel() * t.element_size() for t in model.parameters()) / 1e9
+
+    def batch(c: Scenario, seed: int, context: int, length: int) -> dict[str, torch.Tensor]:
+        return mark_static_metadata(make_batch(cfg, c.kind, c.size, context, max_len=length, device=device, seed=seed))
+
+    refs = {}  # the unsharded model in float32, with a cache just big enough for the step
+    for c in cols:
+        seqs, length = (c.size, 1) if c.kind == "decode" else (1, c.size)
+        full.allocate_kv_cache(seqs, length)
+        refs[c.name] = float32_reference(full, batch(c, CHECK_SEED, 0, length))
     del full
     torch.cuda.empty_cache() if cuda else None
     model.allocate_kv_cache(max_seqs, max_len)
-
-    def batch(c: Scenario, seed: int) -> dict[str, torch.Tensor]:
-        return mark_static_metadata(make_batch(cfg, c.kind, c.size, c.context, max_len=max_len, device=device, seed=seed))
-
-    batches = {c.name: batch(c, 0) for c in cols}
-    checks = {c.name: batch(c, CHECK_SEED) for c in cols}
-    refs = {}
-    for c in cols:
-        model.fill_kv_cache_random(FILL_SEED)
-        refs[c.name] = model(**checks[c.name]).float()
+    batches = {c.name: batch(c, 0, c.context, max_len) for c in cols}
+    checks = {c.name: batch(c, CHECK_SEED, 0, max_len) for c in cols}
     clock = Clock(device)
     deadline = start + args.budget_s
     keys = args.systems.split(",") if args.systems else [s.key for s in SYSTEMS]
@@ -240,12 +266,14 @@ def main(argv: list[str] | None = None) -> int:
         f"MLP {cfg.intermediate_size // world}, {dtype}, {weight_gb:.2f} GB of weights; KV cache {max_seqs} x {max_len}",
         f"- decode: one new token per sequence after {cols[0].context} cached; prefill: one sequence from position 0; "
         f"step ms: rank 0's median of {WARMUP['decode'][1]} (decode) / {WARMUP['prefill'][1]} (prefill) steps",
+        f"- rel err: against the unsharded model in float32, on steps without cached context; "
+        f"sequence parallelism (pw-sp) from {args.sp_min_tokens} tokens",
     ]
     rows: dict[str, Row] = {}
     for system in (s for s in SYSTEMS if s.key in keys):
         _log(f"{system.label} ...")
         try:
-            rows[system.key] = run_system(system, model, cols, batches, checks, refs, clock, deadline)
+            rows[system.key] = run_system(system, model, cols, batches, checks, refs, clock, deadline, args.sp_min_tokens)
         except Exception as e:  # noqa: BLE001 - a row that fails says why; the others still run
             rows[system.key] = Row(cells={c.name: "failed" for c in cols}, notes=[f"failed: {_short(e)}"])
             _log(traceback.format_exc(limit=-8))

@@ -81,6 +81,12 @@ class Config:
     max_positions:   rows of the RoPE cos/sin cache folded from tables the model computes (from
                      ``inv_freq``); positions must stay below it. Tables the model indexes (an
                      engine's cache) keep their own row count.
+    sequence_parallel_min_tokens: tensor parallelism: from this many rows on, a fused all-reduce
+                     + add + RMSNorm chain reduce-scatters, normalizes this rank's rows and
+                     all-gathers (``rewrites/sequence_parallel.py``); below it, the fused
+                     all-reduce. None (default): off, as in the engines that ship it (vLLM:
+                     opt-in; vLLM-Ascend: from 1000 tokens); 1024 is the value to start from,
+                     and ``bench/bench_tp.py`` measures it.
     cache:           keep rewritten graphs on disk and load them in later processes instead of
                      running the passes (:mod:`fxrewrite.cache`); on unless False or env
                      FXREWRITE_CACHE=0. Not read while ``dump_dir`` is set (dumps need the passes).
@@ -113,6 +119,7 @@ class Config:
     progress: bool = True
     specialize_floats: bool = True
     max_positions: int = 32768
+    sequence_parallel_min_tokens: int | None = None
     cache: bool | None = None
     cache_dir: str | None = None
     strict: bool | None = None
@@ -121,6 +128,8 @@ class Config:
     def resolved(self) -> Config:
         """Fill unset fields from the environment and defaults."""
         env = os.environ
+        if self.sequence_parallel_min_tokens is not None and self.sequence_parallel_min_tokens < 1:
+            raise ValueError(f"sequence_parallel_min_tokens={self.sequence_parallel_min_tokens}: at least 1, or None (off)")
         strict = self.strict if self.strict is not None else env.get("FXREWRITE_STRICT", "0") not in ("", "0")
         return dataclasses.replace(
             self,

@@ -80,8 +80,8 @@ SiteFilter = Callable[[fx.Node, Sequence[fx.Node]], Union[str, None]]
 @dataclasses.dataclass(frozen=True)
 class GraphPass:
     """A library's named pass that is a function of the graph, not rules:
-    ``fn(gm, **{f: getattr(config, f) for f in options})``; ``switch``: a boolean ``Config``
-    field that turns it off; ``fusion``: it fuses as the rule groups do (``fuse_moe``), so
+    ``fn(gm, **{f: getattr(config, f) for f in options})``; ``switch``: a ``Config``
+    field whose false value (False, None) turns it off; ``fusion``: it fuses as the rule groups do (``fuse_moe``), so
     ``Config.rules`` replaces it with them.
 
     A fusion pass takes a keyword ``site_filter`` (a :data:`SiteFilter`, None by default) and

@@ -7,7 +7,8 @@ last rule group, cleanup last). Nothing registers itself at import time.
 
 from fxrewrite.passes import GraphPass, RuleGroup, Step
 from fxrewrite.rewrites import (activation, attention_quant, collective, layernorm, linear, merge, moe, norm,
-                                norm_variants, quant, quant_block, quant_nvfp4, rotary, rotary_tables)
+                                norm_variants, quant, quant_block, quant_nvfp4, rotary, rotary_tables,
+                                sequence_parallel)
 
 PIPELINE: tuple[Step, ...] = (
     # one GEMM for linears that read the same input (Config.merge_siblings)
@@ -19,6 +20,10 @@ PIPELINE: tuple[Step, ...] = (
     RuleGroup("fuse_rotary", rotary.RULES),
     # all-reduce + add + norm (tensor parallel): before the other norms, or the add + norm rules would take its sites
     RuleGroup("fuse_collective", quant_block.COLLECTIVE_RULES + collective.RULES),
+    # the fused all-reduce sites, chained through the residual, sharded by the row count
+    # (Config.sequence_parallel_min_tokens; None, the default: no such pass): right after the rules that made them
+    GraphPass("sequence_parallel", sequence_parallel.shard_sequence, switch="sequence_parallel_min_tokens",
+              options=("sequence_parallel_min_tokens", "capture_sizes", "mode")),
     # static FP8 quant of an attention output -> the engine's declared twin of the attention op
     # (Config.attention_quant): before the other quant rules, which would report its quantizer
     # as a near miss of theirs
@@ -42,4 +47,4 @@ PIPELINE: tuple[Step, ...] = (
 )
 
 __all__ = ["PIPELINE", "activation", "attention_quant", "collective", "layernorm", "linear", "merge", "moe", "norm",
-           "norm_variants", "quant", "quant_block", "quant_nvfp4", "rotary", "rotary_tables"]
+           "norm_variants", "quant", "quant_block", "quant_nvfp4", "rotary", "rotary_tables", "sequence_parallel"]

@@ -27,9 +27,10 @@ MAX_SEQS, MAX_LEN = 4, 64
 STEPS = (("prefill", 12, 0), ("decode", 4, 20))  # the decode reads the prefill's keys in row 0
 SIZES = (4, 12)  # the steps' token counts: nothing padded (a padded row would write KV slot 0)
 AR_OP = "all_reduce_add_rms_norm"
+SP_OP = "sp_reduce_add_rms_norm"
 NCCL = f"{AR_OP}=torch"  # the op's NCCL path (its reference), forced
 
-# name: (mode, provider override, with the collective rule); "none" runs on GPU only (on CPU
+# name: (mode, provider override, with the collective rule[, sequence_parallel_min_tokens]); "none" runs on GPU only (on CPU
 # the emulated CUDA graphs run the same rewritten graph, and each system costs ~7 s on 2 cores)
 CPU_SYSTEMS = {
     "piecewise": ("piecewise", "", True),
@@ -57,10 +58,12 @@ def _rules(collective: bool) -> list[Any] | None:
     return [r for name, rules in default_rule_groups() if name != "fuse_collective" for r in rules]
 
 
-def tp_worker(rank: int, world: int, device: str, dtype: torch.dtype, cfg: Any, systems: dict) -> dict[str, Any]:
-    """One rank: the full model (seeded like every rank's), its shard, the steps eagerly on
-    both, then each system compiled on the shard. Errors are relative to the float32 reference
-    of the full model (``float32_reference``); ``single`` is the full model's own error."""
+def tp_worker(rank: int, world: int, device: str, dtype: torch.dtype, cfg: Any, systems: dict,
+              steps: tuple = STEPS, sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:  # fmt: skip
+    """One rank: the full model (seeded like every rank's), its shard, the ``steps`` eagerly on
+    both, then each system compiled on the shard (capture ``sizes``). Errors are relative to the
+    float32 reference of the full model (``float32_reference``); ``single`` is the full model's
+    own error; ``reduce_scatters``: the reduce-scatter calls of each step's second run (a replay)."""
     import torch.distributed as dist
 
     import fxrewrite
@@ -75,27 +78,34 @@ def tp_worker(rank: int, world: int, device: str, dtype: torch.dtype, cfg: Any, 
     model = shard(full, rank, world, group)
     shard_kv_cache(full, model, rank, world)
     batches = [mark_static_metadata(make_batch(cfg, k, n, c, max_len=MAX_LEN, device=device, seed=i))
-               for i, (k, n, c) in enumerate(STEPS)]  # fmt: skip
+               for i, (k, n, c) in enumerate(steps)]  # fmt: skip
     refs, single, eager = [], [], []
     for b in batches:  # in order: each step sees the cache the previous one wrote
         single.append(rel_err(full(**b), ref := float32_reference(full, b)))
         refs.append(ref)
         eager.append(rel_err(model(**b), ref))
     out: dict[str, Any] = {"single": single, "eager": eager}
-    for name, (mode, provider, collective) in systems.items():
+    for name, (mode, provider, collective, *sp) in systems.items():
         torch._dynamo.reset()
         providers.reset_counts()
-        backend = fxrewrite.Backend(mode=mode, splitting_ops=SPLITTING_OPS, capture_sizes=SIZES, provider=provider,
-                                    rules=_rules(collective), progress=False)  # fmt: skip
+        backend = fxrewrite.Backend(mode=mode, splitting_ops=SPLITTING_OPS, capture_sizes=sizes, provider=provider,
+                                    rules=_rules(collective), progress=False, sequence_parallel_min_tokens=(sp or [None])[0])  # fmt: skip
         step = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
-        errs = [rel_err(step(**b), ref) for _ in range(2) for b, ref in zip(batches, refs)]
+        errs = [rel_err(step(**b), ref) for b, ref in zip(batches, refs)]  # compile and capture
+        scatters = []
+        for b, ref in zip(batches, refs):  # replay
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                errs.append(rel_err(step(**b), ref))
+            scatters.append(sum(e.count for e in prof.key_averages() if e.key == "_c10d_functional::reduce_scatter_tensor"))
         backend.refresh_runtime()
         counts = [op_counts(g) for g in backend.graphs]
         out[name] = {
             "errs": errs,
-            "fused": [c[f"fxr.{AR_OP}"] for c in counts],
+            "fused": [c[f"fxr.{AR_OP}"] + c[f"fxr.{SP_OP}"] for c in counts],
+            "sp": [c[f"fxr.{SP_OP}"] for c in counts],
+            "reduce_scatters": scatters,
             "all_reduce": [c["_c10d_functional.all_reduce"] for c in counts],
-            "near_misses": [m.reason for m in backend.report.near_misses if m.rule == AR_OP],
+            "near_misses": [m.reason for m in backend.report.near_misses if m.rule in (AR_OP, "sequence_parallel")],
             "served": providers.served().get(AR_OP, {}),
             "replays": sum((g.runtime or {}).get("replays", 0) for g in backend.report.graphs),
         }
@@ -110,12 +120,13 @@ def check_results(results: list[dict[str, Any]], systems: dict, tol: float, cfg:
     layers = cfg.num_layers
     for rank, res in enumerate(results):
         assert max(res["eager"]) < tol, (rank, res["eager"], res["single"])
-        for name, (mode, _, collective) in systems.items():
+        for name, (mode, _, collective, *_sp) in systems.items():
             r = res[name]
             assert max(r["errs"]) < tol, (rank, name, r["errs"], res["single"])
             assert r["fused"] == ([2 * layers] * len(r["fused"]) if collective else [0] * len(r["fused"])), (name, r)
             assert r["all_reduce"] == ([0] * len(r["fused"]) if collective else [2 * layers] * len(r["fused"])), (name, r)
             assert r["near_misses"] == [], (name, r["near_misses"])
+            assert r["sp"] == (r["fused"] if len(systems[name]) > 3 else [0] * len(r["fused"])), (name, r)
             if mode != "none":
                 assert r["replays"] > 0, (name, r)
 
@@ -145,6 +156,23 @@ def test_tp2_equals_single_device_on_cpu() -> None:
     check_results(results, CPU_SYSTEMS, 1e-5, CPU_CFG)
 
 
+# odd token counts: a prefill of 7 above the threshold of 5 (padded to 8 rows inside the op, 4 a
+# rank), a decode of 3 below it (the fused all-reduce); captured at exactly these sizes
+SP_STEPS, SP_SIZES, SP_MIN = (("prefill", 7, 0), ("decode", 3, 20)), (3, 7), 5
+SP_SYSTEMS = {"sp-none": ("none", "", True, SP_MIN), "sp-piecewise": ("piecewise", "", True, SP_MIN)}
+
+
+def test_sequence_parallel_tp2_equals_single_device_on_cpu() -> None:
+    """Two gloo ranks, float32: with sequence parallelism the TP model equals the single-device
+    model at a prefill above the threshold (reduce-scatter, 2 a layer) and a decode below it
+    (none), at token counts that are not multiples of the two ranks; every site sharded."""
+    results = run_ranks(tp_worker, "cpu", torch.float32, CPU_CFG, SP_SYSTEMS, SP_STEPS, SP_SIZES, backend="gloo")
+    check_results(results, SP_SYSTEMS, 1e-5, CPU_CFG)
+    for res in results:
+        for name in SP_SYSTEMS:
+            assert res[name]["reduce_scatters"] == [2 * CPU_CFG.num_layers, 0], (name, res[name])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_tp2_equals_single_device_on_two_gpus() -> None:
@@ -163,3 +191,19 @@ def test_tp2_equals_single_device_on_two_gpus() -> None:
             assert served.get("flashinfer-oneshot", 0) > 0 and not served["fallbacks"], (name, served)
         for name in ("piecewise-nccl", "full-nccl"):
             assert res[name]["served"].get("torch", 0) > 0, res[name]["served"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_sequence_parallel_tp2_equals_single_device_on_two_gpus() -> None:
+    """Two NCCL ranks, bf16: the sequence-parallel op inside captured pieces (piecewise) and
+    one whole-graph capture (full), at the odd token counts of the CPU test; the decode's
+    sites served by flashinfer's fused all-reduce, the prefill's by NCCL's reduce-scatter and
+    all-gather around the in-place add + norm kernel."""
+    systems = {**SP_SYSTEMS, "sp-full": ("full", "", True, SP_MIN)}
+    results = run_ranks(tp_worker, "cuda:{rank}", torch.bfloat16, GPU_CFG, systems, SP_STEPS, SP_SIZES, backend="nccl",
+                        timeout=400)  # fmt: skip
+    for rank, res in enumerate(results):
+        for name in systems:
+            print(f"rank {rank} {name}: errs {['%.1e' % e for e in res[name]['errs']]} served {res[name]['served']}")
+    check_results(results, systems, 3e-2, GPU_CFG)

@@ -46,6 +46,9 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
         "group": lambda: math.gcd(shape[-1], shape[-1] // 2 or 1, 32),
         # the collective ops: the default group (test_ops.py makes a fake one)
         "group_name": lambda: torch.distributed.group.WORLD.group_name,
+        # sequence parallelism: the all-reduce path (a sharded call leaves other ranks' rows of the
+        # sum unwritten: opcheck would compare them); the sharded path: test_sequence_parallel_ops.py
+        "min_tokens": lambda: 2**30,
     }
     for name in rotary_samples.NAMES:
         values[name] = functools.partial(rotary_samples.rotary_arg, name, shape, dtype, gen)
