@@ -22,7 +22,7 @@ def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.bfloat16)
 def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> list[Any]:
     """Arguments of ``op`` on CPU: ``x`` (and ``residual``) of ``shape``, a [hidden] weight, eps
     1e-6, a static FP8 scale 0.02, GELU's tanh approximation, the norms' ``cast_last`` order, a
-    gated norm's gate (grouped, gate first, SiLU), the
+    gated norm's gate (grouped, gate first, SiLU), act_mul's ``a`` and ``b`` of ``shape``, the
     default process group's name, rotary arguments from :mod:`rotary_samples`, MoE arguments from
     :mod:`moe_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias."""
     values = {
@@ -39,6 +39,8 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
         "gate_first": lambda: True,
         "activation": lambda: "silu",
         "round_scale": lambda: False,
+        # act_mul: the product's operand order (the values are the same)
+        "act_first": lambda: False,
         # the collective ops: the default group (test_ops.py makes a fake one)
         "group_name": lambda: torch.distributed.group.WORLD.group_name,
     }
@@ -47,4 +49,4 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
     for name in moe_samples.NAMES:
         values[name] = functools.partial(moe_samples.moe_arg, name, shape, dtype, gen)
     names = inspect.signature(op.reference).parameters
-    return [rand(gen, *shape, dtype=dtype) if name in ("x", "residual") else values[name]() for name in names]
+    return [rand(gen, *shape, dtype=dtype) if name in ("x", "residual", "a", "b") else values[name]() for name in names]

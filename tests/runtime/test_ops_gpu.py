@@ -65,6 +65,9 @@ def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torc
     values = {
         "x": activation,
         "residual": activation,
+        "a": activation,  # act_mul: two operands of one shape
+        "b": activation,
+        "act_first": lambda: False,
         "weight": lambda: (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(dtype),
         "w": lambda: (torch.randn(rows, hidden, device="cuda", generator=gen) * hidden**-0.5).to(dtype),
         "bias": lambda: torch.randn(rows, device="cuda", generator=gen).to(dtype),
