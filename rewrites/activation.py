@@ -10,9 +10,10 @@ same norm output gets q, k, v, gate and up merged into one GEMM, and its gate st
     up = y[..., 1280:1792]
     h = F.silu(gate) * up
 
-After them, ``act(a) * b`` of any two tensors of one shape and dtype (not the halves of one row:
+After them, ``act(a) * b`` of any two tensors of one shape (not the halves of one row:
 a Mamba mixer's output gate, a recurrent block's GELU branch, a per-layer input gate) becomes
-``fxr.act_mul``, one elementwise pass where eager writes the activation out and reads it back:
+``fxr.act_mul``, one elementwise pass where eager writes the activation out and reads it back
+(two float dtypes too: the activation in the gate's, the product in the promoted one):
 
     # before                                            # after
     y = scan_output * F.silu(gate)                      y = torch.ops.fxr.act_mul(gate, scan_output, "silu", False)
@@ -82,12 +83,14 @@ GELU_TANH_AND_MUL = Rule(
 
 
 def same_operands(b: Bindings) -> bool | str:
-    """``a`` and ``b`` of one shape and dtype: no broadcasting, no type promotion."""
+    """``a`` and ``b`` of one shape (no broadcasting), both floating point: of two float dtypes
+    the product is the promoted one, computed as eager computes it (a bf16 gate times a float32
+    scan output)."""
     x, y = b["a"], b["b"]
     if not meta.sizes_match(x, y):
         return f"operand shapes {tuple(x.shape)} and {tuple(y.shape)} differ (broadcast)"
-    if x.dtype != y.dtype:
-        return f"operand dtypes {x.dtype} and {y.dtype} differ (type promotion)"
+    if not (x.dtype.is_floating_point and y.dtype.is_floating_point):
+        return f"operand dtypes {x.dtype} and {y.dtype}: not both floating point"
     return True
 
 
@@ -101,7 +104,7 @@ def act_second(b: Bindings) -> bool | str:
     return b.anchor is not None and b.anchor.args[0] is b.node("b") or NOT_A_SITE
 
 
-# silu(a) * b -> fxr.act_mul(a, b, "silu")  (a, b: one shape and dtype; after the one-tensor rules)
+# silu(a) * b -> fxr.act_mul(a, b, "silu")  (a, b: one shape, floats; after the one-tensor rules)
 def silu_mul_pattern(a, b):
     return F.silu(a) * b
 

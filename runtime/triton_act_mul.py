@@ -9,7 +9,8 @@ Operands at any strides (a gate chunked along a [B, 2D, L] projection's channels
 read in eager's layout): the launcher allocates the output at the strides eager gives the
 product (``activation.out_strides``) and walks it in its memory order, the output contiguous
 there, each operand at its own strides (``activation.act_mul_plan``). It rounds where the spec
-rounds: the activation to the operands' dtype, then the product. Imported through
+rounds: the activation to ``a``'s dtype, then the product to the promoted dtype (eager computes a
+product of two float dtypes in float32 too). Imported through
 ``providers.library("fxrewrite.runtime.triton_act_mul")`` only, as ``triton_kernels`` is.
 """
 
@@ -27,17 +28,16 @@ from fxrewrite.runtime.triton_kernels import activate, columns_launch, device_of
 @triton.jit
 def _act_mul_kernel(a_ptr, b_ptr, out_ptr, n_rows, n, d1, d2, as0, as1, as2, asn, bs0, bs1, bs2, bsn,
                     BLOCK: tl.constexpr, ROWS: tl.constexpr, ACT: tl.constexpr):  # fmt: skip
-    """``out = act(a).to(dtype) * b`` rounded to the dtype. Row ``r`` (leading dims [d0, d1, d2])
+    """``out = act(a).to(a's dtype) * b`` in float32, rounded to ``out``'s dtype (the promoted one). Row ``r`` (leading dims [d0, d1, d2])
     of ``n`` columns: ``a`` at ``row_offsets(r, .., as0, as1, as2) + col * asn``, ``b`` likewise,
     ``out`` at ``r * n + col``. Program (row block, column block)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n)[None, :]
-    dtype = a_ptr.dtype.element_ty
     a = tl.load(a_ptr + row_offsets(rows, d1, d2, as0, as1, as2)[:, None] + (cols * asn)[None, :], mask=mask, other=0.0)
     b = tl.load(b_ptr + row_offsets(rows, d1, d2, bs0, bs1, bs2)[:, None] + (cols * bsn)[None, :], mask=mask, other=0.0)
-    y = activate(a.to(tl.float32), ACT).to(dtype).to(tl.float32) * b.to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * n + cols[None, :], y.to(dtype), mask=mask)
+    y = activate(a.to(tl.float32), ACT).to(a_ptr.dtype.element_ty).to(tl.float32) * b.to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * n + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def act_mul(a: Tensor, b: Tensor, activation: str = "silu", act_first: bool = True) -> Tensor:
@@ -45,7 +45,7 @@ def act_mul(a: Tensor, b: Tensor, activation: str = "silu", act_first: bool = Tr
     plan = ops.act_mul_plan(tuple(a.shape), a.stride(), b.stride(), stride)
     assert not isinstance(plan, str), "the op module's check lets only such layouts through"
     n, (_, d1, d2), sa, sb = plan
-    out = torch.empty_strided(a.shape, stride, dtype=a.dtype, device=a.device)
+    out = torch.empty_strided(a.shape, stride, dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
     n_rows = a.numel() // n
     grid, meta = columns_launch(n_rows, n)
     with device_of(a):

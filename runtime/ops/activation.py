@@ -53,7 +53,8 @@ def activate(a: Tensor, activation: str) -> Tensor:
 def act_mul_reference(a: Tensor, b: Tensor, activation: str = "silu", act_first: bool = True) -> Tensor:
     """``act(a) * b`` (or ``b * act(a)`` without ``act_first``: the same values; eager takes the
     output's layout from the operands in that order), ``act`` named by ``activation`` ("silu",
-    "gelu", "gelu_tanh"), each step in the operands' dtypes as model code computes it."""
+    "gelu", "gelu_tanh"), each step as model code computes it: the activation in ``a``'s dtype,
+    the product in the promoted dtype (a bf16 gate times a float32 scan output is float32)."""
     h = activate(a, activation)
     return h * b if act_first else b * h
 
@@ -154,9 +155,10 @@ def _triton_check(x: Tensor, approximate: str = "none") -> str | None:
 
 
 def _act_mul_triton_check(a: Tensor, b: Tensor, activation: str = "silu", act_first: bool = True) -> str | None:
-    """Our kernel only (no library has one for two operands): one shape and dtype (no
-    broadcasting, no promotion), 16- or 32-bit floats, one device, a layout of at most
-    ``constraints.LEADING_DIMS`` + 1 dims once the output's memory order collapses it."""
+    """Our kernel only (no library has one for two operands): one shape (no broadcasting), 16- or
+    32-bit floats (of two dtypes: the product is computed in float32 as eager's promoted product
+    is), one device, a layout of at most ``constraints.LEADING_DIMS`` + 1 dims once the output's
+    memory order collapses it."""
     if activation not in ACT_MUL_ACTIVATIONS:
         return f"activation {activation!r}"
     for t in (a, b):
@@ -164,8 +166,6 @@ def _act_mul_triton_check(a: Tensor, b: Tensor, activation: str = "silu", act_fi
             return reason
     if a.shape != b.shape:
         return f"shape {tuple(b.shape)} != {tuple(a.shape)}"
-    if a.dtype != b.dtype:
-        return f"dtype {b.dtype} != {a.dtype}"
     if a.device != b.device:
         return f"{b.device} != {a.device}"
     if a.numel() == 0:
@@ -176,14 +176,14 @@ def _act_mul_triton_check(a: Tensor, b: Tensor, activation: str = "silu", act_fi
 
 @functools.lru_cache(maxsize=1024)
 def _out_strides(shape: tuple[int, ...], a_stride: tuple[int, ...], b_stride: tuple[int, ...],
-                 dtype: torch.dtype, activation: str, act_first: bool) -> tuple[int, ...]:  # fmt: skip
-    a, b = (torch.empty_strided(shape, s, dtype=dtype, device="meta") for s in (a_stride, b_stride))
+                 a_dtype: torch.dtype, b_dtype: torch.dtype, activation: str, act_first: bool) -> tuple[int, ...]:  # fmt: skip
+    a, b = (torch.empty_strided(shape, s, dtype=t, device="meta") for s, t in ((a_stride, a_dtype), (b_stride, b_dtype)))
     return tuple(act_mul_reference(a, b, activation, act_first).stride())
 
 
 def out_strides(a: Tensor, b: Tensor, activation: str, act_first: bool) -> tuple[int, ...]:
     """The strides eager gives ``act(a) * b`` (or ``b * act(a)``) at these operands' strides."""
-    return _out_strides(tuple(a.shape), a.stride(), b.stride(), a.dtype, activation, act_first)
+    return _out_strides(tuple(a.shape), a.stride(), b.stride(), a.dtype, b.dtype, activation, act_first)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -162,12 +162,22 @@ def test_broadcast_near_miss_is_reported_once_whatever_the_operand_order() -> No
     ]
 
 
-def test_operands_of_two_dtypes_are_a_near_miss() -> None:
-    """bf16 activation times a float32 value promotes: the op takes one dtype."""
+@DYNAMIC
+def test_bf16_gate_times_float32_value_promotes_as_eager(dynamic: bool) -> None:
+    """A bf16 model's Mamba mixer: the scan output is float32, the gate bf16; eager rounds the
+    SiLU to bf16 and multiplies in float32: so does the op (bit for bit on CPU)."""
     gate = torch.nn.Linear(32, 48, bias=False).to(BF16)
-    r = check(lambda x, v: F.silu(gate(x)) * v, torch.randn(4, 32, dtype=BF16), torch.randn(4, 48), expect={},
+    r = check(lambda x, v: v * F.silu(gate(x)), torch.randn(4, 32, dtype=BF16), torch.randn(4, 48), expect={"act_mul": 1},
+              dynamic=dynamic, exact=True)  # fmt: skip
+    assert r.output.dtype == F32
+    only_act_mul(r, "silu", act_first=False)
+
+
+def test_integer_operand_is_a_near_miss() -> None:
+    """A 0/1 mask of integers is no gated value: the op multiplies floats."""
+    r = check(lambda x, m: F.silu(x) * m, torch.randn(4, 48), torch.ones(4, 48, dtype=torch.int64), expect={},
               dynamic=False)  # fmt: skip
-    assert reasons(r, "silu_mul") == ["guard: operand dtypes torch.bfloat16 and torch.float32 differ (type promotion)"]
+    assert reasons(r, "silu_mul") == ["guard: operand dtypes torch.float32 and torch.int64: not both floating point"]
 
 
 @pytest.mark.parametrize("scalar", [2.0, "lifted"])
