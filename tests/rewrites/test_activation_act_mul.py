@@ -97,8 +97,10 @@ def test_scan_output_times_gate_chunked_off_channels(dtype: torch.dtype, dynamic
 
 
 @DYNAMIC
-def test_halves_of_one_view_split_off_the_last_dim(dynamic: bool) -> None:
-    """``h.view(B, T, 2, -1)``: act of ``[..., 0, :]`` times ``[..., 1, :]`` (rows at stride 2d)."""
+def test_halves_of_one_view_split_off_the_last_dim_are_one_row(dynamic: bool) -> None:
+    """``h.view(B, T, 2, -1)``: act of ``[..., 0, :]`` times ``[..., 1, :]`` is the halves of
+    ``h``'s rows (canonicalize_shape: a piece of a split last dim is a last-dim slice): silu_and_mul.
+    Pieces 1 and 0 the other way round: act_mul on the two slices."""
     fc1 = torch.nn.Linear(32, 128, bias=False)
 
     def gating(h: torch.Tensor) -> torch.Tensor:
@@ -106,7 +108,14 @@ def test_halves_of_one_view_split_off_the_last_dim(dynamic: bool) -> None:
         y = fc1(h).view(b, t, 2, -1)
         return F.silu(y[..., 0, :]) * y[..., 1, :]
 
-    r = check(gating, torch.randn(2, 3, 32), expect={"act_mul": 1}, dynamic=dynamic)
+    def swapped(h: torch.Tensor) -> torch.Tensor:
+        b, t, _ = h.shape
+        y = fc1(h).view(b, t, 2, -1)
+        return F.silu(y[..., 1, :]) * y[..., 0, :]
+
+    r = check(gating, torch.randn(2, 3, 32), expect={"silu_and_mul": 1}, dynamic=dynamic)
+    assert [s.rule for s in sites(r)] == ["silu_and_mul"]
+    r = check(swapped, torch.randn(2, 3, 32), expect={"act_mul": 1}, dynamic=dynamic)
     only_act_mul(r, "silu", act_first=True)
 
 
