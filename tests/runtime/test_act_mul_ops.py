@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from act_mul_samples import LAYOUTS, mamba, rand  # this folder
 from fxrewrite.runtime.ops import activation
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -30,44 +30,6 @@ def gen(request: pytest.FixtureRequest) -> torch.Generator:
 def triton_act_mul(triton_kernels: types.ModuleType) -> types.ModuleType:
     """The kernel module, interpreted, with the GPU's rounding (the ``triton_kernels`` fixture)."""
     return pytest.importorskip(activation.TRITON_ACT_MUL)
-
-
-def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return torch.randn(shape, generator=gen).to(dtype)
-
-
-def mamba(gen: torch.Generator, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A gate chunked off the channels of a transposed projection [B, 2D, L], a contiguous scan output."""
-    gate = rand(gen, 2, 5, 2 * 24, dtype=dtype).transpose(1, 2)[:, 24:]
-    return gate, rand(gen, 2, 24, 5, dtype=dtype)
-
-
-def view_halves(gen: torch.Generator, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h.view(B, T, 2, -1)[..., 0, :]`` and ``[..., 1, :]``: rows at stride 2d."""
-    h = rand(gen, 2, 3, 2 * 64, dtype=dtype).view(2, 3, 2, 64)
-    return h[..., 0, :], h[..., 1, :]
-
-
-def permuted(gen: torch.Generator, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, B, H, D] from heads-major storage times a contiguous value: three leading dims."""
-    return rand(gen, 2, 4, 5, 64, dtype=dtype).permute(2, 0, 1, 3), rand(gen, 5, 2, 4, 64, dtype=dtype)
-
-
-def expanded(gen: torch.Generator, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """One operand expanded (stride 0) to the other's shape: equal shapes, read as they lie."""
-    return rand(gen, 7, 64, dtype=dtype), rand(gen, 7, 1, dtype=dtype).expand(7, 64)
-
-
-LAYOUTS: dict[str, Callable[[torch.Generator, torch.dtype], tuple[torch.Tensor, torch.Tensor]]] = {
-    "rows": lambda gen, dtype: (rand(gen, 7, 64, dtype=dtype), rand(gen, 7, 64, dtype=dtype)),
-    "one-token": lambda gen, dtype: (rand(gen, 1, 1, 33, dtype=dtype), rand(gen, 1, 1, 33, dtype=dtype)),
-    "wide": lambda gen, dtype: (rand(gen, 3, 3000, dtype=dtype), rand(gen, 3, 3000, dtype=dtype)),
-    "mamba": mamba,
-    "view-halves": view_halves,
-    "permuted": permuted,
-    "expanded": expanded,
-    "same-tensor": lambda gen, dtype: (lambda x: (x, x))(rand(gen, 4, 64, dtype=dtype)),
-}
 
 
 def model_code(a: torch.Tensor, b: torch.Tensor, act: str, act_first: bool) -> torch.Tensor:
@@ -176,6 +138,6 @@ def test_check_refuses_what_the_kernel_cannot_serve(gen: torch.Generator, args: 
 
 
 def test_no_library_serves_act_mul() -> None:
+    """sgl-kernel and flashinfer take one [..., 2d] tensor: Triton, else the torch reference."""
     (op,) = [op for op in activation.DEFS if op.name == "act_mul"]
     assert [k.provider for k in op.kernels] == ["triton"]
-    assert F.silu is not None  # the reference is plain torch: CPU and every device without Triton
