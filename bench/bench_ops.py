@@ -8,12 +8,16 @@ For each ``fxr`` op and token count T (hidden 4096; the gated activations take [
 and give [T, 4096], i.e. d = hidden, change with --mlp-hidden, e.g. 14336 for Llama-3-8B):
 
 - check:      the op's output on fresh random bf16 inputs against its reference run in float32
-              on the same values (one bf16 rounding; FP8 one e4m3 step), before any timing;
+              on the same values (one bf16 rounding; FP8 one e4m3 step; NVFP4 one e2m1 step and
+              one e4m3 scale step), before any timing;
 - provider:   who served the call (``providers.served()``): "sgl_kernel", "flashinfer",
               "...+torch" (part of the op in plain torch), or "torch" (no kernel could);
 - fused:      ``torch.ops.fxr.<op>`` per call;
 - unfused:    the torch code the op replaces (its reference; for an in-place op, the functional
               twin's, as the model spells it) per call;
+- block FP8 (``*_block_quant_fp8``): groups of 128; "unfused" is the torch code, and the
+              forced ``sgl_kernel`` column the two-kernel pair (sgl-kernel's norm or activation,
+              then its per-token-group quantization);
 - floor:      bytes that must move (each tensor argument read once, each output written once)
               over the device-to-device copy bandwidth measured in this run (read + write).
 
@@ -42,7 +46,7 @@ import torch
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import quant
+from fxrewrite.runtime.ops import quant, quant_nvfp4
 from fxrewrite.runtime.providers import OpDef
 
 DTYPE = torch.bfloat16
@@ -112,6 +116,7 @@ def make_args(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, dtype: torch
         "bias": lambda: torch.randn(hidden, device="cuda").to(affine),
         "eps": lambda: EPS,
         "scale": lambda: torch.tensor([0.02], device="cuda"),
+        "global_scale": lambda: torch.tensor([300.0], device="cuda"),  # NVFP4: block scales of about 150
         "approximate": lambda: "none",
         "cast_last": lambda: True,
         "round_scale": lambda: False,
@@ -119,6 +124,7 @@ def make_args(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, dtype: torch
         "group_size": lambda: None,
         "gate_first": lambda: False,
         "activation": lambda: "silu",
+        "group": lambda: 128,  # block FP8: per-token groups of 128 (DeepSeek-V3, Qwen3-FP8)
     }
     return [values[name]() if name in values else p.default for name, p in params.items()]
 
@@ -154,7 +160,12 @@ def check(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, norm_affine: tor
     got = outputs(op, getattr(torch.ops.fxr, op.name)(*args), args)
     want = outputs(op, op.reference(*ref_args), ref_args)
     served = [name for name in providers.served().get(op.name, {}) if name != "fallbacks"]
-    problems, rest = quant.fp8_output_mismatches(got, want, quant.fp8_scale_rtol(DTYPE))
+    if op in quant_nvfp4.DEFS:  # (values, scales[, sum]): one e2m1 step, one e4m3 scale step
+        g = args[list(inspect.signature(op.reference).parameters).index("global_scale")]
+        problem = quant_nvfp4.nvfp4_mismatch((got[0], got[1]), (want[0], want[1]), g)
+        problems, rest = [f"out0: {problem}"] if problem else [], list(range(2, len(got)))
+    else:
+        problems, rest = quant.fp8_output_mismatches(got, want, quant.fp8_scale_rtol(DTYPE))
     for i in rest:
         g, w = got[i].float(), want[i].float()
         bad = ~torch.isclose(g, w, rtol=2e-2, atol=2e-2)

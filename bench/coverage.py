@@ -85,8 +85,10 @@ def candidates(gm: fx.GraphModule) -> list[dict[str, str]]:
     """The sites in ``gm`` a fused op could serve, each as ``{"kind", "node", "module", "source"}``:
     ``norm`` (an ``rsqrt``, a ``layer_norm`` or ``rms_norm`` call), ``gated_act`` (``silu`` /
     ``gelu`` read by a ``mul`` whose other operand is a tensor), ``rotary`` (a ``cat`` or
-    ``stack`` whose first operand is a negation), ``router`` (``topk``). On a rewritten graph:
-    what is left unfused."""
+    ``stack`` whose first operand is a negation), ``router`` (a ``topk`` over a dimension of
+    fixed size: a router picks among a fixed number of experts or expert groups; a top-k over a
+    dynamic dimension picks tokens or keys, as sparse attention's indexers do, and is no router).
+    On a rewritten graph: what is left unfused."""
     from fxrewrite import meta
 
     found = []
@@ -101,11 +103,21 @@ def candidates(gm: fx.GraphModule) -> list[dict[str, str]]:
             kind = "gated_act"
         elif name in ("cat", "stack") and _first_negated(n):
             kind = "rotary"
-        elif name == "topk":
+        elif name == "topk" and _over_fixed_size(n):
             kind = "router"
         if kind is not None:
             found.append({"kind": kind, "node": n.name, "module": meta.module_path(n), "source": meta.source_line(n)})
     return found
+
+
+def _over_fixed_size(n: fx.Node) -> bool:
+    """``n``, a top-k, picks along a dimension whose size is an int (not a symbol of the
+    sequence, under ``dynamic=True``)."""
+    x = _value(n.args[0]) if n.args else None
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return True
+    dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", -1)
+    return isinstance(x.shape[dim], int)
 
 
 def _is_fxr(n: fx.Node) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxrewrite import meta, rewrites
+from fxrewrite import meta, precompile, rewrites
 from fxrewrite.cache import CompileCache
 from fxrewrite.canonicalize import canonicalize
 from fxrewrite.config import Config
@@ -197,6 +197,7 @@ class Backend:
             # (it copies this instance attribute onto its wrapper of the backend)
             self.backend_ctx_ctor = _SpecializeFloats
         self._warned_floats = False
+        self._precompiling: type[precompile.FusedGraph] | None = None  # aot_compile: __call__ returns one
         self._cache = self._open_cache()
         self.graphs: list[fx.GraphModule] = []
         self.runners: list[Any] = []
@@ -233,12 +234,11 @@ class Backend:
                 node.meta["fxr_buffer"] = value  # module state (a buffer): tables may fold from it
             elif _lifted(node):  # a Python scalar, not a one-element input such as one token's positions
                 node.meta["fxr_real"] = value.detach().clone()  # its compile-time value (see meta.constant)
+        identity = precompile.Identity.of(gm, example_inputs) if self._precompiling is not None else None
         cached = self._cache.graph(gm, example_inputs, self.config) if self._cache is not None else None
         graph_report = cached.load() if cached is not None and not self.config.dump_dir else None
-        if graph_report is not None:  # a hit: the rewritten graph is in gm, no pass runs
-            if _on_cuda(gm) and (note := _prebuild()(graph_calls(gm, _prebuild().wants))):
-                graph_report.notes.append(note)
-        else:
+        hit = graph_report is not None  # the rewritten graph is in gm, no pass ran
+        if graph_report is None:
             pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs), lint=self.config.lint,
                              strict=bool(self.config.strict))
             graph_report = pm.run(gm)
@@ -248,11 +248,9 @@ class Backend:
             self.report.cache = dataclasses.asdict(self._cache.stats)
         self.graphs.append(gm)
         self.report.graphs.append(graph_report)
-        runner: Any = gm
-        if self.config.mode != "none":
-            runner = build_runner(gm, example_inputs, self.config)
-            graph_report.runtime = runner.stats()
-        self.runners.append(runner)
+        runner = build_runtime(self, gm, example_inputs, graph_report, prebuild=hit)
+        if identity is not None and self._precompiling is not None:  # aot_compile: a graph torch can serialize
+            return self._precompiling.cold(gm, example_inputs, runner, graph_report, identity, self.config)
         return runner
 
     def compile(self, model: Any, *, dynamic: bool | None = True) -> Any:
@@ -263,6 +261,20 @@ class Backend:
         ``backend_ctx_ctor``; ``torch._dynamo.optimize``, which ``torch.compile`` calls, keeps it.
         """
         return torch._dynamo.optimize(self, nopython=True, dynamic=dynamic)(model)
+
+    def aot_compile(self, model: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None, *,
+                    dynamic: bool | None = True, recompile: bool = True) -> precompile.Precompiled:  # fmt: skip
+        """``model`` precompiled: traced by Dynamo now with ``model(*args, **kwargs)``, rewritten,
+        and returned as a callable (``model`` bound) whose ``save(path)`` writes an artifact that
+        :func:`fxrewrite.load` runs in a new process without Dynamo's tracing or our passes (see
+        :mod:`fxrewrite.precompile`). One graph (``fullgraph``); trace under the grad mode you
+        will call with (it is guarded). torch >= 2.10.
+
+            step = backend.aot_compile(model, (input_ids,))
+            step.save("model.fxr")
+            step = fxrewrite.load("model.fxr", model, backend)    # another process
+        """
+        return precompile.aot_compile(self, model, args, kwargs, dynamic=dynamic, recompile=recompile)
 
     def unguarded(self, model: Any, /, *args: Any, **kwargs: Any) -> Callable[..., Any]:
         """``model``'s compiled step without Dynamo's frame evaluation and guards, for a serving
@@ -303,6 +315,22 @@ class Backend:
                 g.runtime = stats()
         self.report.providers = providers.served()
         self.report.verification_providers = providers.served("verification")
+
+
+def build_runtime(backend: Backend, gm: fx.GraphModule, example_inputs: list[Any], report: Any, *,
+                  prebuild: bool) -> Callable[..., Any]:  # fmt: skip
+    """What runs a rewritten graph ``gm`` for ``backend``: the graph itself (mode ``"none"``) or
+    its CUDA graph runner, listed in ``backend.runners``. ``prebuild``: no pass ran in this
+    process (a cache hit, a precompiled graph), so the kernels of its fused ops are built now
+    (on CUDA), as verification would have."""
+    if prebuild and _on_cuda(gm) and (note := _prebuild()(graph_calls(gm, _prebuild().wants))):
+        report.notes.append(note)
+    runner: Any = gm
+    if backend.config.mode != "none":
+        runner = build_runner(gm, example_inputs, backend.config)
+        report.runtime = runner.stats()
+    backend.runners.append(runner)
+    return runner
 
 
 def compile(model: Any, config: Config | None = None, *, dynamic: bool = True, **kw: Any) -> tuple[Any, Backend]:

@@ -455,6 +455,42 @@ class _Canon:
         if isinstance(dtype, torch.dtype) and self.dtype(x) == dtype:
             return self.drop(node, x)
         self.set(node, CAST, (x, dtype))
+        if (twin := _earlier_cast(node)) is not None:
+            self.drop(node, twin)
+
+
+def _earlier_cast(node: fx.Node, within: int = 256) -> fx.Node | None:
+    """An earlier ``CAST`` of the same value to the same dtype that ``node`` (a canonical cast)
+    may read instead: model code that writes ``q.float()`` twice in one expression computes one
+    value, and a rule matches it once. Not where anything is written in place between the two
+    (within ``within`` nodes), or either cast, or a view of it, is written later."""
+    x = node.args[0]
+    if not isinstance(x, fx.Node):
+        return None
+    twins = {u for u in x.users if u is not node and u.op == "call_function" and u.target is CAST and u.args == node.args}
+    n = node.prev
+    for _ in range(within):
+        if n.op == "root":
+            return None
+        if meta.written_args(n):
+            return None
+        if n in twins:
+            return n if not _written_later(n) and not _written_later(node) else None
+        n = n.prev
+    return None
+
+
+def _written_later(node: fx.Node) -> bool:
+    """``node``'s value, or a view of it, is written in place by some node."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if any(a is n for a in meta.written_args(u)):
+                return True
+            if meta.is_view(u):
+                stack.append(u)
+    return False
 
 def noop_source(node: fx.Node) -> fx.Node | None:
     """The input ``node`` passes on unchanged when it is a canonical no-op (a cast to the dtype

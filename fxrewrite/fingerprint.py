@@ -2,7 +2,7 @@
 
 A Dynamo graph, a configuration and an environment decide what the passes make of it::
 
-    key = hash(graph_fingerprint(gm), config_fingerprint(config), environment(devices))
+    key = hash(hash(graph_fingerprint(gm)), config_fingerprint(config), environment(devices))
 
 * **the graph**: every node (op, name, target, arguments, literals exactly), every input's dtype,
   device, symbolic shape and strides, the ranges of its symbols, whether it is a parameter or a
@@ -435,5 +435,11 @@ def key(gm: fx.GraphModule, example_inputs: list[Any], config: Any) -> tuple[str
     """The cache key of rewriting ``gm`` under ``config`` here, and the graph's node records
     (:func:`graph_fingerprint`). Raises Uncacheable."""
     graph, records = graph_fingerprint(gm)
-    parts = [graph, config_fingerprint(config), environment(devices(example_inputs))]
-    return digest(parts), records
+    return key_of(digest(graph), config, devices(example_inputs)), records
+
+
+def key_of(graph_digest: str, config: Any, on: Iterable[torch.device]) -> str:
+    """The key from its parts: the digest of :func:`graph_fingerprint`'s first value, the
+    configuration, the devices of the inputs. A precompiled artifact (:mod:`fxrewrite.precompile`)
+    keeps the graph's digest and devices and recomputes its key in the loading process."""
+    return digest([graph_digest, config_fingerprint(config), environment(on)])

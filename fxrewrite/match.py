@@ -27,7 +27,6 @@ near miss the report shows.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,22 +39,6 @@ from fxrewrite.canonicalize_shape import SPELLINGS, args_as
 from fxrewrite.rule import COMPLETE, NOT_A_SITE, Bindings, Rule, Scalar
 
 ARITHMETIC = frozenset({ADD, SUB, MUL, DIV})
-
-# Ops whose output may share storage with an input: an in-place kernel must not write to them.
-VIEW_TARGETS = frozenset(
-    {
-        torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten.slice.Tensor,
-        torch.ops.aten.expand.default, torch.ops.aten.permute.default, torch.ops.aten.transpose.int,
-        torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.t.default,
-        torch.ops.aten.alias.default, torch.ops.aten.as_strided.default, torch.ops.aten.flatten.using_ints,
-        torch.ops.aten.unflatten.int, operator.getitem,
-    }
-)  # fmt: skip
-VIEW_METHODS = frozenset(
-    {"view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "t", "contiguous",
-     "to", "type", "narrow", "unflatten", "flatten", "detach", "view_as", "expand_as", "__getitem__"}
-)  # fmt: skip
-
 
 @dataclasses.dataclass
 class Match:
@@ -397,20 +380,12 @@ def inplace_blocker(m: Match) -> str | None:
             return f"{name} is not a graph value"
         if g.op == "placeholder":
             return f"{name} (`{g.name}`) is a graph input"
-        if g.op == "get_attr" or _is_view(g):
+        if g.op == "get_attr" or meta.is_view(g):
             return f"{name} (`{g.name}`) may alias other storage"
         late = _late_readers(g, inside, end)
         if late:
             return f"{name} (`{g.name}`) is read later by `{late.name}`"
     return None
-
-
-def _is_view(n: fx.Node) -> bool:
-    if n.target is operator.getitem and isinstance(meta.value(n.args[0]), (tuple, list)):
-        return False  # one output of a multi-output op, not a view of a tensor
-    return (n.op == "call_function" and n.target in VIEW_TARGETS) or (
-        n.op == "call_method" and n.target in VIEW_METHODS
-    )
 
 
 def _late_readers(g: fx.Node, inside: set[fx.Node], end: int) -> fx.Node | None:
@@ -424,6 +399,6 @@ def _late_readers(g: fx.Node, inside: set[fx.Node], end: int) -> fx.Node | None:
                 continue
             if _position(u) >= end:
                 return u
-            if _is_view(u):
+            if meta.is_view(u):
                 stack.append(u)
     return None

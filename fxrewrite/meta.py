@@ -22,6 +22,32 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 log = logging.getLogger(__name__)
 
+# Ops whose output may share storage with an input: an in-place kernel must not write to them.
+VIEW_TARGETS = frozenset(
+    {
+        torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten.slice.Tensor,
+        torch.ops.aten.expand.default, torch.ops.aten.permute.default, torch.ops.aten.transpose.int,
+        torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.t.default,
+        torch.ops.aten.alias.default, torch.ops.aten.as_strided.default, torch.ops.aten.flatten.using_ints,
+        torch.ops.aten.unflatten.int, operator.getitem,
+    }
+)  # fmt: skip
+VIEW_METHODS = frozenset(
+    {"view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "t", "contiguous",
+     "to", "type", "narrow", "unflatten", "flatten", "detach", "view_as", "expand_as", "__getitem__"}
+)  # fmt: skip
+
+
+
+
+def is_view(n: fx.Node) -> bool:
+    """``n``'s output may share storage with its first input (a view, ``.to`` that may return
+    its input); one output of a multi-output op is not a view."""
+    if n.target is operator.getitem and isinstance(value(n.args[0]), (tuple, list)):
+        return False
+    return (n.op == "call_function" and n.target in VIEW_TARGETS) or (n.op == "call_method" and n.target in VIEW_METHODS)
+
+
 _NOT_TENSOR_METHODS = frozenset({"size", "dim", "item", "numel", "tolist", "stride", "is_contiguous"})
 
 
@@ -198,6 +224,8 @@ def promotion_makes(src: torch.Tensor, dtype: torch.dtype, other: Any) -> bool:
     """
     if not (isinstance(dtype, torch.dtype) and src.is_floating_point() and dtype.is_floating_point):
         return False
+    if src.dtype.itemsize == 1 or dtype.itemsize == 1:
+        return False  # float8 types do not promote: the cast is what makes the arithmetic legal
     if torch.promote_types(src.dtype, dtype) != dtype:
         return False  # narrowing: the cast rounds
 

@@ -6,7 +6,8 @@ last rule group, cleanup last). Nothing registers itself at import time.
 """
 
 from fxrewrite.passes import GraphPass, RuleGroup, Step
-from fxrewrite.rewrites import activation, attention_quant, collective, layernorm, linear, merge, moe, norm, norm_variants, quant, rotary, rotary_tables
+from fxrewrite.rewrites import (activation, attention_quant, collective, layernorm, linear, merge, moe, norm,
+                                norm_variants, quant, quant_block, quant_nvfp4, rotary, rotary_tables)
 
 PIPELINE: tuple[Step, ...] = (
     # one GEMM for linears that read the same input (Config.merge_siblings)
@@ -17,19 +18,20 @@ PIPELINE: tuple[Step, ...] = (
     # take it for a residual add where a per-head norm follows the rotation (rotary, then QK norm)
     RuleGroup("fuse_rotary", rotary.RULES),
     # all-reduce + add + norm (tensor parallel): before the other norms, or the add + norm rules would take its sites
-    RuleGroup("fuse_collective", collective.RULES),
+    RuleGroup("fuse_collective", quant_block.COLLECTIVE_RULES + collective.RULES),
     # static FP8 quant of an attention output -> the engine's declared twin of the attention op
     # (Config.attention_quant): before the other quant rules, which would report its quantizer
     # as a near miss of theirs
     GraphPass("fuse_attention_quant", attention_quant.fuse_attention_quant,
               options=("attention_quant", "splitting_ops"), fusion=True),
-    RuleGroup("fuse_norm_quant", quant.NORM_RULES),
+    RuleGroup("fuse_norm_quant", quant.NORM_RULES + quant_block.NORM_RULES + quant_nvfp4.NORM_RULES),  # FP8, block FP8, NVFP4
     # add + norm before plain norm (the lists' order); LayerNorm first: the RMSNorm rules would
     # take a LayerNorm's second half (an RMSNorm of the centered input); gated norms before plain
     # norms (each holds a plain norm)
     RuleGroup("fuse_norm", layernorm.RULES + norm_variants.RULES + norm.RULES),
     RuleGroup("fuse_activation", activation.RULES),
-    RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES),  # FP8 quant of fused activations
+    # FP8, block FP8 and NVFP4 quantization of fused activations
+    RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES + quant_block.ACTIVATION_RULES + quant_nvfp4.ACTIVATION_RULES),
     # fxr.linear picks a decode-size GEMM by the rows of each call. Run eagerly (mode "none"),
     # each linear would pay the custom op's Python dispatch on the host, which replays do not
     # pay (not measured: extra_rules=linear.RULES opts in). Last: after every rule whose
@@ -39,5 +41,5 @@ PIPELINE: tuple[Step, ...] = (
     GraphPass("fold_rotary", rotary_tables.fold_rotary_tables, options=("max_positions",)),
 )
 
-__all__ = ["PIPELINE", "activation", "attention_quant", "collective", "layernorm", "linear", "merge", "moe", "norm", "norm_variants",
-           "quant", "rotary", "rotary_tables"]
+__all__ = ["PIPELINE", "activation", "attention_quant", "collective", "layernorm", "linear", "merge", "moe", "norm",
+           "norm_variants", "quant", "quant_block", "quant_nvfp4", "rotary", "rotary_tables"]

@@ -38,7 +38,6 @@ import torch.fx as fx
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite import meta
 from fxrewrite.canonicalize import CAST, NEG, PERMUTE, RESHAPE
-from fxrewrite.match import VIEW_METHODS, VIEW_TARGETS
 from fxrewrite.meta import dim_key
 from fxrewrite.report import NearMiss, PassResult
 from fxrewrite.rewrites.rotary import ROTARY_Q, pair_rotaries
@@ -125,16 +124,12 @@ def _no_positions(nodes: list[fx.Node], const: dict[fx.Node, bool]) -> str:
     return f"cos/sin depend on more than one integer positions tensor: {ints}"
 
 
-def _is_view(n: fx.Node) -> bool:
-    return (n.op == "call_function" and n.target in VIEW_TARGETS) or (n.op == "call_method" and n.target in VIEW_METHODS)
-
-
 def _memory(a: Any) -> list[fx.Node]:
     """``a`` and the tensors it is a view of: what a write into ``a`` changes."""
     out = []
     while isinstance(a, fx.Node):
         out.append(a)
-        a = a.args[0] if _is_view(a) and a.args else None
+        a = a.args[0] if meta.is_view(a) and a.args else None
     return out
 
 

@@ -35,7 +35,9 @@ import torch.fx as fx
 from fxrewrite import meta
 from fxrewrite.backend import Backend
 from fxrewrite.config import Config
+from fxrewrite.fingerprint import Uncacheable
 from fxrewrite.passes import prepare_dump_dir
+from fxrewrite.precompile import FusedGraph
 from fxrewrite.report import GraphReport, _table
 from fxrewrite.runtime.ops import OPS
 
@@ -57,6 +59,7 @@ class EngineGraph:
     layers: dict[str, dict[str, int]]
     engine_kernels: dict[str, int]
     split: dict[str, Any] = dataclasses.field(default_factory=dict)  # how the engine split the fused graph
+    compiled: Any = None  # fuse(serializable=...): the graph for the engine's AOT compile
 
     def to_dict(self) -> dict[str, Any]:
         g = self.report
@@ -115,21 +118,41 @@ def fuse(
     engine: str,
     stage: str,
     config: Config | None = None,
+    serializable: type[FusedGraph] | None = None,
 ) -> EngineGraph:
     """Rewrite ``gm`` in place with fxrewrite's pipeline; the record of it (kept in this process:
     :func:`reports`; :func:`publish` logs and writes it). ``engine`` and ``stage`` name where the
-    graph came from (``"vllm"``, ``"whole graph"``) in the report."""
+    graph came from (``"vllm"``, ``"whole graph"``) in the report. ``serializable``: for an
+    engine's AOT compile, the record's ``compiled`` is the graph as that subclass of
+    :class:`~fxrewrite.precompile.FusedGraph` (None when the graph cannot be keyed, logged)."""
     kernels = engine_kernels(gm)
     backend = Backend(config or engine_config())
-    backend(gm, list(example_inputs))
+    backend._precompiling = serializable
+    try:
+        compiled = backend(gm, list(example_inputs))
+    except Uncacheable as e:  # raised before any pass: the graph is as it was
+        log.info("fxrewrite: %s's graph is fused but cannot be precompiled: %s", engine, e)
+        backend._precompiling, compiled = None, None
+        backend(gm, list(example_inputs))
     report = backend.report.graphs[-1]
+    entry = _record(gm, report, engine, stage, kernels)
+    entry.compiled = compiled if serializable is not None else None
+    return entry
+
+
+def loaded(gm: fx.GraphModule, report: GraphReport, *, engine: str, stage: str) -> EngineGraph:
+    """The record of a graph an engine loaded from its precompiled artifact (no pass ran)."""
+    return _record(gm, report, engine, stage, engine_kernels(gm))
+
+
+def _record(gm: fx.GraphModule, report: GraphReport, engine: str, stage: str, kernels: dict[str, int]) -> EngineGraph:
     if kernels:
         names = ", ".join(f"{k} x{v}" for k, v in sorted(kernels.items()))
-        report.notes.append(
-            f"the graph calls {engine}'s own kernels for ops fxrewrite fuses ({names}): they are opaque "
-            "to the rules, which match the engine's native torch code (where it has such code for them: "
-            "switch its custom ops off)"
-        )
+        note = (f"the graph calls {engine}'s own kernels for ops fxrewrite fuses ({names}): they are opaque "
+                "to the rules, which match the engine's native torch code (where it has such code for them: "
+                "switch its custom ops off)")  # fmt: skip
+        if note not in report.notes:  # a loaded report has it already
+            report.notes.append(note)
     entry = EngineGraph(engine, stage, report, fused_ops_by_layer(gm), kernels)
     _RECORDED.append(entry)
     return entry

@@ -83,9 +83,50 @@ def engine_args(piecewise: bool = False) -> dict[str, Any]:
 
 def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     """The Dynamo backend vLLM resolves from ``CompilationConfig(backend=BACKEND)`` in its
-    whole-graph modes: fxrewrite's passes on the whole graph, which then runs as Python."""
-    engine.publish(engine.fuse(gm, example_inputs, engine="vllm", stage="whole graph"), log)
-    return _unsaved(gm)
+    whole-graph modes: fxrewrite's passes on the whole graph, which then runs as Python.
+
+    Under vLLM's AOT compile (``VLLM_USE_AOT_COMPILE``, on by default with torch >= 2.10) the
+    fused graph is what vLLM saves with Dynamo's bytecode (a :class:`PrecompiledGraph`), and a
+    restarted vLLM loads it: no trace, no pass. Where the artifact does not fit (fxrewrite's
+    configuration, rules or versions; a value the passes read), loading fails, vLLM logs it and
+    compiles again."""
+    entry = engine.fuse(gm, example_inputs, engine="vllm", stage="whole graph", serializable=_precompiled_graph())
+    engine.publish(entry, log)
+    return entry.compiled if entry.compiled is not None else _unsaved(gm)
+
+
+@functools.cache
+def _precompiled_graph() -> type[Any] | None:
+    """:class:`fxrewrite.precompile.FusedGraph` with the hook vLLM calls on a loaded artifact
+    (``finalize_loading``), or None on a torch without AOT precompile."""
+    from fxrewrite import precompile
+
+    if precompile.SerializableCallable is object:
+        return None
+
+    class PrecompiledGraph(precompile.FusedGraph):
+        def finalize_loading(self, vllm_config: Any) -> None:
+            """vLLM, after loading the artifact and checking the sources it traced: bind the
+            graph to a backend of the engine configuration (StaleArtifact when its key differs:
+            vLLM then compiles again) and record its report."""
+            if self.backend is not None:
+                return
+            from fxrewrite.backend import Backend
+
+            self.bind(Backend(engine.engine_config()))
+            engine.publish(engine.loaded(self.gm, self.report, engine="vllm", stage="whole graph, precompiled"), log)
+
+    PrecompiledGraph.__qualname__ = PrecompiledGraph.__name__ = "PrecompiledGraph"
+    PrecompiledGraph.__module__ = __name__
+    return PrecompiledGraph
+
+
+def __getattr__(name: str) -> Any:
+    """``PrecompiledGraph``, made at first use: the artifact names it (its deserializer), and an
+    import of this module must not import torch's AOT precompile."""
+    if name == "PrecompiledGraph" and (cls := _precompiled_graph()) is not None:
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> None:

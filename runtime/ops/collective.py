@@ -67,6 +67,7 @@ import torch
 from torch import Tensor
 
 from fxrewrite.runtime import constraints, providers
+from fxrewrite.runtime.ops import quant_block
 from fxrewrite.runtime.ops.norm import _rms_norm_fake, check_norm_args, fake_sum
 from fxrewrite.runtime.ops.quant import FP8_CAPABILITY, _q, check_scale
 from fxrewrite.runtime.providers import Kernel, OpDef
@@ -100,6 +101,17 @@ def all_reduce_add_rms_norm_quant_fp8_reference(
     return torch.ops.fxr.fused_add_rms_norm_quant_fp8.default(reduced, residual, weight, eps, scale)
 
 
+def all_reduce_add_rms_norm_block_quant_fp8_reference(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int, group_name: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(q, scales, sum)``: ``fxr.fused_add_rms_norm_block_quant_fp8`` (per-token groups of
+    ``group``, ``runtime/ops/quant_block.py``) of the reduced ``x``. No library fuses an
+    all-reduce with a block quantization: on CUDA this is the kernel too (NCCL's all-reduce,
+    then the fused op's Triton kernel: "nccl+triton" in ``providers.served()``)."""
+    reduced = all_reduce_sum(x, group_name)
+    return torch.ops.fxr.fused_add_rms_norm_block_quant_fp8.default(reduced, residual, weight, eps, group)
+
+
 # --------------------------------------------------------------------------- fake impls
 
 
@@ -112,6 +124,19 @@ def _quant_fake(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor, group_name: str
 ) -> tuple[Tensor, Tensor]:
     return _q(x), fake_sum(x, residual)
+
+
+def _block_quant_check(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int, group_name: str
+) -> str | None:
+    return quant_block._triton_fused_add_check(x, residual, weight, eps, group)
+
+
+def _block_quant_fake(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int, group_name: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    total = fake_sum(x, residual)
+    return _q(total), total.new_empty((*total.shape[:-1], total.shape[-1] // group), dtype=torch.float32), total
 
 
 # --------------------------------------------------------------------------- the workspace
@@ -312,5 +337,9 @@ DEFS: tuple[OpDef, ...] = (
         _quant_fake,
         _kernels(_quant_kernel, _check_quant, max(FP8_CAPABILITY, (9, 0))),
     ),
+    # NCCL's all-reduce, then the fused op's Triton kernel (the reference's own steps, labelled)
+    OpDef("all_reduce_add_rms_norm_block_quant_fp8", all_reduce_add_rms_norm_block_quant_fp8_reference, _block_quant_fake,
+          (Kernel("triton", all_reduce_add_rms_norm_block_quant_fp8_reference, _block_quant_check, FP8_CAPABILITY,
+                  "nccl+triton", quant_block.TRITON_MODULE),)),
 )
 OPS: tuple[str, ...] = providers.define_all(DEFS)

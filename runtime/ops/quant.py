@@ -102,10 +102,13 @@ def fp8_mismatch(
     """None when ``q`` (FP8) is as good as the spec's ``q_ref``, else what differs: every scale
     ``s`` within ``scale_rtol`` of ``s_ref`` (per-token [..., 1]; None for a static scale, the
     same for both), and every value ``q * s`` within one e4m3 step of ``q_ref`` in the
-    reference's grid: between its neighbours times ``s_ref``, widened by ``scale_rtol``."""
+    reference's grid: between its neighbours times ``s_ref``, widened by ``scale_rtol``. Scales
+    of a group of columns each (``[..., H / G]``, block FP8) apply to their group."""
     if s is None or s_ref is None:
         s = s_ref = torch.ones((), device=q.device)
     else:
+        if s.shape[-1] not in (1, q.shape[-1]):  # one scale per group of columns (block FP8)
+            s, s_ref = (t.repeat_interleave(q.shape[-1] // t.shape[-1], -1) for t in (s, s_ref))
         rel = (s - s_ref).abs() / s_ref
         if not bool((rel <= scale_rtol).all()):
             n = int((~(rel <= scale_rtol)).sum())
@@ -125,7 +128,7 @@ def fp8_output_mismatches(
     got: Sequence[Tensor], want: Sequence[Tensor], scale_rtol: float
 ) -> tuple[list[str], list[int]]:
     """:func:`fp8_mismatch` over an op's outputs (an FP8 output followed by a float32 one: that
-    is its per-token scale). Returns (what differs, indices of the outputs left to the caller:
+    is its per-token or per-group scale). Returns (what differs, indices of the outputs left to the caller:
     neither FP8 nor scales)."""
     problems, rest, i = [], [], 0
     while i < len(got):

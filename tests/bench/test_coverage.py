@@ -216,6 +216,23 @@ def test_a_look_alike_is_not_a_candidate(kind: str) -> None:
     assert row["candidates"].get(kind, 0) == 0, row["candidates"]
 
 
+class KeyIndexer(torch.nn.Module):
+    """A sparse-attention indexer: each query keeps its top-k keys by score (a top-k over the
+    key positions, dynamic, not over a fixed number of experts)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, H]
+        scores = x @ x.transpose(-1, -2)
+        keep = scores.topk(min(4, scores.shape[-1]), dim=-1).indices
+        return torch.gather(scores, -1, keep).sum(-1, keepdim=True) * x
+
+
+def test_a_top_k_over_keys_is_not_a_router() -> None:
+    row = _sites(KeyIndexer(), (1, 8, 32))
+    assert row["candidates"].get("router", 0) == 0, row["candidates"]
+    row = _sites(MoE(), (8, 32))  # its twin: over a fixed number of experts
+    assert row["candidates"].get("router", 0) == 1, row["candidates"]
+
+
 # --- families through the sweep ----------------------------------------------------------------
 
 # A dense and a GPT-2 style decoder, a MoE and a state-space model: each runs and matches eager.

@@ -123,11 +123,12 @@ def test_casts_become_convert_element_type() -> None:
     r = canon(
         _casts, x2d(dtype=torch.bfloat16),
         before={"method.float": 1, "method.to": 3, "method.type": 1, "method.type_as": 1},
-        expect={"prims.convert_element_type": 6},
+        expect={"prims.convert_element_type": 1},
         absent=["method"],
     )  # fmt: skip
-    for n in calls(r, CAST):
-        assert n.args[1] is torch.float32
+    # six spellings of one value: one cast, which every output reads
+    [cast] = calls(r, CAST)
+    assert cast.args[1] is torch.float32 and outputs(r) == [cast] * 6
 
 
 def test_noop_casts_are_removed() -> None:
@@ -138,8 +139,44 @@ def test_noop_casts_are_removed() -> None:
 
 def test_cast_to_another_dtype_stays() -> None:
     r = canon(lambda x: (x.half(), x.to(torch.bfloat16), x.bfloat16().float()), x2d(),
-              expect={"prims.convert_element_type": 4}, absent=["method"])  # fmt: skip
-    assert [n.args[1] for n in calls(r, CAST)] == [torch.float16, torch.bfloat16, torch.bfloat16, torch.float32]
+              expect={"prims.convert_element_type": 3}, absent=["method"])  # fmt: skip
+    # x.to(bfloat16) and x.bfloat16() are one value: one cast
+    assert [n.args[1] for n in calls(r, CAST)] == [torch.float16, torch.bfloat16, torch.float32]
+
+
+def test_casts_of_one_value_are_one_cast() -> None:
+    """``q.float()`` written twice in one expression (a rotation that upcasts q for each term)
+    is one cast, so the rotary rules see one input."""
+
+    def twice(q: torch.Tensor) -> torch.Tensor:
+        return q.float() * 2 + q.float().flip(-1)
+
+    r = canon(twice, x2d(dtype=torch.bfloat16), expect={"prims.convert_element_type": 1})
+    [cast] = calls(r, CAST)
+    assert all(u.args[0] is cast for u in cast.users)
+
+
+def _written_between(x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q = x * 2
+    a = q.float()
+    q.add_(s)  # q changes between the two casts: they are two values
+    return a, q.float()
+
+
+def _cast_written_later(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q = x * 2
+    a, b = q.float(), q.float()
+    b.view(-1).mul_(2)  # one of the two is written through a view: they are two tensors
+    return a, b
+
+
+@pytest.mark.parametrize("fn", [_written_between, _cast_written_later], ids=["written-between", "written-later"])
+def test_casts_that_are_not_one_value_stay_two(fn: Callable[..., Any]) -> None:
+    inputs = (x2d(dtype=torch.bfloat16),) if fn is _cast_written_later else (x2d(dtype=torch.bfloat16),
+                                                                              x2d(dtype=torch.bfloat16))  # fmt: skip
+    r = canon(fn, *inputs, expect={"prims.convert_element_type": 2})
+    a, b = calls(r, CAST)
+    assert a is not b
 
 
 def _upcasts(h, w, v):
@@ -168,6 +205,14 @@ def test_of_two_widening_casts_one_stays() -> None:
               expect={"prims.convert_element_type": 1, "aten.add": 1})  # fmt: skip
     [cast] = calls(r, CAST)
     assert calls(r, A.add.Tensor)[0].args == (placeholder(r, "x"), cast) and cast.args[0] is placeholder(r, "y")
+
+
+def test_the_cast_of_an_fp8_operand_stays() -> None:
+    """``s.float() * x`` with ``s`` float8: float8 types do not promote (torch raises), so the cast
+    is what makes the product legal, not something promotion would do (NVFP4's block scales)."""
+    s = torch.randn(4, 16).to(torch.float8_e4m3fn)
+    r = canon(lambda s, x: s.float() * x, s, x2d(4, 16), expect={"prims.convert_element_type": 1, "aten.mul": 1})
+    assert calls(r, A.mul.Tensor)[0].args[0] is calls(r, CAST)[0]
 
 
 # -- elementwise forms ------------------------------------------------------------------------
@@ -278,11 +323,12 @@ def test_softmax_forms_become_aten_softmax_with_its_dtype_as_a_cast() -> None:
     """``softmax(x, dtype=float32)`` casts ``x`` first (so documented): the same nodes as
     ``softmax(x.float())``; the negative twins keep the input's dtype."""
     r = canon(_softmaxes, x2d(dtype=torch.bfloat16), before={"torch.nn.functional.softmax": 2, "torch.softmax": 2},
-              expect={"aten.softmax": 6, "prims.convert_element_type": 3}, absent=["method", "torch"])  # fmt: skip
+              expect={"aten.softmax": 6, "prims.convert_element_type": 1}, absent=["method", "torch"])  # fmt: skip
     soft = calls(r, A.softmax.int)
     assert [n.args[1:] for n in soft] == [(-1, None)] * 6
     inputs = [n.args[0] for n in soft]
     assert [i.target is CAST and i.args[1] is torch.float32 for i in inputs] == [False] * 3 + [True] * 3
+    assert len({i for i in inputs if i.target is CAST}) == 1  # one cast of x, read by the three
     assert [meta_dtype(n) for n in soft] == [torch.bfloat16] * 3 + [torch.float32] * 3
 
 

@@ -9,6 +9,7 @@ exactly where the same CPU formulas run on both sides).
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -80,6 +81,20 @@ def check(
     else:
         assert_close(r.output, r.eager)
     return r
+
+
+@contextlib.contextmanager
+def fake_process_group() -> Iterator[None]:
+    """Rank 0 of a fake 2-rank default group (``torch.testing._internal.distributed.fake_pg``):
+    its all-reduce returns its input, so eager and compiled runs compute the same thing."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def sites(r: Compiled, rule: str | None = None) -> list[Site]:

@@ -11,6 +11,8 @@
   embedding (its norms are IR ops whose only CPU implementation is the native one, and its
   ``SiluAndMul.forward_cpu`` is its native code): no rotary fuses, and the report says it is
   vLLM's ``_C::rotary_embedding``.
+* A restart: vLLM's AOT compile stores fxrewrite's fused graph with Dynamo's bytecode, and a new
+  vLLM process loads it without tracing or fusing again; a changed fxrewrite configuration misses.
 * Piecewise: vLLM's own ``VllmBackend`` (mode VLLM_COMPILE, which vLLM's CPU platform never
   picks by itself) splits the graph fxrewrite fused at an attention op; its eager piece
   compiler runs the pieces.
@@ -61,7 +63,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     models = {family: fxr_vllm.save_tiny(str(root / f"tiny-{family}"), family) for family, _ in RUNS}
     procs = {}
     for (family, compiler), key in RUNS.items():
-        env = dict(os.environ, **{engine.REPORT_DIR_ENV: str(root / f"reports-{key}")})
+        env = dict(os.environ, **{engine.REPORT_DIR_ENV: str(root / f"reports-{key}"),
+                                  "VLLM_CACHE_ROOT": str(root / f"vllm-cache-{key}")})  # cold: no AOT artifact
         cmd = [sys.executable, "-m", "fxrewrite.integrations.vllm", "--model", models[family],
                "--compiler", compiler, "--json", str(root / f"{key}.json")]  # fmt: skip
         log = open(root / f"{key}.log", "w")
@@ -130,6 +133,39 @@ def test_an_moe_model_keeps_vllms_moe_kernel_and_fuses_the_rest(runs: dict[str, 
     assert report["near_misses"] == [] and report["rejected"] == []
     [note] = report["notes"]
     assert "vllm's own kernels for ops fxrewrite fuses" in note
+
+
+def generate_in_process(model: str, cache: Path, reports: Path, **env: str) -> tuple[dict[str, Any], str]:
+    """One vLLM process generating with fxrewrite (whole graph), vLLM's caches under ``cache``:
+    its result and its log."""
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(cache), **{engine.REPORT_DIR_ENV: str(reports)}, **env)
+    out = reports / "result.json"
+    cmd = [sys.executable, "-m", "fxrewrite.integrations.vllm", "--model", model, "--json", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return json.loads(out.read_text()), done.stdout + done.stderr
+
+
+def test_a_restarted_vllm_loads_the_fused_graph_from_its_aot_artifact(tmp_path: Path) -> None:
+    """vLLM's AOT compile saves Dynamo's bytecode with fxrewrite's fused graph; a restarted vLLM
+    loads it (no trace, no pass: its only report is the loaded one) and generates the same tokens.
+    A changed fxrewrite configuration (``FXREWRITE_VERIFY=0``: another cache key) fails the load:
+    vLLM compiles again, fxrewrite fuses again."""
+    model = fxr_vllm.save_tiny(str(tmp_path / "tiny-llama"))
+    cache = tmp_path / "vllm-cache"
+    cold, cold_log = generate_in_process(model, cache, tmp_path / "cold")
+    assert "saved AOT compiled function" in cold_log
+    warm, warm_log = generate_in_process(model, cache, tmp_path / "warm")
+    assert "Directly load AOT compilation" in warm_log and "Compiling model again" not in warm_log
+    [loaded] = warm["reports"]
+    assert loaded["stage"] == "whole graph, precompiled" and loaded["fused_ops_by_layer"] == LAYERS
+    assert any("loaded from a precompiled artifact" in n for n in loaded["notes"])
+    assert warm["tokens"] == cold["tokens"]
+    stale, stale_log = generate_in_process(model, cache, tmp_path / "stale", FXREWRITE_VERIFY="0")
+    assert "Compiling model again due to a load failure" in stale_log and "the configuration or rules" in stale_log
+    [fused] = stale["reports"]
+    assert fused["stage"] == "whole graph" and fused["fused_ops_by_layer"] == LAYERS
+    assert stale["tokens"] == cold["tokens"]
 
 
 def test_the_cli_refuses_a_family_without_tiny(capsys: pytest.CaptureFixture[str]) -> None:

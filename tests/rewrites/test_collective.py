@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from helpers.rewrites import BF16, DYNAMIC, F32, LlamaRMSNorm, check, fused_nodes, quant_static, reasons, sites
+from helpers.rewrites import (
+    BF16, DYNAMIC, F32, LlamaRMSNorm, check, fake_process_group, fused_nodes, quant_static, reasons, sites,
+)  # fmt: skip
 
 from fxrewrite.rewrites import collective
 
@@ -25,13 +27,8 @@ AR = "all_reduce_add_rms_norm"
 @pytest.fixture(scope="module", autouse=True)
 def fake_group() -> Iterator[None]:
     """Rank 0 of a fake 2-rank default group (and a second group of both ranks)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
+    with fake_process_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 class RowParallelThenNorm(torch.nn.Module):

@@ -44,3 +44,15 @@ def triton_layernorm() -> Iterator[types.ModuleType]:
 def triton_route() -> Iterator[types.ModuleType]:
     """``fxrewrite.runtime.triton_route`` interpreted (tests/runtime/test_moe_route_gpu.py runs it compiled)."""
     yield from _interpreted("fxrewrite.runtime.triton_route", "_moe_route_kernel")
+
+
+@pytest.fixture(scope="module")
+def triton_nvfp4() -> Iterator[types.ModuleType]:
+    """``fxrewrite.runtime.triton_nvfp4`` interpreted (tests/runtime/test_quant_nvfp4_gpu.py runs it compiled)."""
+    yield from _interpreted("fxrewrite.runtime.triton_nvfp4", "_nvfp4_kernel")
+
+
+@pytest.fixture(scope="module")
+def triton_quant_block() -> Iterator[types.ModuleType]:
+    """``fxrewrite.runtime.triton_quant_block`` interpreted (tests/runtime/test_quant_block_ops.py's GPU tests run it compiled)."""
+    yield from _interpreted("fxrewrite.runtime.triton_quant_block", "_block_quant_kernel")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import inspect
 from typing import Any
 
@@ -21,16 +22,18 @@ def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.bfloat16)
 
 def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> list[Any]:
     """Arguments of ``op`` on CPU: ``x`` (and ``residual``) of ``shape``, a [hidden] weight, eps
-    1e-6, a static FP8 scale 0.02, GELU's tanh approximation, the norms' ``cast_last`` order, a
+    1e-6, a static FP8 scale 0.02, an NVFP4 global scale 300, GELU's tanh approximation, the norms'
+    ``cast_last`` order, a
     gated norm's gate (grouped, gate first, SiLU), act_mul's ``a`` and ``b`` of ``shape``, the
     default process group's name, rotary arguments from :mod:`rotary_samples`, MoE arguments from
-    :mod:`moe_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias."""
+    :mod:`moe_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias, block FP8's group (32 where the row allows)."""
     values = {
         "weight": lambda: rand(gen, shape[-1], dtype=dtype) * 0.5,
         "w": lambda: rand(gen, shape[-1], shape[-1], dtype=dtype) * shape[-1] ** -0.5,
         "bias": lambda: rand(gen, shape[-1], dtype=dtype),
         "eps": lambda: EPS,
         "scale": lambda: torch.tensor([0.02]),
+        "global_scale": lambda: torch.tensor([300.0]),  # NVFP4: 448 * 6 / 9, an amax of 9 at the top scale
         "approximate": lambda: "tanh",
         "cast_last": lambda: True,
         # the norm variants: a gate of x's shape, groups of half the row (when it is even), gate first
@@ -41,6 +44,8 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
         "round_scale": lambda: False,
         # act_mul: the product's operand order (the values are the same)
         "act_first": lambda: False,
+        # block FP8: a group that divides the row and the half row (an activation's output), at most 32
+        "group": lambda: math.gcd(shape[-1], shape[-1] // 2 or 1, 32),
         # the collective ops: the default group (test_ops.py makes a fake one)
         "group_name": lambda: torch.distributed.group.WORLD.group_name,
     }

@@ -18,7 +18,7 @@ from torch import Tensor
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import activation, layernorm, norm, quant, rotary
+from fxrewrite.runtime.ops import activation, layernorm, norm, quant, quant_block, quant_nvfp4, rotary
 from fxrewrite.runtime.providers import Kernel, OpDef
 from samples import op_args  # this folder
 
@@ -401,7 +401,7 @@ def both_libraries(registry: providers._Registry, sgl_ops: None) -> providers._R
     """sgl-kernel and flashinfer emulated; Triton's kernels not importable (a test that wants
     them installs the ``triton_kernels`` fixture's module)."""
     registry.modules.update({"sgl_kernel": lib("sgl_kernel"), **flashinfer_modules()})
-    install(registry, **{providers.TRITON_MODULE: None, layernorm.TRITON_LAYER_NORM: None})
+    install(registry, **{providers.TRITON_MODULE: None, layernorm.TRITON_LAYER_NORM: None, quant_block.TRITON_MODULE: None})
     return registry
 
 
@@ -438,6 +438,8 @@ def test_every_op_through_each_emulated_provider(
     if provider == "triton":
         both_libraries.modules[providers.TRITON_MODULE] = request.getfixturevalue("triton_kernels")
         both_libraries.modules[layernorm.TRITON_LAYER_NORM] = request.getfixturevalue("triton_layernorm")
+        both_libraries.modules[quant_nvfp4.TRITON_MODULE] = request.getfixturevalue("triton_nvfp4")
+        both_libraries.modules[quant_block.TRITON_MODULE] = request.getfixturevalue("triton_quant_block")
     providers.configure(provider)
     args = op_args(op, shape, gen)
     if provider == "flashinfer" and op in layernorm.DEFS:  # its LayerNorm takes float32 gamma and beta
@@ -491,7 +493,8 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
             flashinfer__rope=None, flashinfer__comm=None)  # fmt: skip
     install(registry, **{providers.TRITON_MODULE: None, "fxrewrite.runtime.triton_moe": None,
                          layernorm.TRITON_LAYER_NORM: None, "fxrewrite.runtime.triton_route": None,
-                         "fxrewrite.runtime.triton_norms": None, activation.TRITON_ACT_MUL: None})  # fmt: skip
+                         "fxrewrite.runtime.triton_norms": None, quant_nvfp4.TRITON_MODULE: None,
+                         quant_block.TRITON_MODULE: None, activation.TRITON_ACT_MUL: None})  # fmt: skip
     assert providers.preload() == {
         "flashinfer": False,
         "flashinfer.activation": False,
@@ -502,7 +505,9 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
         "fxrewrite.runtime.triton_kernels": False,
         "fxrewrite.runtime.triton_layernorm": False,
         "fxrewrite.runtime.triton_moe": False,
+        "fxrewrite.runtime.triton_quant_block": False,
         "fxrewrite.runtime.triton_norms": False,
+        "fxrewrite.runtime.triton_nvfp4": False,
         "fxrewrite.runtime.triton_route": False,
         "sgl_kernel": True,
     }

@@ -1,0 +1,299 @@
+"""Precompiled artifacts (fxrewrite.precompile): a new process loads Dynamo's guards and bytecode
+with the rewritten graph and runs without tracing or passes, bit for bit as the cold compile;
+every kind of miss misses (configuration, rules, versions, traced source, values read); guard
+failures compile with Dynamo or raise."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fxrewrite
+from fxrewrite import fingerprint, models, precompile
+from fxrewrite.rule import Rule
+from fxrewrite.testing import assert_close
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(precompile.SerializableCallable is object, reason="torch without AOT precompile")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> None:
+    torch._dynamo.reset()
+
+
+def backend(tmp_path: Path, **kw: Any) -> fxrewrite.Backend:
+    kw.setdefault("cache", False)
+    return fxrewrite.Backend(cache_dir=str(tmp_path / "cache"), progress=False, **kw)
+
+
+def llama() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    model = models.build("llama", layers=1)
+    return model, models.example_inputs(model)
+
+
+def saved(tmp_path: Path, model: torch.nn.Module, x: tuple[Any, ...], **kw: Any) -> tuple[Path, torch.Tensor]:
+    """``model`` precompiled and saved; its (cold) output."""
+    with torch.no_grad():
+        step = backend(tmp_path, **kw).aot_compile(model, x)
+        out = models.hidden_states(step(*x))
+    return step.save(tmp_path / "model.fxr"), out
+
+
+# --------------------------------------------------------------------------- a new process
+
+CHILD = textwrap.dedent("""
+    import json, sys, torch, fxrewrite
+    from fxrewrite import models, passes, verify
+    from torch._dynamo import convert_frame
+    traced = []
+    for name in ("fullgraph_capture", "_compile"):  # AOT precompile's trace and Dynamo's per-frame one
+        original = getattr(convert_frame, name)
+        setattr(convert_frame, name, lambda *a, _f=original, _n=name, **k: traced.append(_n) or _f(*a, **k))
+    runs = []
+    original_run = passes.PassManager.run
+    passes.PassManager.run = lambda self, gm: runs.append(1) or original_run(self, gm)
+    path, mode, action = sys.argv[1:4]
+    model = models.build("llama", layers=1)
+    backend = fxrewrite.Backend(mode=mode, capture_sizes=(8,), cache=False, progress=False)
+    outs = []
+    with torch.no_grad():
+        step = backend.aot_compile(model, models.example_inputs(model)) if action == "save" else fxrewrite.load(path, model, backend)
+        for tokens in (8, 5):  # the traced size, then another (dynamic: the same graph)
+            x = models.example_inputs(model, tokens=tokens)
+            outs.append(models.hidden_states(step(*x)).flatten().tolist())
+            outs.append(models.hidden_states(model(*x)).flatten().tolist())
+    if action == "save":
+        step.save(path)
+    print(json.dumps({"traced": traced, "passes_run": len(runs), "verified": verify.stats().checked, "outs": outs,
+                      "fused": backend.report.fused_ops(), "frames": torch._dynamo.utils.counters["frames"]["total"],
+                      "runtime": backend.report.graphs[0].runtime}))
+""")
+
+
+def child(path: Path, mode: str, action: str) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", CHILD, str(path), mode, action], check=True, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ))  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_new_process_runs_the_artifact_without_tracing_or_passes(tmp_path: Path) -> None:
+    """Piecewise: the runner (split, dispatch, emulated capture) is rebuilt from the loaded graph;
+    the outputs are the cold process's, bit for bit, at the traced size and another."""
+    path = tmp_path / "llama.fxr"
+    cold = child(path, "piecewise", "save")
+    warm = child(path, "piecewise", "load")
+    assert cold["traced"] == ["fullgraph_capture"] and cold["passes_run"] == 1 and cold["verified"] > 0
+    assert warm["traced"] == [] and warm["frames"] == 0  # no Dynamo trace of any kind
+    assert warm["passes_run"] == 0 and warm["verified"] == 0
+    assert warm["outs"] == cold["outs"]  # bit for bit, both sizes
+    for out, eager in zip(warm["outs"][::2], warm["outs"][1::2]):
+        assert_close(torch.tensor(out), torch.tensor(eager))
+    assert warm["fused"] == cold["fused"] and cold["fused"]["linear_silu_and_mul"] == 1
+    assert warm["runtime"] == cold["runtime"]  # the runner as built from Dynamo's graph
+    assert warm["runtime"]["mode"] == "piecewise" and not warm["runtime"]["static_shape"]  # the token dim found
+
+
+# --------------------------------------------------------------------------- in one process
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_loaded_equals_cold_bit_for_bit_and_runs_no_pass(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x = llama()
+    path, cold = saved(tmp_path, model, x, mode=mode, capture_sizes=(8,))
+    runs: list[int] = []
+    original = fxrewrite.passes.PassManager.run
+    monkeypatch.setattr(fxrewrite.passes.PassManager, "run", lambda self, gm: runs.append(1) or original(self, gm))
+    b = backend(tmp_path, mode=mode, capture_sizes=(8,))
+    with torch.no_grad():
+        step = fxrewrite.load(path, model, b)
+        assert torch.equal(models.hidden_states(step(*x)), cold)
+    assert runs == [] and step.loaded
+    assert b.report.fused_ops()["rotary_embedding"] == 1
+    assert any("precompiled artifact" in n for n in b.report.graphs[0].notes)
+
+
+def test_merged_weights_are_made_from_the_loading_models_parameters(tmp_path: Path) -> None:
+    """The artifact holds no weights: another model of the same architecture loads it, and its
+    merged q/k/v and gate/up weights are views of its own parameters."""
+    a, x = llama()
+    path, _ = saved(tmp_path, a, x)
+    b = models.build("llama", layers=1, seed=1)
+    step = fxrewrite.load(path, b, backend(tmp_path))
+    names = [n for n, recipe in step.graph.state["recipes"].items() if recipe is not None]
+    assert len(names) == 2 and all(getattr(step.graph.gm, n).numel() == 0 for n in names)  # not stored
+    with torch.no_grad():
+        assert_close(models.hidden_states(step(*x)), models.hidden_states(b(*x)))
+    ptrs = {p.untyped_storage().data_ptr() for p in b.parameters()}
+    assert all(getattr(step.graph.gm, n).untyped_storage().data_ptr() in ptrs for n in names)
+
+
+def test_the_header_holds_the_compile_caches_key(tmp_path: Path) -> None:
+    """One key: the artifact's is the key under which the compile cache stores the same graph."""
+    model, x = llama()
+    path, _ = saved(tmp_path, model, x, cache=True)
+    header, _ = precompile.read_header(path)
+    [entry] = (tmp_path / "cache" / "graphs").glob("*/*.json")
+    assert entry.stem == header["key"]
+
+
+# --------------------------------------------------------------------------- misses
+
+
+@pytest.mark.parametrize("change", [dict(verify=False), dict(max_positions=64), dict(mode="piecewise"), dict(merge_siblings=False)],
+                         ids=["verify", "max_positions", "mode", "merge_siblings"])  # fmt: skip
+def test_a_changed_configuration_misses(tmp_path: Path, change: dict[str, Any]) -> None:
+    model, x = llama()
+    path, _ = saved(tmp_path, model, x)
+    fxrewrite.load(path, model, backend(tmp_path))  # the same configuration: a hit
+    with pytest.raises(fxrewrite.StaleArtifact, match="the configuration or rules"):
+        fxrewrite.load(path, model, backend(tmp_path, **change))
+
+
+def test_a_changed_rule_set_misses(tmp_path: Path) -> None:
+    model, x = llama()
+    path, _ = saved(tmp_path, model, x)
+    relu = Rule("relu_clamp", lambda t: torch.relu(t), lambda t: torch.clamp(t, min=0))
+    for b in (backend(tmp_path, extra_rules=[relu]), backend(tmp_path, rules=[relu])):
+        with pytest.raises(fxrewrite.StaleArtifact, match="the configuration or rules"):
+            fxrewrite.load(path, model, b)
+
+
+@pytest.mark.parametrize("what", ["torch", "fxrewrite_source", "kernel_library"])
+def test_a_changed_version_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    model, x = llama()
+    path, _ = saved(tmp_path, model, x)
+    if what == "torch":
+        monkeypatch.setattr(torch, "__version__", "0.0.1")
+    elif what == "fxrewrite_source":
+        monkeypatch.setattr(fingerprint, "source_digest", lambda: "edited")
+    else:
+        monkeypatch.setattr(fingerprint, "_library_version", lambda module, dist: f"{dist} 99")
+    with pytest.raises(fxrewrite.StaleArtifact, match="torch, fxrewrite, a kernel library"):
+        fxrewrite.load(path, model, backend(tmp_path))
+
+
+MODEL_V1 = '''
+import torch
+
+class Norm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(32) + 0.5)
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+'''
+
+
+@pytest.fixture
+def user_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A model of a module of its own (its source can be edited)."""
+    (tmp_path / "user_model.py").write_text(MODEL_V1)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import user_model
+
+    yield importlib.reload(user_model)
+    del sys.modules["user_model"]
+
+
+def test_changed_model_source_misses(tmp_path: Path, user_model: Any) -> None:
+    model, x = user_model.Norm(), torch.randn(4, 32)
+    with torch.no_grad():
+        step = backend(tmp_path).aot_compile(model, (x,))
+    path = step.save(tmp_path / "norm.fxr")
+    assert step.graph.report.fused_ops == {"rms_norm": 1}
+    fxrewrite.load(path, model, backend(tmp_path))
+    (tmp_path / "user_model.py").write_text(MODEL_V1.replace("1e-6", "1e-5"))
+    importlib.reload(user_model)
+    with pytest.raises(fxrewrite.StaleArtifact, match="the source of user_model"):
+        fxrewrite.load(path, user_model.Norm(), backend(tmp_path))
+
+
+def test_a_changed_value_read_compiles_with_dynamo_or_raises(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """RoPE tables are folded from ``inv_freq``: another rope theta, same guards, is a miss at
+    the first call; the call compiles with Dynamo (warned) or, with recompile=False, raises."""
+    model, x = llama()
+    path, _ = saved(tmp_path, model, x)
+    model.rotary_emb.inv_freq.mul_(1.5)
+    with torch.no_grad():
+        with pytest.raises(fxrewrite.StaleArtifact, match="inv_freq"):
+            fxrewrite.load(path, model, backend(tmp_path), recompile=False)(*x)
+        step = fxrewrite.load(path, model, backend(tmp_path))
+        with caplog.at_level(logging.WARNING, logger="fxrewrite"):
+            out = models.hidden_states(step(*x))
+        assert "compiling with Dynamo" in caplog.text
+        assert_close(out, models.hidden_states(model(*x)))
+
+
+def test_a_guard_failure_compiles_with_dynamo_or_raises(tmp_path: Path, user_model: Any, caplog: pytest.LogCaptureFixture) -> None:
+    model, x = user_model.Norm(), torch.randn(4, 32)
+    with torch.no_grad():
+        path = backend(tmp_path).aot_compile(model, (x,)).save(tmp_path / "norm.fxr")
+        strict = fxrewrite.load(path, model, backend(tmp_path), recompile=False)
+        assert torch.equal(strict(torch.ones(7, 32)), model(torch.ones(7, 32)))  # another size: dynamic
+        wide = x.double()
+        assert not strict.guard_check(wide)
+        with pytest.raises(fxrewrite.GuardFailure, match="dtype|float64|Double"):
+            strict(wide)
+        step = fxrewrite.load(path, model, backend(tmp_path))
+        with caplog.at_level(logging.WARNING, logger="fxrewrite"):
+            out = step(wide)
+        assert "fail the precompiled graph's guards" in caplog.text
+        assert out.dtype == torch.float64
+        assert_close(out, model.double()(wide))
+        with pytest.raises(fxrewrite.GuardFailure, match="grad"):  # grad mode is guarded too
+            with torch.enable_grad():
+                strict(x)
+
+
+def test_inputs_marked_as_at_compile_time_pass_the_loaded_guards(tmp_path: Path, user_model: Any) -> None:
+    """``mark_static`` on an input (what the CUDA-graph runner wants of every dimension but the
+    token count): torch pickles guarded tensors without their marks, fxrewrite keeps them."""
+    model, x = user_model.Norm(), torch.randn(8, 32)
+    torch._dynamo.mark_static(x, 1)
+    with torch.no_grad():
+        path = backend(tmp_path).aot_compile(model, (), {"x": x}).save(tmp_path / "norm.fxr")
+        step = fxrewrite.load(path, model, backend(tmp_path), recompile=False)
+        assert step.guard_check(x=x) and torch.equal(step(x=x), model(x))
+        y = torch.randn(5, 32)
+        torch._dynamo.mark_static(y, 1)
+        assert torch.equal(step(x=y), model(y))  # another token count, marked the same
+        torch._dynamo.mark_static(y, 0)
+        with pytest.raises(fxrewrite.GuardFailure, match="_dynamo_static_indices"):  # a new mark
+            step(x=y)
+
+
+def test_damaged_artifacts_are_misses(tmp_path: Path) -> None:
+    model, x = llama()
+    path, _ = saved(tmp_path, model, x)
+    data = path.read_bytes()
+    for bad in (b"not an artifact", data[: len(data) // 2]):
+        path.write_bytes(bad)
+        with pytest.raises(fxrewrite.StaleArtifact):
+            fxrewrite.load(path, model, backend(tmp_path))
+
+
+def test_warm_start_compiles_saves_then_loads_and_compiles_again_on_a_miss(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model, x = llama()
+    path = tmp_path / "serve" / "llama.fxr"
+    with torch.no_grad():
+        first = fxrewrite.warm_start(model, path, x, backend=backend(tmp_path))
+        assert not first.loaded and path.exists()
+        second = fxrewrite.warm_start(model, path, x, backend=backend(tmp_path))
+        assert second.loaded
+        assert torch.equal(models.hidden_states(second(*x)), models.hidden_states(first(*x)))
+        with caplog.at_level(logging.WARNING, logger="fxrewrite"):
+            third = fxrewrite.warm_start(model, path, x, backend=backend(tmp_path, verify=False))
+        assert not third.loaded and "not used (the compile cache's key differs" in caplog.text
+        assert fxrewrite.warm_start(model, path, x, backend=backend(tmp_path, verify=False)).loaded  # saved anew
