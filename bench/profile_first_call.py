@@ -5,7 +5,7 @@ and without (Triton's JIT builds each at its first call, one after another).
 
     source .devkit/setup.sh && python3 bench/profile_first_call.py [--modes piecewise,full] [--shape 8b]
 
-Each row runs in a fresh process with an empty Triton cache, a machine's first start, as
+Each row runs in a fresh process with empty Triton and fxrewrite caches, a machine's first start, as
 bench_e2e's rows do: after the process's one-time imports and the attention op's kernels
 (bench_e2e's ``_warm_process`` and ``_warm_attention``), the first call of decode 1 after 1024
 cached tokens (bench_e2e's first column; 64 on the tiny model), capture sizes 1, 8, 64, 512. Columns, seconds:
@@ -120,7 +120,8 @@ def main() -> None:
             for mode in args.modes.split(","):
                 for built in ("ahead", "at first call"):
                     key = f"{mode}:{'ahead' if built == 'ahead' else 'first'}"
-                    env = {**os.environ, "TRITON_CACHE_DIR": str(Path(work) / f"{key.replace(':', '-')}-{r}")}
+                    row_dir = Path(work) / f"{key.replace(':', '-')}-{r}"  # every cache empty, ours too
+                    env = {**os.environ, "TRITON_CACHE_DIR": str(row_dir / "triton"), "FXREWRITE_CACHE_DIR": str(row_dir)}
                     cmd = [sys.executable, str(Path(__file__).resolve()), "--shape", args.shape, "--child", key,
                            "--cprofile", str(args.cprofile)]  # fmt: skip
                     out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout

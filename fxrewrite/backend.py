@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxrewrite import meta, precompile, rewrites
+from fxrewrite import fingerprint, meta, precompile, rewrites
 from fxrewrite.cache import CompileCache
 from fxrewrite.canonicalize import canonicalize
 from fxrewrite.config import Config
@@ -191,6 +191,7 @@ class Backend:
             prepare_dump_dir(self.config.dump_dir)
         if self.config.mode != "none":
             check_capture_sizes(self.config)  # empty, unsorted, above the max: refused now
+        self._cache = self._open_cache()
         self._check_rules()
         if self.config.specialize_floats:
             # Dynamo enters ``backend_ctx_ctor()`` around every compile and call of the frame
@@ -198,7 +199,6 @@ class Backend:
             self.backend_ctx_ctor = _SpecializeFloats
         self._warned_floats = False
         self._precompiling: type[precompile.FusedGraph] | None = None  # aot_compile: __call__ returns one
-        self._cache = self._open_cache()
         self.graphs: list[fx.GraphModule] = []
         self.runners: list[Any] = []
         self.report = Report()
@@ -217,13 +217,24 @@ class Backend:
         return cache
 
     def _check_rules(self) -> None:
-        """Trace every rule now, so a broken rule fails at construction with its name."""
+        """Trace every rule now, so a broken rule fails at construction with its name; but library
+        rules (``fingerprint.library_rule``) that a process with this fxrewrite source, torch and
+        Python traced already (a mark in the compile cache: :meth:`CompileCache.rules_traced`):
+        about 0.3 s of every start, theirs is made at their first match (``Rule.compiled``)."""
+        rules: list[Rule] = []
         for p in pipeline(self.config):
-            rules = getattr(p.fn, "keywords", {}).get("rules", [])
-            for r in rules:
+            for r in getattr(p.fn, "keywords", {}).get("rules", []):
                 if not isinstance(r, Rule):
                     raise TypeError(f"rules must be fxrewrite.Rule objects, got {r!r} in pass {p.name!r}")
+                rules.append(r)
+        library = [r for r in rules if fingerprint.library_rule(r)]
+        mark = self._cache.rules_mark(library) if self._cache is not None and library else None
+        skip = mark is not None and self._cache is not None and self._cache.rules_traced(mark)
+        for r in rules:
+            if not (skip and r in library):
                 _ = r.compiled
+        if mark is not None and not skip and self._cache is not None:
+            self._cache.mark_rules_traced(mark)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self._check_floats(gm)

@@ -48,6 +48,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -100,6 +101,28 @@ class CompileCache:
             self._not_stored(f"not keyed: {e}")
             return None
         return CachedGraph(self, key, records, gm, example_inputs)
+
+    def rules_mark(self, rules: list[Any]) -> str | None:
+        """The name of the mark that ``rules`` (library rules) traced without error in this
+        environment (Python, torch, fxrewrite's source, the rules' fingerprints); None when a
+        rule cannot be keyed."""
+        try:
+            fps = [fingerprint.rule_fingerprint(r) for r in rules]
+        except Uncacheable:
+            return None
+        return fingerprint.digest([sys.version, torch.__version__, fingerprint.source_digest(), fps])
+
+    def rules_traced(self, mark: str) -> bool:
+        """Whether a process left ``mark`` (:meth:`mark_rules_traced`)."""
+        return (self.dir / "rules" / mark).exists()
+
+    def mark_rules_traced(self, mark: str) -> None:
+        """Leave ``mark``: its rules traced. Best effort (a read-only cache traces them each time)."""
+        try:
+            (self.dir / "rules").mkdir(exist_ok=True)
+            (self.dir / "rules" / mark).touch()
+        except OSError as e:
+            log.info("fxrewrite compile cache: cannot mark the rules traced: %s", e)
 
     def path(self, key: str) -> Path:
         """The entry's files, without their suffix: ``.json`` (the graph), ``.pt`` (its tensors)."""

@@ -10,8 +10,9 @@ A Dynamo graph, a configuration and an environment decide what the passes make o
   checks one size and the graph serves all of them, so a graph verified at another size gives
   the same guarantee);
 * **the configuration**: every field that changes what the passes do (not ``dump_dir``,
-  ``progress``, the cache's own); a rule by its traced and canonicalized pattern and
-  replacement graphs and the code of its guard and scalar predicates (:func:`callable_fingerprint`:
+  ``progress``, the cache's own); a rule by its pattern and replacements (:func:`rule_code`: a
+  library rule by its functions, any other by its traced and canonicalized graphs) and the code
+  of its guard and scalar predicates (:func:`callable_fingerprint`:
   bytecode, constants, closures, defaults, and the same of every function, class and plain value
   of the rule's own modules that the code names, transitively);
 * **the environment**: Python, torch, fxrewrite (version and a hash of every source file of the
@@ -264,21 +265,40 @@ _RULES: dict[int, tuple[Any, list[Any]]] = {}
 
 
 def rule_fingerprint(rule: Rule) -> list[Any]:
-    """A rule by what decides its matches and replacements: its name, the code of its traced,
-    canonicalized pattern and replacements, and its guard and scalar predicates."""
+    """A rule by what decides its matches and replacements: its name, its pattern and
+    replacements (:func:`rule_code`), and its guard and scalar predicates."""
     hit = _RULES.get(id(rule))
     if hit is not None and hit[0] is rule:
         return hit[1]
-    cr = rule.compiled
     scalars = [[name, getattr(s.kind, "__qualname__", None), callable_fingerprint(s.predicate)]
                for name, s in sorted(rule.scalars.items())]  # fmt: skip
-    inplace = None
-    if rule.inplace is not None:
-        inplace = [cr.inplace.code, list(rule.inplace.overwrites)]
-    fp = [rule.name, rule.via, cr.pattern.code, cr.replacement.code, inplace, callable_fingerprint(rule.guard),
-          scalars, [target_ref(t) for t in rule.requires], list(rule.optional), rule.near_miss_min]  # fmt: skip
+    overwrites = None if rule.inplace is None else list(rule.inplace.overwrites)
+    fp = [rule.name, rule.via, rule_code(rule), overwrites, callable_fingerprint(rule.guard), scalars,
+          [target_ref(t) for t in rule.requires], list(rule.optional), rule.near_miss_min]  # fmt: skip
     _RULES[id(rule)] = (rule, fp)
     return fp
+
+
+def library_rule(rule: Rule) -> bool:
+    """Whether the pattern and replacements of ``rule`` are functions of fxrewrite's own
+    modules (the library's rules, and user rules written with fxrewrite's functions): what they
+    trace to is decided by fxrewrite's source, torch's version and the values their closures
+    hold, all of which the key holds without tracing them."""
+    fns = (rule.pattern, rule.replacement, None if rule.inplace is None else rule.inplace.replacement)
+    return all(f is None or (isinstance(f, types.FunctionType) and _ours(f.__module__)) for f in fns)
+
+
+def rule_code(rule: Rule) -> list[Any]:
+    """What ``rule``'s pattern and replacements trace to. A library rule (:func:`library_rule`)
+    by its functions (:func:`callable_fingerprint`: their names, closures and defaults; their
+    code is in :func:`source_digest`), so a key costs no trace (about 0.3 s for the library's
+    rules, in every new process); any other by the code of its traced, canonicalized graphs
+    (what its functions compute, whatever global state they read while traced)."""
+    if library_rule(rule):
+        fns = (rule.pattern, rule.replacement, None if rule.inplace is None else rule.inplace.replacement)
+        return ["source", *(callable_fingerprint(f) for f in fns)]
+    cr = rule.compiled
+    return ["traced", cr.pattern.code, cr.replacement.code, None if cr.inplace is None else cr.inplace.code]
 
 
 # Modules whose code is keyed otherwise: torch and the standard library by version, fxrewrite by
@@ -286,6 +306,10 @@ def rule_fingerprint(rule: Rule) -> list[Any]:
 def _versioned(module: str) -> bool:
     top = module.split(".")[0]
     return top in ("torch", "fxrewrite", "builtins") or top in sys.stdlib_module_names
+
+
+def _ours(module: str | None) -> bool:
+    return (module or "").split(".")[0] == "fxrewrite"
 
 
 def callable_fingerprint(fn: Any) -> Any:
@@ -319,7 +343,13 @@ class _Walker:
 
     def function(self, fn: types.FunctionType) -> Any:
         name = [fn.__module__, fn.__qualname__]
-        if _versioned(fn.__module__ or "") or id(fn) in self.seen:
+        if id(fn) in self.seen:
+            return ["function", *name]
+        if _ours(fn.__module__):  # code in the source digest; what it closes over may be the user's
+            self.seen.add(id(fn))  # (``rule.all_of(user_guard)``)
+            cells = [self.value(c.cell_contents) for c in fn.__closure__ or ()]
+            return ["function", *name, cells, self.value(fn.__defaults__), self.value(fn.__kwdefaults__)]
+        if _versioned(fn.__module__ or ""):
             return ["function", *name]
         self.seen.add(id(fn))
         code = self.code(fn.__code__, fn.__globals__)

@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from fxrewrite import meta
 from fxrewrite.canonicalize import CAST, canonicalize
@@ -276,7 +277,8 @@ def trace(
             f"rule {rule!r}: {what} takes {sorted(set(names) - set(allowed))}, which the pattern does not bind"
         )
     try:
-        gm = fx.symbolic_trace(fn)
+        with _use_lazy_graph_module(True):  # code made once, if ever needed (a user rule's key, a call)
+            gm = fx.symbolic_trace(fn)
     except Exception as e:
         raise RuleError(f"rule {rule!r}: the {what} cannot be traced by torch.fx.symbolic_trace: {e}") from e
     for n in gm.graph.nodes:
@@ -284,7 +286,8 @@ def trace(
             n.target = n.target.default
     meta.mark_kinds(gm.graph, scalars)
     canonicalize(gm)
-    gm.recompile()
+    with _use_lazy_graph_module(True):
+        gm.recompile()
     return gm
 
 

@@ -1,0 +1,123 @@
+"""What a new process pays before its first graph (issue 33, part 2): a library rule is keyed by
+its functions, not by tracing it, and is not traced at ``Backend()`` once a process with the same
+fxrewrite source, torch and Python traced it (a mark in the compile cache); it is traced at its
+first match instead. Same keys where they must differ, same graphs and outputs as before."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fxrewrite
+from fxrewrite import fingerprint, models
+from fxrewrite.backend import default_rule_groups
+from fxrewrite.rewrites.norm import RMS_NORM
+from fxrewrite.rule import Rule, RuleError, Scalar, all_of
+
+pytest.importorskip("transformers")
+
+
+def library() -> list[Rule]:
+    return [r for _, rules in default_rule_groups("full") for r in rules]
+
+
+def untrace(rules: list[Rule]) -> None:
+    for r in rules:
+        r.__dict__.pop("compiled", None)  # Rule.compiled is a cached_property
+
+
+def traced(rules: list[Rule]) -> list[str]:
+    return [r.name for r in rules if "compiled" in r.__dict__]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> None:
+    torch._dynamo.reset()
+
+
+def test_a_key_traces_no_library_rule_and_a_user_rule_by_its_graphs() -> None:
+    rules = library()
+    assert rules and all(fingerprint.library_rule(r) for r in rules)
+    untrace(rules)
+    fingerprint.config_fingerprint(fxrewrite.Config(mode="full").resolved())
+    assert traced(rules) == []
+    user = Rule("relu", lambda x: torch.relu(x), lambda x: torch.clamp(x, min=0))
+    assert not fingerprint.library_rule(user) and fingerprint.rule_code(user)[0] == "traced"
+    assert fingerprint.rule_code(RMS_NORM)[0] == "source"
+
+
+def test_a_library_rule_key_sees_its_closures_scalars_and_functions() -> None:
+    def small(b: Any) -> bool:
+        return True
+
+    def large(b: Any) -> bool:
+        return False
+
+    fp = fingerprint.rule_fingerprint
+    # fxrewrite's all_of closes over the user's guards: the key walks that closure (it did not)
+    assert fp(dataclasses.replace(RMS_NORM, guard=all_of(small))) != fp(dataclasses.replace(RMS_NORM, guard=all_of(large)))
+    assert fp(dataclasses.replace(RMS_NORM, guard=all_of(small))) == fp(dataclasses.replace(RMS_NORM, guard=all_of(small)))
+    eps = {**RMS_NORM.scalars, "eps": Scalar(float, lambda v: v < 1e-3)}
+    assert fp(dataclasses.replace(RMS_NORM, scalars=eps)) != fp(RMS_NORM)
+    other = next(r for r in library() if r.pattern is not RMS_NORM.pattern)
+    assert fp(dataclasses.replace(RMS_NORM, pattern=other.pattern)) != fp(RMS_NORM)
+    assert fp(dataclasses.replace(RMS_NORM, replacement=other.replacement)) != fp(RMS_NORM)
+
+
+def test_library_rules_traced_once_per_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rules = library()
+
+    def backend(**kw: Any) -> fxrewrite.Backend:
+        return fxrewrite.Backend(cache=True, cache_dir=str(tmp_path), mode="full", progress=False, **kw)
+
+    untrace(rules)
+    backend()  # no mark: every rule traced, then marked
+    assert len(traced(rules)) == len(rules) and len(list((tmp_path / "rules").iterdir())) == 1
+    untrace(rules)
+    backend()
+    assert traced(rules) == []  # marked: traced at their first match
+    # a user rule is traced at construction whatever the mark: a broken one fails there
+    with pytest.raises(RuleError, match="broken"):
+        backend(extra_rules=[Rule("broken", lambda x: torch.relu(x), lambda x, y: x)])
+    # an edit of fxrewrite (a library rule changed) or another torch: traced again
+    monkeypatch.setattr(fingerprint, "source_digest", lambda: "edited")
+    backend()
+    assert len(traced(rules)) == len(rules) and len(list((tmp_path / "rules").iterdir())) == 2
+    monkeypatch.undo()
+    untrace(rules)
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    backend()
+    assert len(traced(rules)) == len(rules)
+    # no cache (or one that cannot be written): every rule traced at construction, as before
+    untrace(rules)
+    fxrewrite.Backend(cache=False, mode="full", progress=False)
+    assert len(traced(rules)) == len(rules)
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_rules_traced_at_their_first_match_give_the_same_graph_and_outputs(tmp_path: Path, mode: str) -> None:
+    model = models.build("llama", layers=1)
+    x = models.example_inputs(model)
+
+    def compiled(backend: fxrewrite.Backend) -> tuple[str, torch.Tensor]:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out = models.hidden_states(backend.compile(model)(*x))
+        return backend.graphs[0].code, out
+
+    rules = library()
+    untrace(rules)
+    before_code, before = compiled(fxrewrite.Backend(cache=False, mode=mode, capture_sizes=(8,), progress=False))
+    fxrewrite.Backend(cache=True, cache_dir=str(tmp_path), mode=mode, progress=False)  # leaves the mark
+    untrace(rules)
+    lazy = fxrewrite.Backend(cache=True, cache_dir=str(tmp_path), mode=mode, capture_sizes=(8,), progress=False)
+    assert traced(rules) == []
+    code, out = compiled(lazy)
+    assert lazy.report.cache["misses"] == 1 and lazy.report.cache["stored"] == 1  # the passes ran
+    assert traced(rules)  # the rules it matched with
+    assert code == before_code and torch.equal(out, before)
+    assert lazy.report.fused_ops()["rms_norm"] >= 1
