@@ -110,6 +110,9 @@ def make_args(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, dtype: torch
     affine = norm_affine if norm_affine is not None and "eps" in params else dtype
     values: dict[str, Callable[[], Any]] = {
         "x": lambda: torch.randn(tokens, width, device="cuda", dtype=dtype),
+        # fxr.act_mul: two [T, mlp_hidden] operands, the two halves silu_and_mul reads in one
+        "a": lambda: torch.randn(tokens, mlp_hidden, device="cuda", dtype=dtype),
+        "b": lambda: torch.randn(tokens, mlp_hidden, device="cuda", dtype=dtype),
         "residual": lambda: torch.randn(tokens, width, device="cuda", dtype=dtype),
         "weight": lambda: (torch.rand(hidden, device="cuda") + 0.5).to(affine),
         "w": lambda: (torch.randn(hidden, hidden, device="cuda") * hidden**-0.5).to(dtype),  # fxr.linear

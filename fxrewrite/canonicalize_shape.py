@@ -201,11 +201,15 @@ def aten_slice(canon: Any, node: fx.Node) -> None:
 
 
 def getitem(canon: Any, node: fx.Node) -> None:
-    """``x[..., a:b:s]`` and ``x[a:b, :]`` of a tensor -> one slice along one dim (other forms untouched)."""
+    """``x[..., a:b:s]`` and ``x[a:b, :]`` of a tensor -> one slice along one dim; a piece of a
+    split last dim, ``h.unflatten(-1, (-1, d))[..., i, :]`` -> ``h[..., i*d:(i+1)*d]`` (other
+    forms untouched)."""
     if not meta.is_tensor(node.args[0]):
         return
     x, idx = node.args
     idx = idx if isinstance(idx, tuple) else (idx,)
+    if _piece_of_split_last(canon, node, x, idx):
+        return
     if not all(isinstance(i, slice) or i is Ellipsis for i in idx) or idx.count(Ellipsis) > 1:
         return
     real = [(pos, s) for pos, s in enumerate(idx) if isinstance(s, slice) and s != slice(None)]
@@ -217,6 +221,23 @@ def getitem(canon: Any, node: fx.Node) -> None:
     # after an Ellipsis the dim counts from the end; before it (or without one), from the front
     dim = pos - len(idx) if Ellipsis in idx and pos > idx.index(Ellipsis) else pos
     slice_(canon, node, x, dim, s.start, s.stop, s.step)
+
+
+def _piece_of_split_last(canon: Any, node: fx.Node, x: Any, idx: tuple[Any, ...]) -> bool:
+    """``h.view(B, T, 2, d)[..., i, :]`` (a reshape or unflatten that splits ``h``'s last dim in
+    two, the second piece ``d`` static; piece ``i >= 0`` of the first) is ``h[..., i*d:(i+1)*d]``:
+    the same values, in the form the gated-activation rules read as the halves of one row. True
+    when rewritten."""
+    if not (len(idx) == 3 and idx[0] is Ellipsis and idx[2] == slice(None) and type(idx[1]) is int and idx[1] >= 0):
+        return False
+    if not (isinstance(x, fx.Node) and x.target in RESHAPES and isinstance(x.args[0], fx.Node)):
+        return False
+    pieces = _split_last(meta.tensor(x.args[0]), meta.tensor(x))
+    if pieces is None or len(pieces) != 2:
+        return False
+    d, i = pieces[1], idx[1]
+    slice_(canon, node, x.args[0], -1, i * d, (i + 1) * d)
+    return True
 
 
 def chunk(canon: Any, node: fx.Node) -> None:

@@ -348,7 +348,7 @@ def _check(m: Match) -> tuple[str | None, fx.Node | None]:
                if isinstance(g, fx.Node) and meta.value(g) is None and name not in m.rule.scalars]  # fmt: skip
     if unknown and m.rule.guard is not None:
         return f"no fake value for {', '.join(unknown)}: the guard cannot check it", m.bindings[unknown[0]]
-    why = m.rule.check_guard(Bindings(m.bindings))
+    why = m.rule.check_guard(Bindings(m.bindings, m.anchor))
     if why is not None:
         return why, m.anchor
     end = _position(m.anchor)

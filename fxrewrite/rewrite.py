@@ -336,10 +336,10 @@ def _apply_subgraph_rewriter(gm: fx.GraphModule, rule: Rule, result: PassResult,
 
     def guard(match: Any, original_graph: fx.Graph, pattern_graph: fx.Graph) -> bool:
         bound = dict(zip(names, match.placeholder_nodes))
-        why = rule.check_guard(Bindings(bound))
+        anchor = match.returning_nodes[0] if match.returning_nodes else None
+        why = rule.check_guard(Bindings(bound, anchor))
         if why is None:
             return True
-        anchor = match.returning_nodes[0] if match.returning_nodes else None
         if anchor is not None:
             result.near_misses.append(NearMiss(rule.name, anchor.name, meta.source_line(anchor), anchor.name, why,
                                                         meta.module_path(anchor)))

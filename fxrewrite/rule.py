@@ -105,11 +105,14 @@ class Bindings(Mapping[str, Any]):
     """What a match bound, as a guard sees it: fake tensors for tensors, values for scalars.
 
     ``b["x"]`` is the fake tensor bound to pattern argument ``x`` (shape, dtype, device);
-    ``b["eps"]`` is a literal or a SymFloat; ``b.node("x")`` is the graph node itself.
+    ``b["eps"]`` is a literal or a SymFloat; ``b.node("x")`` is the graph node itself;
+    ``b.anchor`` the graph node paired with the pattern's anchor (the order of its arguments,
+    which commutative matching does not bind), None where the caller has none.
     """
 
-    def __init__(self, raw: Mapping[str, Any]) -> None:
+    def __init__(self, raw: Mapping[str, Any], anchor: fx.Node | None = None) -> None:
         self._raw = dict(raw)
+        self.anchor = anchor
 
     def __getitem__(self, name: str) -> Any:
         v = self._raw[name]

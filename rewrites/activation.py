@@ -9,6 +9,18 @@ same norm output gets q, k, v, gate and up merged into one GEMM, and its gate st
     gate = y[..., 768:1280]                             h = torch.ops.fxr.silu_and_mul(y[..., 768:1792])
     up = y[..., 1280:1792]
     h = F.silu(gate) * up
+
+After them, ``act(a) * b`` of any two tensors of one shape (not the halves of one row:
+a Mamba mixer's output gate, a recurrent block's GELU branch, a per-layer input gate) becomes
+``fxr.act_mul``, one elementwise pass where eager writes the activation out and reads it back
+(two float dtypes too: the activation in the gate's, the product in the promoted one):
+
+    # before                                            # after
+    y = scan_output * F.silu(gate)                      y = torch.ops.fxr.act_mul(gate, scan_output, "silu", False)
+
+The product's operand order is an argument of the op: eager gives the product the layout of its
+first operand where the two differ ([B, D, L] scan output times a gate chunked off a transposed
+projection), and the op gives the same. A broadcast operand ([T, 1], [D]) is left as written.
 """
 
 from __future__ import annotations
@@ -17,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
-from fxrewrite.rule import Bindings, Rule, Scalar
+from fxrewrite import meta
+from fxrewrite.rule import COMPLETE, NOT_A_SITE, Bindings, Rule, Scalar, all_of
 
 BOUNDS = {name: Scalar(int) for name in ("a", "b", "e")}
 
@@ -67,4 +80,89 @@ GELU_TANH_AND_MUL = Rule(
     "gelu_tanh_and_mul", gelu_tanh_and_mul_pattern, gelu_tanh_and_mul_replacement, halves_guard, BOUNDS
 )
 
-RULES: list[Rule] = [SILU_AND_MUL, GELU_AND_MUL, GELU_TANH_AND_MUL]
+
+
+def same_operands(b: Bindings) -> bool | str:
+    """``a`` and ``b`` of one shape (no broadcasting), both floating point: of two float dtypes
+    the product is the promoted one, computed as eager computes it (a bf16 gate times a float32
+    scan output)."""
+    x, y = b["a"], b["b"]
+    if not meta.sizes_match(x, y):
+        return f"operand shapes {tuple(x.shape)} and {tuple(y.shape)} differ (broadcast)"
+    if not (x.dtype.is_floating_point and y.dtype.is_floating_point):
+        return f"operand dtypes {x.dtype} and {y.dtype}: not both floating point"
+    return True
+
+
+def act_first(b: Bindings) -> bool | str:
+    """The graph's product reads the activation first (``act(a) * b``)."""
+    return b.anchor is None or b.anchor.args[0] is not b.node("b") or NOT_A_SITE
+
+
+def act_second(b: Bindings) -> bool | str:
+    """The graph's product reads the activation second (``b * act(a)``)."""
+    return b.anchor is not None and b.anchor.args[0] is b.node("b") or NOT_A_SITE
+
+
+# silu(a) * b -> fxr.act_mul(a, b, "silu")  (a, b: one shape, floats; after the one-tensor rules)
+def silu_mul_pattern(a, b):
+    return F.silu(a) * b
+
+
+def silu_mul_replacement(a, b):
+    return torch.ops.fxr.act_mul(a, b, "silu")
+
+
+# b * silu(a) -> fxr.act_mul(a, b, "silu", False)  (the product's layout follows b's, as eager's does)
+def silu_mul_reversed_replacement(a, b):
+    return torch.ops.fxr.act_mul(a, b, "silu", False)
+
+
+# gelu(a) * b -> fxr.act_mul(a, b, "gelu")  (erf form)
+def gelu_mul_pattern(a, b):
+    return F.gelu(a) * b
+
+
+def gelu_mul_replacement(a, b):
+    return torch.ops.fxr.act_mul(a, b, "gelu")
+
+
+# b * gelu(a) -> fxr.act_mul(a, b, "gelu", False)
+def gelu_mul_reversed_replacement(a, b):
+    return torch.ops.fxr.act_mul(a, b, "gelu", False)
+
+
+# gelu(a, approximate="tanh") * b -> fxr.act_mul(a, b, "gelu_tanh")
+def gelu_tanh_mul_pattern(a, b):
+    return F.gelu(a, approximate="tanh") * b
+
+
+def gelu_tanh_mul_replacement(a, b):
+    return torch.ops.fxr.act_mul(a, b, "gelu_tanh")
+
+
+# b * gelu(a, approximate="tanh") -> fxr.act_mul(a, b, "gelu_tanh", False)
+def gelu_tanh_mul_reversed_replacement(a, b):
+    return torch.ops.fxr.act_mul(a, b, "gelu_tanh", False)
+
+
+# One rule per operand order (commutative matching takes both; the guard reads the graph's). The
+# act-first rule reports the near misses of either order, only where the structure matched and a
+# check refused (operands checked before the order; a product that merely reads some other
+# value is no near miss of a two-op pattern); its twin reports none.
+FIRST, SECOND = all_of(same_operands, act_first), all_of(same_operands, act_second)
+SILENT = 2.0  # a near_miss_min above any progress
+SILU_MUL = Rule("silu_mul", silu_mul_pattern, silu_mul_replacement, FIRST, near_miss_min=COMPLETE)
+SILU_MUL_REVERSED = Rule("silu_mul_reversed", silu_mul_pattern, silu_mul_reversed_replacement, SECOND, near_miss_min=SILENT)
+GELU_MUL = Rule("gelu_mul", gelu_mul_pattern, gelu_mul_replacement, FIRST, near_miss_min=COMPLETE)
+GELU_MUL_REVERSED = Rule("gelu_mul_reversed", gelu_mul_pattern, gelu_mul_reversed_replacement, SECOND, near_miss_min=SILENT)
+GELU_TANH_MUL = Rule("gelu_tanh_mul", gelu_tanh_mul_pattern, gelu_tanh_mul_replacement, FIRST, near_miss_min=COMPLETE)
+GELU_TANH_MUL_REVERSED = Rule(
+    "gelu_tanh_mul_reversed", gelu_tanh_mul_pattern, gelu_tanh_mul_reversed_replacement, SECOND, near_miss_min=SILENT
+)
+
+ONE_TENSOR_RULES: list[Rule] = [SILU_AND_MUL, GELU_AND_MUL, GELU_TANH_AND_MUL]
+TWO_TENSOR_RULES: list[Rule] = [SILU_MUL, SILU_MUL_REVERSED, GELU_MUL, GELU_MUL_REVERSED, GELU_TANH_MUL,
+                                GELU_TANH_MUL_REVERSED]  # fmt: skip
+# The halves of one row first: act_mul would take them too, as two operands.
+RULES: list[Rule] = ONE_TENSOR_RULES + TWO_TENSOR_RULES

@@ -188,6 +188,19 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, d1, 
 
 
 @triton.jit
+def activate(g, ACT: tl.constexpr):
+    """``act(g)`` in float32; ``ACT``: 0 SiLU, 1 GELU (erf), 2 GELU (tanh)."""
+    if ACT == 0:
+        a = g / (1.0 + tl.exp(-g))  # F.silu, approximate division
+    elif ACT == 1:
+        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    else:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0))  # tanh(z)
+    return a
+
+
+@triton.jit
 def _act_and_mul_kernel(x_ptr, y_ptr, n_rows, d, d1, d2, xs0, xs1, xs2,
                         BLOCK: tl.constexpr, ROWS: tl.constexpr, ACT: tl.constexpr):  # fmt: skip
     """``y = act(gate).to(dtype) * up`` rounded to the dtype, ``gate = x[row, :d]``, ``up =
@@ -200,14 +213,7 @@ def _act_and_mul_kernel(x_ptr, y_ptr, n_rows, d, d1, d2, xs0, xs1, xs2,
     base = x_ptr + row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
     g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 0:
-        a = g / (1.0 + tl.exp(-g))  # F.silu, approximate division
-    elif ACT == 1:
-        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-    else:
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0))  # tanh(z)
-    y = a.to(dtype).to(tl.float32) * up
+    y = activate(g, ACT).to(dtype).to(tl.float32) * up
     tl.store(y_ptr + rows[:, None] * d + cols[None, :], y.to(dtype), mask=mask)
 
 
@@ -349,12 +355,19 @@ def _act_and_mul(x: Tensor, act: int) -> Tensor:
     assert layout is not None, "the op module's check lets only such layouts through"
     (_, d1, d2), (strides,) = layout
     n_rows = out.numel() // d if d else 0
-    block = min(triton.next_power_of_2(d), STATIC_BLOCK)
-    per = _rows_per_program(block)
+    grid, meta = columns_launch(n_rows, d)
     with device_of(x):
-        _act_and_mul_kernel[(triton.cdiv(n_rows, per), triton.cdiv(d, block))](
-            x, out, n_rows, d, d1, d2, *strides, BLOCK=block, ROWS=per, ACT=act, num_warps=_warps(block * per))
+        _act_and_mul_kernel[grid](x, out, n_rows, d, d1, d2, *strides, ACT=act, **meta)
     return out
+
+
+def columns_launch(n_rows: int, n: int) -> tuple[tuple[int, int], dict[str, int]]:
+    """How an elementwise kernel with no row reduction covers ``n_rows`` rows of ``n`` columns:
+    programs of ``ROWS`` rows by ``BLOCK`` columns (few tokens still spread over many SMs);
+    its grid and ``BLOCK``, ``ROWS``, ``num_warps``."""
+    block = min(triton.next_power_of_2(n), STATIC_BLOCK)
+    per = _rows_per_program(block)
+    return (triton.cdiv(n_rows, per), triton.cdiv(n, block)), {"BLOCK": block, "ROWS": per, "num_warps": _warps(block * per)}
 
 
 def skinny_config(n: int, sms: int) -> tuple[int, int, int, int]:

@@ -27,22 +27,10 @@ import triton.language as tl
 from torch import Tensor
 
 from fxrewrite.runtime.ops import quant_nvfp4 as spec
-from fxrewrite.runtime.triton_kernels import STATIC_BLOCK, _warps, device_of
+from fxrewrite.runtime.triton_kernels import STATIC_BLOCK, _warps, activate, device_of
 
-ACTS = {"silu": 0, "none": 1, "tanh": 2}  # the activation by GELU's ``approximate`` (or SiLU)
+ACTS = {"silu": 0, "none": 1, "tanh": 2}  # triton_kernels.activate's codes, by GELU's ``approximate`` (or SiLU)
 NONE, NORM, ADD_NORM, ACT = 0, 1, 2, 3  # PRE
-
-
-@triton.jit
-def _activation(g, ACT_KIND: tl.constexpr):
-    if ACT_KIND == 0:
-        a = g / (1.0 + tl.exp(-g))  # F.silu
-    elif ACT_KIND == 1:
-        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-    else:
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0))  # tanh(z)
-    return a
 
 
 @triton.jit
@@ -86,7 +74,7 @@ def _nvfp4_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr, q_ptr, s_ptr, g_ptr, x_st
     if PRE == 3:
         gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_row + n + cols, mask=mask, other=0.0).to(tl.float32)
-        act = _activation(gate, ACT_KIND).to(dtype).to(tl.float32)
+        act = activate(gate, ACT_KIND).to(dtype).to(tl.float32)
         y = (act * up).to(dtype).to(tl.float32)
     else:
         x = tl.load(x_row + cols, mask=mask, other=0.0)

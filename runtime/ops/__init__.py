@@ -3,7 +3,7 @@
 One module per family; each op is an :class:`~fxrewrite.runtime.providers.OpDef` (reference =
 spec and CPU impl, fake impl, CUDA kernels chosen by the providers) registered with
 :func:`~fxrewrite.runtime.providers.define_op`: ``norm`` (RMSNorm, Gemma, add + norm, in-place
-twins), ``layernorm`` (LayerNorm, add + LayerNorm, in-place twin), ``norm_variants`` (L2 norm, gated RMSNorm), ``activation`` (SiLU/GELU and mul), ``quant`` (FP8 static and per-token variants), ``quant_block`` (block-wise FP8: per-token groups of 128), ``quant_nvfp4`` (NVFP4 after a norm or activation),
+twins), ``layernorm`` (LayerNorm, add + LayerNorm, in-place twin), ``norm_variants`` (L2 norm, gated RMSNorm), ``activation`` (SiLU/GELU and mul of one [..., 2d] tensor, and ``act_mul`` of two operands), ``quant`` (FP8 static and per-token variants), ``quant_block`` (block-wise FP8: per-token groups of 128), ``quant_nvfp4`` (NVFP4 after a norm or activation),
 ``rotary`` (RoPE: the rotation with the model's tables, and the cache-indexed kernels' op),
 ``collective`` (all-reduce + add + RMSNorm, + FP8, for tensor parallelism), ``sequence_parallel``
 (its reduce-scatter / all-gather form by the row count), ``linear``

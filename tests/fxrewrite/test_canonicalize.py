@@ -385,6 +385,36 @@ def test_chunk_split_and_getitem_become_slices_along_a_negative_dim() -> None:
     assert full.target is A.add.Tensor and full.args[0].target is A.add.Tensor, "full-range slices removed"
 
 
+class Pieces(torch.nn.Module):
+    """``fc(x).view(B, T, n, d)`` read piece by piece along the split dim: ``[..., i, :]``."""
+
+    def __init__(self, n: int, pieces: list[int], split: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.fc, self.n, self.pieces, self.split = torch.nn.Linear(8, 64, bias=False), n, pieces, split
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b, t, _ = x.shape
+        y = self.fc(x).view(b, t, *(self.split or (self.n, -1)))
+        return tuple(y[..., i, :] + 1 for i in self.pieces)
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_piece_of_a_split_last_dim_becomes_a_last_dim_slice(dynamic: bool) -> None:
+    """``h.view(B, T, 2, d)[..., i, :]`` is ``h[..., i*d:(i+1)*d]`` (a merged gate/up projection
+    split in two by a view): the slice the gated-activation rules read."""
+    r = canon(Pieces(4, [0, 1, 3]), x2d(2, 3, 8), dynamic=dynamic, expect={"aten.slice": 3},
+              absent=["_operator.getitem", "aten.reshape", "aten.unflatten"])  # fmt: skip
+    assert [tuple(n.args[1:4]) for n in calls(r, A.slice.Tensor)] == [(-1, 0, 16), (-1, 16, 32), (-1, 48, MAX)]
+
+
+@pytest.mark.parametrize(
+    ("pieces", "split"), [([-1], ()), ([0], (2, 2, 16))], ids=["negative-index", "last-dim-split-in-three"]
+)
+def test_piece_of_a_split_negative_twins(pieces: list[int], split: tuple[int, ...]) -> None:
+    """A negative index (its offset needs the piece count) and a split in three pieces stay getitems."""
+    canon(Pieces(2, pieces, split), x2d(2, 3, 8), dynamic=False, expect={"_operator.getitem": 1}, absent=["aten.slice"])
+
+
 def test_flatten_method_and_function_become_one_op_with_negative_dims() -> None:
     r = canon(lambda x: (x.flatten(1) + 1, torch.flatten(x, -2, -1) + 1, x.flatten(start_dim=0, end_dim=1) + 1),
               x2d(2, 3, 8), expect={"aten.flatten": 3}, absent=["method.flatten", "torch.flatten"])  # fmt: skip

@@ -14,7 +14,7 @@ import torch
 
 from fxrewrite import Rule
 from fxrewrite.config import Config
-from fxrewrite.rewrites import norm
+from fxrewrite.rewrites import activation, norm
 from fxrewrite.rule import Bindings
 from fxrewrite.testing import Compiled, check_rewrite
 
@@ -101,12 +101,15 @@ def test_near_misses_below_the_threshold_are_not_reported(near_miss_min: float, 
 
 def test_hf_llama_two_projection_mlp_is_a_silu_and_mul_near_miss() -> None:
     """HF Llama's MLP is act(gate_proj(x)) * up_proj(x): two linears, not slices of one (unless
-    sibling linears are merged first, which is turned off here)."""
+    sibling linears are merged first, which is turned off here). The one-tensor rule says so; the
+    library then takes the two outputs as ``fxr.act_mul``."""
     from fxrewrite import models
 
     model = models.build("llama", layers=1)
-    r = check_rewrite(lambda ids: model(ids).last_hidden_state, *models.example_inputs(model), rules=None,
-                      merge_siblings=False, expect={"fxr.silu_and_mul": 0})  # fmt: skip
+    fn, inputs = (lambda ids: model(ids).last_hidden_state), models.example_inputs(model)
+    check_rewrite(fn, *inputs, rules=None, merge_siblings=False, expect={"fxr.silu_and_mul": 0, "fxr.act_mul": 1})
+    r = check_rewrite(fn, *inputs, rules=activation.ONE_TENSOR_RULES, merge_siblings=False,
+                      expect={"fxr.silu_and_mul": 0})  # fmt: skip
     (miss,) = [m for m in r.report.near_misses if m.rule == "silu_and_mul"]
     assert miss.reason.startswith("expected `slice`, found `linear`")
     assert miss.source.startswith("modeling_llama.py:")

@@ -156,16 +156,22 @@ def along_tokens(gu: torch.Tensor, act: Act) -> torch.Tensor:
     ids=["overlapping-slices", "slices-with-gap", "activation-on-second-half", "chunk-along-tokens"],
 )
 def test_silu_and_mul_negative_twins(halves: Callable[[torch.Tensor, Act], torch.Tensor], reason: str) -> None:
+    """Not the halves of one row: the one-tensor rule says why; the library then takes the two
+    equally shaped operands as ``fxr.act_mul`` (tests/rewrites/test_activation_act_mul.py)."""
     gate_up = torch.nn.Linear(32, 128, bias=False)
-    r = check(lambda x: halves(gate_up(x), F.silu), torch.randn(4, 32), expect={}, dynamic=False)
+    r = check(lambda x: halves(gate_up(x), F.silu), torch.randn(4, 32), expect={}, dynamic=False,
+              rules=activation.ONE_TENSOR_RULES)  # fmt: skip
     assert reasons(r, "silu_and_mul") == [reason]
+    check(lambda x: halves(gate_up(x), F.silu), torch.randn(4, 32), expect={"act_mul": 1}, dynamic=False)
 
 
 @pytest.mark.parametrize(("gelu", "rule"), [(F.gelu, "gelu_and_mul"), (gelu_tanh, "gelu_tanh_and_mul")])
 def test_gelu_and_mul_negative_twin_activation_on_second_half(gelu: Act, rule: str) -> None:
     gate_up = torch.nn.Linear(32, 128, bias=False)
-    r = check(lambda x: swapped(gate_up(x), gelu), torch.randn(4, 32), expect={}, dynamic=False)
+    r = check(lambda x: swapped(gate_up(x), gelu), torch.randn(4, 32), expect={}, dynamic=False,
+              rules=activation.ONE_TENSOR_RULES)  # fmt: skip
     assert reasons(r, rule) == ["0 != bound b end"]
+    check(lambda x: swapped(gate_up(x), gelu), torch.randn(4, 32), expect={"act_mul": 1}, dynamic=False)
 
 
 def test_slices_at_a_quarter_fail_the_halves_guard() -> None:
@@ -190,14 +196,19 @@ def test_gelu_erf_rule_does_not_take_tanh_and_back() -> None:
     """The erf and tanh forms differ by a keyword: each rule takes only its own."""
     r = check(GatedMLP(lambda g: F.gelu(g, approximate="tanh")), torch.randn(4, 32), expect={"gelu_and_mul": 1})
     assert [s.rule for s in sites(r)] == ["gelu_tanh_and_mul"]
-    assert activation.RULES == [activation.SILU_AND_MUL, activation.GELU_AND_MUL, activation.GELU_TANH_AND_MUL]
+    assert activation.ONE_TENSOR_RULES == [activation.SILU_AND_MUL, activation.GELU_AND_MUL, activation.GELU_TANH_AND_MUL]
+    assert activation.RULES == activation.ONE_TENSOR_RULES + activation.TWO_TENSOR_RULES
 
 
 @DYNAMIC
 def test_chunk_of_a_symbolic_last_dim_is_a_near_miss_not_a_silent_one(dynamic: bool) -> None:
     """A graph input's last dim is symbolic under dynamic=True: ``chunk`` along it stays a
     ``getitem`` of the chunk (canonicalization needs static sizes to write slices) and the report
-    says so. Static: fused. Model code chunks a projection's output, whose last dim is static."""
+    says so; the library then fuses the two equal halves as ``fxr.act_mul``. Static: silu_and_mul.
+    Model code chunks a projection's output, whose last dim is static."""
     expect = {} if dynamic else {"silu_and_mul": 1}
-    r = check(lambda x: chunk(x, F.silu), torch.randn(4, 64), expect=expect, dynamic=dynamic)
+    r = check(lambda x: chunk(x, F.silu), torch.randn(4, 64), expect=expect, dynamic=dynamic,
+              rules=activation.ONE_TENSOR_RULES)  # fmt: skip
     assert reasons(r, "silu_and_mul") == (["expected `slice`, found `getitem` (`gate`)"] if dynamic else [])
+    expect = {"act_mul": 1} if dynamic else {"silu_and_mul": 1}
+    check(lambda x: chunk(x, F.silu), torch.randn(4, 64), expect=expect, dynamic=dynamic)

@@ -168,10 +168,11 @@ def weighted_twice(m: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) 
     return batched(m, x, w * w, ids)
 
 
-@pytest.mark.parametrize(("experts", "expect"), [(swapped, {}), (weighted_twice, {"silu_and_mul": 1})])
+@pytest.mark.parametrize(("experts", "expect"), [(swapped, {"act_mul": 1}), (weighted_twice, {"silu_and_mul": 1})])
 def test_a_block_that_computes_something_else_is_a_near_miss(experts: Experts, expect: dict[str, int]) -> None:
     """Negative twins of the proof: the structure binds, the numbers refuse (the router still
-    becomes fxr.moe_route, and the experts' SiLU-and-mul, where it has the gate first, fuses)."""
+    becomes fxr.moe_route, and the experts' SiLU-and-mul fuses: of one row where it has the gate
+    first, of the two halves as act_mul where the activation is on the up half)."""
     expect = {**expect, "moe_route": 1}
     r = check(MoE(experts=experts), x(), expect=expect)
     (miss,) = misses(r, "moe")
@@ -238,7 +239,8 @@ def test_guards_name_what_the_op_cannot_stand_for(name: str) -> None:
     model.bias = torch.nn.Parameter(torch.randn(8, 16))
     model.gate_up_t = torch.nn.Parameter(model.gate_up.detach().transpose(1, 2).contiguous())
     model.down_t = torch.nn.Parameter(model.down.detach().transpose(1, 2).contiguous())
-    r = check(model, x(), expect={"moe_route": 1} if name == "two_activations" else {"silu_and_mul": 1, "moe_route": 1})
+    # two activations: act(gate) * act(up) is act_mul of gate and act(up)
+    r = check(model, x(), expect={"act_mul" if name == "two_activations" else "silu_and_mul": 1, "moe_route": 1})
     reasons = {m.reason for m in misses(r, "moe")}
     assert len(reasons) == 1 and re.fullmatch(reason, reasons.pop()), reasons
 

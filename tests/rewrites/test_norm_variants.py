@@ -340,13 +340,13 @@ def test_gated_norm_with_a_float32_weight_in_a_bf16_model() -> None:
 
 
 @pytest.mark.parametrize(
-    ("defect", "reason"),
-    [("gelu-gate", "expected `silu`, found `gelu` (`gelu`)"),
-     ("broadcast-gate", "guard: gate shape (2, 5, 1) != input shape (2, 5, 64)")],
+    ("defect", "reason", "fusions"),
+    [("gelu-gate", "expected `silu`, found `gelu` (`gelu`)", ["rms_norm", "gelu_mul_reversed"]),
+     ("broadcast-gate", "guard: gate shape (2, 5, 1) != input shape (2, 5, 64)", ["rms_norm"])],
 )  # fmt: skip
-def test_gated_rms_norm_negative_twins_fuse_only_the_norm(defect: str, reason: str) -> None:
+def test_gated_rms_norm_negative_twins_fuse_only_the_norm(defect: str, reason: str, fusions: list[str]) -> None:
     """A gate with another activation, a gate that broadcasts: the gated rule refuses, the plain
-    RMSNorm rule takes the norm inside."""
+    RMSNorm rule takes the norm inside (and act_mul the GELU gate's product: equal shapes)."""
 
     def defective(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if defect == "broadcast-gate":
@@ -354,9 +354,10 @@ def test_gated_rms_norm_negative_twins_fuse_only_the_norm(defect: str, reason: s
         act = F.gelu if defect == "gelu-gate" else F.silu
         return llama_order_gate(act)(x, z, w)
 
-    r = compiled(defective, BF16, {"rms_norm": 1}, inputs=2, weight=64, dynamic=False)
+    expect = {"rms_norm": 1} | ({"act_mul": 1} if len(fusions) > 1 else {})
+    r = compiled(defective, BF16, expect, inputs=2, weight=64, dynamic=False)
     assert reasons(r, "rms_norm_gated") == [reason]
-    assert fused_rules(r) == ["rms_norm"]
+    assert fused_rules(r) == fusions
 
 
 # -- gated RMSNorm: gate first, norm over groups ---------------------------------------------------
@@ -386,7 +387,8 @@ def test_gate_first_grouped_rms_norm(group: int, dtype: torch.dtype, dynamic: bo
 
 
 def test_grouped_negative_twin_mean_over_the_groups() -> None:
-    r = compiled(grouped_gate(16, dim=-2), BF16, {}, inputs=2, weight=64, dynamic=False)
+    """Refused; the gate's product alone (x * silu(z), equal shapes) is then act_mul."""
+    r = compiled(grouped_gate(16, dim=-2), BF16, {"act_mul": 1}, inputs=2, weight=64, dynamic=False)
     assert reasons(r, "rms_norm_gated_groups") == ["`mean` dim: literal -2 != -1"]
 
 
@@ -464,7 +466,8 @@ def test_gate_first_whole_row_negative_twins_fuse_only_the_norm(defect: str, rea
 
 
 def test_gate_first_whole_row_negative_twin_mean_over_another_dim() -> None:
-    r = compiled(whole_row_gate(dim=-2), BF16, {}, inputs=2, weight=64, dynamic=False)
+    """Refused; the gate's product alone (x * silu(z), equal shapes) is then act_mul."""
+    r = compiled(whole_row_gate(dim=-2), BF16, {"act_mul": 1}, inputs=2, weight=64, dynamic=False)
     assert reasons(r, "rms_norm_gated_first") == ["`mean` dim: literal -2 != -1"]
 
 

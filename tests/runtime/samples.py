@@ -24,7 +24,7 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
     """Arguments of ``op`` on CPU: ``x`` (and ``residual``) of ``shape``, a [hidden] weight, eps
     1e-6, a static FP8 scale 0.02, an NVFP4 global scale 300, GELU's tanh approximation, the norms'
     ``cast_last`` order, a
-    gated norm's gate (grouped, gate first, SiLU), the
+    gated norm's gate (grouped, gate first, SiLU), act_mul's ``a`` and ``b`` of ``shape``, the
     default process group's name, rotary arguments from :mod:`rotary_samples`, MoE arguments from
     :mod:`moe_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias, block FP8's group (32 where the row allows)."""
     values = {
@@ -42,6 +42,8 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
         "gate_first": lambda: True,
         "activation": lambda: "silu",
         "round_scale": lambda: False,
+        # act_mul: the product's operand order (the values are the same)
+        "act_first": lambda: False,
         # block FP8: a group that divides the row and the half row (an activation's output), at most 32
         "group": lambda: math.gcd(shape[-1], shape[-1] // 2 or 1, 32),
         # the collective ops: the default group (test_ops.py makes a fake one)
@@ -55,4 +57,4 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
     for name in moe_samples.NAMES:
         values[name] = functools.partial(moe_samples.moe_arg, name, shape, dtype, gen)
     names = inspect.signature(op.reference).parameters
-    return [rand(gen, *shape, dtype=dtype) if name in ("x", "residual") else values[name]() for name in names]
+    return [rand(gen, *shape, dtype=dtype) if name in ("x", "residual", "a", "b") else values[name]() for name in names]

@@ -68,6 +68,9 @@ def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torc
     values = {
         "x": activation,
         "residual": activation,
+        "a": activation,  # act_mul: two operands of one shape
+        "b": activation,
+        "act_first": lambda: False,
         "weight": lambda: (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(dtype),
         "w": lambda: (torch.randn(rows, hidden, device="cuda", generator=gen) * hidden**-0.5).to(dtype),
         "bias": lambda: torch.randn(rows, device="cuda", generator=gen).to(dtype),
@@ -378,7 +381,7 @@ def test_triton_rows_kernels_at_any_strides(op: OpDef, dtype: torch.dtype, token
     width = 2 * 128 if op in activation.DEFS else 128
     args = make_args(op, tokens, 128, dtype, gen)
     args[0] = strided((tokens, 8, width), layout, dtype, gen)
-    if op.name.startswith(("fused", "gemma_fused")) or "gate" in inspect.signature(op.reference).parameters:
-        args[1] = strided((tokens, 8, width), layout, dtype, gen)
+    if op.name.startswith(("fused", "gemma_fused")) or {"gate", "b"} & set(inspect.signature(op.reference).parameters):
+        args[1] = strided((tokens, 8, width), layout, dtype, gen)  # a residual, a gate, act_mul's other operand
     assert not args[0].is_contiguous()
     assert run_and_check(op, "triton", args, dtype).startswith("triton")

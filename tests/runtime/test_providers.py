@@ -495,13 +495,14 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
     install(registry, **{providers.TRITON_MODULE: None, "fxrewrite.runtime.triton_moe": None,
                          layernorm.TRITON_LAYER_NORM: None, "fxrewrite.runtime.triton_route": None,
                          "fxrewrite.runtime.triton_norms": None, quant_nvfp4.TRITON_MODULE: None,
-                         quant_block.TRITON_MODULE: None})  # fmt: skip
+                         quant_block.TRITON_MODULE: None, activation.TRITON_ACT_MUL: None})  # fmt: skip
     assert providers.preload() == {
         "flashinfer": False,
         "flashinfer.activation": False,
         "flashinfer.comm": False,
         "flashinfer.norm": False,
         "flashinfer.rope": False,
+        "fxrewrite.runtime.triton_act_mul": False,
         "fxrewrite.runtime.triton_kernels": False,
         "fxrewrite.runtime.triton_layernorm": False,
         "fxrewrite.runtime.triton_moe": False,
