@@ -95,6 +95,20 @@ def call_module(model: Any, /, *args: Any, **kwargs: Any) -> Any:
     return model(*args, **kwargs)
 
 
+def _traced() -> Callable[..., Any]:
+    """:func:`call_module` over globals that hold the builtins too: torch 2.11's AOT precompile
+    looks each name the compiled bytecode reads (``type`` where it rebuilds a model's output)
+    up in the traced function's globals alone, where 2.13 also reads ``__builtins__``. Dynamo
+    installs its own globals for the bytecode in that dict too (:func:`_installed_globals`)."""
+    import builtins
+    import types
+
+    fn = types.FunctionType(call_module.__code__, {**vars(builtins), **vars(sys.modules[__name__])},
+                            call_module.__name__, call_module.__defaults__, call_module.__closure__)  # fmt: skip
+    fn.__qualname__, fn.__module__, fn.__doc__ = call_module.__qualname__, __name__, call_module.__doc__
+    return fn
+
+
 def _available() -> None:
     if SerializableCallable is object:
         raise RuntimeError(f"precompiled artifacts need torch's AOT precompile (torch >= 2.10), not {torch.__version__}")
@@ -278,6 +292,7 @@ class Precompiled:
         self.fn, self.model, self.backend, self.header = fn, model, backend, header
         self.dynamic, self.recompile = dynamic, recompile
         self.loaded = False
+        self.traced_globals: dict[str, Any] = vars(sys.modules[__name__])  # where Dynamo installed its own
         self._fallback: Callable[..., Any] | None = None
         self._stale: str | None = None
 
@@ -326,20 +341,20 @@ class Precompiled:
             raise RuntimeError("a loaded artifact is saved already; compile with Backend.aot_compile to save anew")
         result = AOTCompiledFunction.serialize(self.fn)
         blob = getattr(result, "serialized_data", result)  # 2.11 and 2.13: a result object; older: bytes
-        header = json.dumps({**self.header, "globals": _installed_globals(self.fn._artifacts)}).encode()
+        header = json.dumps({**self.header, "globals": _installed_globals(self.fn._artifacts, self.traced_globals)}).encode()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_atomic(path, lambda f: f.write(MAGIC + struct.pack("<Q", len(header)) + header + blob))
         return path
 
 
-def _installed_globals(artifacts: Any) -> dict[str, Any]:
-    """The globals Dynamo installed in this module for the bytecode (a module it reconstructs
-    an output with, ``___module_collections_<id>_c0``), by name: torch keeps only imports,
-    builtins and the graph's inputs."""
+def _installed_globals(artifacts: Any, mine: dict[str, Any]) -> dict[str, Any]:
+    """The globals Dynamo installed in ``mine`` (the traced function's globals) for the bytecode
+    (a module it reconstructs an output with, ``___module_collections_<id>_c0``), by name: torch
+    keeps only imports, builtins and the graph's inputs."""
     import builtins
 
-    env, mine = artifacts.runtime_env, vars(sys.modules[__name__])
+    env = artifacts.runtime_env
     out: dict[str, Any] = {}
     for ref in sorted(env.external_refs):
         if ref in env.used_globals or ref in env.import_sources or ref == artifacts.backend_id or ref not in mine:
@@ -374,9 +389,10 @@ def aot_compile(backend: Backend, model: Any, args: Sequence[Any] = (), kwargs: 
     from fxrewrite.backend import _SpecializeFloats
 
     backend._precompiling = FusedGraph
+    traced = _traced()
     try:
         with _SpecializeFloats() if backend.config.specialize_floats else _nothing(), _keeping_dim_marks():
-            fn = aot_compile_fullgraph(call_module, ((model, *args), dict(kwargs or {})),
+            fn = aot_compile_fullgraph(traced, ((model, *args), dict(kwargs or {})),
                                        hooks=Hooks(guard_filter_fn=serializable_guards), backend=backend,
                                        dynamic=dynamic)  # fmt: skip
     finally:
@@ -384,7 +400,9 @@ def aot_compile(backend: Backend, model: Any, args: Sequence[Any] = (), kwargs: 
     graph = fn._artifacts.compiled_fn
     if not isinstance(graph, FusedGraph):
         raise RuntimeError(f"the backend returned {type(graph).__name__}, not a precompiled fxrewrite graph")
-    return Precompiled(fn, model, backend, graph.state["header"], dynamic=dynamic, recompile=recompile)
+    out = Precompiled(fn, model, backend, graph.state["header"], dynamic=dynamic, recompile=recompile)
+    out.traced_globals = traced.__globals__
+    return out
 
 
 # torch.compiler's dimension marks (mark_static, mark_dynamic, ...) on an input tensor: guarded

@@ -274,6 +274,8 @@ def test_gpu_triton_quantizes_its_values_as_the_spec(name: str, dtype: torch.dty
     import fxrewrite.runtime.triton_quant_block as tq
 
     args = op_args(name, shape, dtype, 128, "cuda")
+    if dtype == F16 and name not in NORMS:  # rows up to 1e2: gate * up would overflow float16
+        args = tuple(a / 16 if isinstance(a, torch.Tensor) else a for a in args)
     *outs, y = run_storing_y(tq, name, args)
     assert_bits(tuple(o.cpu() for o in outs[:2]), qb.quant_fp8_block(y.cpu(), 128))
     cpu_args = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
