@@ -48,7 +48,7 @@ SYM_SIZE = torch.ops.aten.sym_size.int
 
 def _gather(n: fx.Node) -> tuple[Any, Any, int | None] | None:
     """``(table, index, dim)`` of a node that reads ``table`` at integer indices along ``dim``
-    (``table[index]``, ``index_select``, ``embedding``; dim None where the indexing does not say
+    (``table[index]``, ``index_select``, ``embedding``, ``gather``; dim None where the indexing does not say
     which), else None. ``operator.getitem`` gathers only with a tensor in its index:
     ``inv_freq[None, :, None]`` is a view of the table."""
     if n.op != "call_function":
@@ -59,6 +59,9 @@ def _gather(n: fx.Node) -> tuple[Any, Any, int | None] | None:
         return a[0], a[2], None if t is None else a[1] % max(t.dim(), 1)
     if n.target is torch.ops.aten.embedding.default:
         return a[0], a[1], 0
+    if n.target in (torch.gather, torch.ops.aten.gather.default) and len(a) >= 3 and isinstance(a[1], int):
+        t = meta.tensor(a[0])  # gather(table, dim, index): GPT-J's sin/cos rows at the positions
+        return a[0], a[2], None if t is None else a[1] % max(t.dim(), 1)
     if n.target is torch.nn.functional.embedding:
         return a[1], a[0], 0
     if n.target is torch.ops.aten.index.Tensor:  # None entries: whole dims before the index
@@ -235,10 +238,15 @@ class _Tables:
             if g is None or not self._reads_positions(g[1]):
                 continue
             table, _, dim = g
-            if not (isinstance(table, fx.Node) and table.op in ("placeholder", "get_attr")):
+            if dim is None or not isinstance(table, fx.Node):
+                continue
+            if table.op in ("placeholder", "get_attr"):
+                value = self._value(table, {})
+            elif not self._reads_positions(table):  # a constant table reshaped or repeated: its size
+                value = meta.tensor(table)
+            else:
                 continue  # a table computed from the positions themselves: checked when evaluated
-            value = self._value(table, {})
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and dim is not None:
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and isinstance(value.shape[dim], int):
                 bounds.append(value.shape[dim])
         return min(bounds) if bounds else default
 

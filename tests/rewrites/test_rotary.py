@@ -113,6 +113,22 @@ class GPTJRope(HFRope):
         return freqs.cos().repeat_interleave(2, -1).to(x.dtype), freqs.sin().repeat_interleave(2, -1).to(x.dtype)
 
 
+class GatheredRope(GPTJRope):
+    """GPT-J as transformers 5.19 writes it: a [P, D] sin/cos buffer repeated per sequence and
+    read with ``torch.gather`` at the positions (the table bounds the positions to P)."""
+
+    def __init__(self, positions: int = 64) -> None:
+        super().__init__("bhtd")
+        angles = torch.arange(positions, dtype=torch.float32)[:, None] * self.inv_freq
+        self.register_buffer("embed_positions", torch.cat((angles.sin(), angles.cos()), dim=-1), persistent=False)
+
+    def tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.embed_positions.repeat(position_ids.shape[0], 1, 1)
+        index = position_ids.unsqueeze(-1).repeat(1, 1, table.shape[-1])
+        sin, cos = torch.split(torch.gather(table, 1, index).to(x.dtype), table.shape[-1] // 2, dim=-1)
+        return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+
+
 def qk(tokens: int = TOKENS, batch: int | None = 1, dtype: torch.dtype = F32, seed: int = 0) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     lead = (tokens,) if batch is None else (batch, tokens)
@@ -123,6 +139,14 @@ def qk(tokens: int = TOKENS, batch: int | None = 1, dtype: torch.dtype = F32, se
 
 
 # --------------------------------------------------------------------------- positive
+
+
+@DYNAMIC
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_a_gathered_table_folds_bounded_by_its_rows(dtype: torch.dtype, dynamic: bool) -> None:
+    r = check(GatheredRope(positions=64), *qk(dtype=dtype), expect=PAIR, dynamic=dynamic)
+    assert r.graph.fxr_rotary_cache_0.shape[0] == 64  # the table's rows, not max_positions
+    assert reasons(r, "rotary_embedding") == []
 
 
 @DYNAMIC
