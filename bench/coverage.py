@@ -49,6 +49,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -173,8 +174,14 @@ class _Capture:
         return self.inner(gm, example_inputs)
 
 
-def _explained(site: dict[str, str], misses: list[Any]) -> str | None:
-    """The near miss that explains an unfused site: one in its module or a module around it."""
+def _explained(site: dict[str, str], misses: list[Any], rejected: Sequence[Any] = (),
+               near: frozenset[str] | set[str] = frozenset()) -> str | None:  # fmt: skip
+    """What explains an unfused site: a match at it, or at a node that reads it (``near``), that
+    was rejected (verification could not check it, ...); else the near miss in its module or a
+    module around it."""
+    for r in rejected:
+        if r.site == site["node"] or r.site in near:
+            return f"{r.rule} rejected: {r.reason}"
     mod = site["module"]
     for m in misses:
         mm = getattr(m, "module", "") or ""
@@ -210,9 +217,10 @@ def run_dtype(model: torch.nn.Module, ids: torch.Tensor, ref32: torch.Tensor, dt
     before = [s for g in capture.before for s in g]
     after = [s for g in backend.graphs for s in candidates(g)]
     misses = report.near_misses
+    readers = {n.name: {u.name for u in n.users} for g in backend.graphs for n in g.graph.nodes}
     left = []
     for s in after:
-        left.append(dict(s, why=_explained(s, misses)))
+        left.append(dict(s, why=_explained(s, misses, report.rejected, readers.get(s["node"], set()))))
     row.update(
         ok=True,
         graphs=len(backend.graphs),

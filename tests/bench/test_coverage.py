@@ -248,3 +248,15 @@ def test_representative_families_run_through_the_sweep(family: str) -> None:
     assert f32["numerics_ok"] and f32["candidates"].get("norm", 0) >= 2
     if family == "qwen3_moe":
         assert f32["candidates"].get("router", 0) >= 1
+
+
+def test_a_site_whose_match_was_rejected_is_explained_by_the_rejection() -> None:
+    """Verification refused the match at the site's reader (a size with no hint): that is why it
+    is left unfused; a rejection elsewhere explains nothing."""
+    from fxrewrite.report import Rejected
+
+    site = {"kind": "gated_act", "node": "silu_3", "module": "mlp.act_fn", "source": "activations.py:103"}
+    refused = Rejected("act_mul", "mul_59", "modeling.py:64", "verify: cannot check this site: size u2 + 2 has no hint")
+    why = coverage._explained(site, [], [refused], {"mul_59"})
+    assert why == "act_mul rejected: verify: cannot check this site: size u2 + 2 has no hint"
+    assert coverage._explained(site, [], [refused], {"mul_60"}) is None
