@@ -433,7 +433,9 @@ def _with_extra(cls: type, extra: dict[str, Any]) -> Any:
     over that sub-config's defaults)."""
     kwargs = {}
     for k, v in extra.items():
-        spec = cls.sub_configs_defaults.get(k) if isinstance(v, dict) else None
+        # transformers >= 5.20 keeps a family's own sub-config defaults there; before, a sub-config
+        # given as a dict takes its class's defaults
+        spec = getattr(cls, "sub_configs_defaults", {}).get(k) if isinstance(v, dict) else None
         kwargs[k] = {**spec.init_kwargs, **v} if spec is not None else v
     return cls(**kwargs)
 
