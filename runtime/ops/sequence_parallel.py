@@ -49,12 +49,11 @@ from fxrewrite.runtime.providers import Kernel, OpDef
 
 
 def group_size_and_rank(group_name: str) -> tuple[int, int]:
-    """``(size, rank)`` of the process group named ``group_name``."""
-    import torch.distributed as dist
+    """``(size, rank)`` of the process group named ``group_name`` (the rank within it)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     group = _resolve_process_group(group_name)
-    return group.size(), dist.get_rank(group)
+    return group.size(), group.rank()
 
 
 def sharded(rows: int, min_tokens: int) -> bool:

@@ -513,6 +513,7 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
         "fxrewrite.runtime.triton_route": False,
         "sgl_kernel": True,
         "torch.distributed": True,  # sequence parallelism's NCCL paths
+        "torch.distributed._symmetric_memory": True,  # async TP's fused GEMM + collective ops
     }
 
 
