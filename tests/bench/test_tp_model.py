@@ -164,16 +164,30 @@ def test_tp2_equals_single_device_on_cpu() -> None:
 # rank), a decode of 3 below it (the fused all-reduce); captured at exactly these sizes
 SP_STEPS, SP_SIZES, SP_MIN = (("prefill", 7, 0), ("decode", 3, 20)), (3, 7), 5
 SP_SYSTEMS = {"sp-none": ("none", "", True, SP_MIN), "sp-piecewise": ("piecewise", "", True, SP_MIN)}
+ATP_SYSTEMS = {"atp-none": ("none", "", True, SP_MIN, True), "atp-piecewise": ("piecewise", "", True, SP_MIN, True)}
 
 
-def test_sequence_parallel_tp2_equals_single_device_on_cpu() -> None:
-    """Two gloo ranks, float32: with sequence parallelism the TP model equals the single-device
-    model at a prefill above the threshold (reduce-scatter, 2 a layer) and a decode below it
-    (none), at token counts that are not multiples of the two ranks; every site sharded."""
-    results = run_ranks(tp_worker, "cpu", torch.float32, CPU_CFG, SP_SYSTEMS, SP_STEPS, SP_SIZES, backend="gloo")
-    check_results(results, SP_SYSTEMS, 1e-5, CPU_CFG)
+def check_async_tp(results: list[dict[str, Any]], systems: dict, cfg: Any) -> None:
+    """Every site sharded with its GEMM before it (2 a layer); the GEMM after it too at every
+    site but the final norm's (its output is the graph's): 2 a layer less one."""
+    layers = cfg.num_layers
     for res in results:
-        for name in SP_SYSTEMS:
+        for name in systems:
+            assert res[name]["atp"] == [(2 * layers, 2 * layers - 1)] * len(res[name]["atp"]), (name, res[name])
+
+
+@pytest.mark.parametrize("systems", [SP_SYSTEMS, ATP_SYSTEMS], ids=["sp", "async-tp"])
+def test_sequence_parallel_tp2_equals_single_device_on_cpu(systems: dict) -> None:
+    """Two gloo ranks, float32: with sequence parallelism (and async TP) the TP model equals the
+    single-device model at a prefill above the threshold (reduce-scatter, 2 a layer; with async
+    TP inside the GEMM + reduce-scatter op, every site's GEMMs moved in) and a decode below it
+    (none), at token counts that are not multiples of the two ranks; every site sharded."""
+    results = run_ranks(tp_worker, "cpu", torch.float32, CPU_CFG, systems, SP_STEPS, SP_SIZES, backend="gloo")
+    check_results(results, systems, 1e-5, CPU_CFG)
+    if systems is ATP_SYSTEMS:
+        check_async_tp(results, systems, CPU_CFG)
+    for res in results:
+        for name in systems:
             assert res[name]["reduce_scatters"] == [2 * CPU_CFG.num_layers, 0], (name, res[name])
 
 
@@ -204,37 +218,19 @@ def test_sequence_parallel_tp2_equals_single_device_on_two_gpus() -> None:
     one whole-graph capture (full), at the odd token counts of the CPU test; the decode's
     sites served by flashinfer's fused all-reduce, the prefill's by NCCL's reduce-scatter and
     all-gather around the in-place add + norm kernel."""
-    systems = {**SP_SYSTEMS, "sp-full": ("full", "", True, SP_MIN)}
+    run_sharded_on_two_gpus({**SP_SYSTEMS, "sp-full": ("full", "", True, SP_MIN)}, "served")
+
+
+def run_sharded_on_two_gpus(systems: dict, served: str) -> list[dict[str, Any]]:
+    """The SP steps of ``systems`` on two NCCL ranks in bf16, each rank's errors and ``served``
+    counts printed, within bf16 error of the reference; the results."""
     results = run_ranks(tp_worker, "cuda:{rank}", torch.bfloat16, GPU_CFG, systems, SP_STEPS, SP_SIZES, backend="nccl",
                         timeout=400)  # fmt: skip
     for rank, res in enumerate(results):
         for name in systems:
-            print(f"rank {rank} {name}: errs {['%.1e' % e for e in res[name]['errs']]} served {res[name]['served']}")
+            print(f"rank {rank} {name}: errs {['%.1e' % e for e in res[name]['errs']]} {served} {res[name][served]}")
     check_results(results, systems, 3e-2, GPU_CFG)
-
-
-ATP_SYSTEMS = {"atp-none": ("none", "", True, SP_MIN, True), "atp-piecewise": ("piecewise", "", True, SP_MIN, True)}
-
-
-def check_async_tp(results: list[dict[str, Any]], systems: dict, cfg: Any) -> None:
-    """Every site sharded with its GEMM before it (2 a layer); the GEMM after it too at every
-    site but the final norm's (its output is the graph's): 2 a layer less one."""
-    layers = cfg.num_layers
-    for res in results:
-        for name in systems:
-            assert res[name]["atp"] == [(2 * layers, 2 * layers - 1)] * len(res[name]["atp"]), (name, res[name])
-
-
-def test_async_tp_tp2_equals_single_device_on_cpu() -> None:
-    """Two gloo ranks, float32: with sequence parallelism and async TP the TP model equals the
-    single-device model at the prefill above the threshold (2 reduce-scatters a layer, inside
-    the GEMM + reduce-scatter op) and the decode below it; every site's GEMMs moved in."""
-    results = run_ranks(tp_worker, "cpu", torch.float32, CPU_CFG, ATP_SYSTEMS, SP_STEPS, SP_SIZES, backend="gloo")
-    check_results(results, ATP_SYSTEMS, 1e-5, CPU_CFG)
-    check_async_tp(results, ATP_SYSTEMS, CPU_CFG)
-    for res in results:
-        for name in ATP_SYSTEMS:
-            assert res[name]["reduce_scatters"] == [2 * CPU_CFG.num_layers, 0], (name, res[name])
+    return results
 
 
 @pytest.mark.gpu
@@ -244,12 +240,7 @@ def test_async_tp_tp2_equals_single_device_on_two_gpus() -> None:
     whole-graph capture (full); the prefill's calls served by torch's symm-mem fused GEMM +
     collective ops, the decode's by the fused all-reduce and the GEMMs alone."""
     systems = {**ATP_SYSTEMS, "atp-full": ("full", "", True, SP_MIN, True)}
-    results = run_ranks(tp_worker, "cuda:{rank}", torch.bfloat16, GPU_CFG, systems, SP_STEPS, SP_SIZES, backend="nccl",
-                        timeout=400)  # fmt: skip
-    for rank, res in enumerate(results):
-        for name in systems:
-            print(f"rank {rank} {name}: errs {['%.1e' % e for e in res[name]['errs']]} served {res[name]['served_atp']}")
-    check_results(results, systems, 3e-2, GPU_CFG)
+    results = run_sharded_on_two_gpus(systems, "served_atp")
     check_async_tp(results, systems, GPU_CFG)
     for res in results:
         for name in systems:
