@@ -138,6 +138,8 @@ def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, 
         return Row(cells={c.name: "skipped" for c in cols}, notes=["skipped, past --budget-s"])
     torch._dynamo.reset()
     providers.reset_counts()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     backend = None
     if system.mode is None:
         step = model
@@ -177,6 +179,11 @@ def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, 
         row.notes.append(f"{AR_OP} sites {fused} in {len(backend.report.graphs)} graphs; served (Python calls: "
                          f"eager steps, warm-ups, captures) {served}; replays {sum(r.get('replays', 0) for r in runs)}, "
                          f"eager calls {eager}")  # fmt: skip
+        if torch.cuda.is_available():
+            row.notes.append(f"memory reserved at peak {torch.cuda.max_memory_reserved() / 1e9:.1f} GB")
+        failed = [p for r in runs for p in r.get("eager_pieces", []) if p.get("reason")]
+        if failed:  # a piece that could not be captured at some size (a capture that raised, say)
+            row.notes.append(f"pieces run eagerly: {len(failed)}, first: {failed[0]}")
         if system.sequence_parallel:
             row.notes += site_notes(backend, system.async_tp)
         misses = [f"{m.rule}: {m.reason}" for m in backend.report.near_misses
