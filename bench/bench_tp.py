@@ -90,8 +90,9 @@ SYSTEMS = (
     System("pw-fi", "piecewise, AR fused: flashinfer", "piecewise"),
     System("pw-nccl", "piecewise, AR fused: NCCL", "piecewise", f"{AR_OP}=torch"),
     System("pw-none", "piecewise, AR not fused (NCCL + add-norm)", "piecewise", collective=False),
-    System("pw-sp", "piecewise, AR fused + sequence parallelism", "piecewise", sequence_parallel=True),
+    # SP + async TP before SP alone: the comparison with today's pw-fi first, in case --budget-s runs out
     System("pw-atp", "piecewise, SP + async TP", "piecewise", sequence_parallel=True, async_tp=True),
+    System("pw-sp", "piecewise, AR fused + sequence parallelism", "piecewise", sequence_parallel=True),
     System("full-fi", "full, AR fused: flashinfer", "full", kinds=("decode",)),
     System("full-nccl", "full, AR fused: NCCL", "full", f"{AR_OP}=torch", kinds=("decode",)),
     System("full-none", "full, AR not fused (NCCL + add-norm)", "full", collective=False, kinds=("decode",)),
