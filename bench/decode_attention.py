@@ -116,7 +116,7 @@ def _partial_kernel(
         tl.debug_barrier()  # every thread's slice stored before the count says so (release)
         if tl.atomic_add(count_ptr + pid, 1) == SPLITS - 1:  # acq_rel: the last slice of (b, kvh)
             _merge_slices(o_ptr, lse_ptr, out_ptr, scale_ptr, part - split, b * out_sb + heads * out_sh, d, keep,
-                          SPLITS, DIM, QUANT)  # fmt: skip
+                          SPLITS, GROUP_PAD, DIM, QUANT)  # fmt: skip
             tl.atomic_xchg(count_ptr + pid, 0)  # zero again for the next launch (a CUDA graph's replay)
 
 
@@ -131,14 +131,14 @@ def _store_out(out_ptr, scale_ptr, rows, d, out, keep, QUANT: tl.constexpr):
 
 @triton.jit
 def _merge_slices(o_ptr, lse_ptr, out_ptr, scale_ptr, first, rows, d, keep,
-                  SPLITS: tl.constexpr, DIM: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+                  SPLITS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
     """The slices' outputs merged, each weighted by exp(lse_s - max lse), by the program that
     stored the last of them; the others' stores are read past L1 (``.cg``)."""
     top = tl.load(lse_ptr + first, mask=keep, other=0.0, cache_modifier=".cg")
     for s in tl.static_range(1, SPLITS):
         top = tl.maximum(top, tl.load(lse_ptr + first + s, mask=keep, other=0.0, cache_modifier=".cg"))
-    num = tl.zeros(top.shape + (DIM,), tl.float32)
-    den = tl.zeros(top.shape, tl.float32)
+    num = tl.zeros([GROUP_PAD, DIM], tl.float32)
+    den = tl.zeros([GROUP_PAD], tl.float32)
     for s in tl.static_range(SPLITS):
         w = tl.exp(tl.load(lse_ptr + first + s, mask=keep, other=0.0, cache_modifier=".cg") - top)
         o = tl.load(o_ptr + (first + s)[:, None] * DIM + d[None, :], mask=keep[:, None], other=0.0, cache_modifier=".cg")

@@ -75,3 +75,28 @@ def test_graph_replays_find_the_counts_zeroed() -> None:
         graph.replay()
         torch.testing.assert_close(out.double(), _reference(q, k, v, lens, 1025), atol=2e-2, rtol=2e-2)
     assert not decode_attention._ARRIVALS[q.device].any()
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("quant", [False, True])
+def test_the_kernel_compiles_for_hopper(splits: int, quant: bool) -> None:
+    """The kernel compiled for sm90: with slices to merge, one atomic add and one exchange,
+    each acquire-release at GPU scope, and the other slices' stores read past L1; with one slice,
+    neither."""
+    import re
+
+    from helpers.triton import compile_for_hopper
+
+    ptr = {"lens_ptr": "*i32", "slots_ptr": "*i64", "count_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32",
+           "scale_ptr": "*fp32", "scale": "fp32"}  # fmt: skip
+    types = {n: ptr.get(n, "*bf16") if n.endswith("_ptr") or n == "scale" else "i32"
+             for n in ("q_ptr", "k_ptr", "v_ptr", "lens_ptr", "o_ptr", "lse_ptr", "nk_ptr", "nv_ptr", "slots_ptr",
+                       "out_ptr", "scale_ptr", "count_ptr", "scale")}  # fmt: skip
+    if quant:
+        types["out_ptr"] = "*fp8e4nv"
+    ptx = compile_for_hopper("decode_attention", "_partial_kernel", types,
+                             dict(GROUP=4, GROUP_PAD=16, DIM=128, BLOCK=64, SPLITS=splits, PRECISION="tf32",
+                                  STORE=True, QUANT=quant), num_warps=4, num_stages=2)  # fmt: skip
+    atomics = re.findall(r"atom\.global\.gpu\.acq_rel\.(\w+)", ptx)
+    assert atomics == ([] if splits == 1 else ["add", "exch"]), atomics
+    assert (splits == 1) == ("ld.global.cg" not in ptx)
