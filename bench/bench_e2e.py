@@ -327,6 +327,8 @@ SYSTEMS = (
     System("fxrewrite-full-norope", "fxrewrite full, RoPE rule off", _fx(False, "full", "no-rope", "decode"),
            kinds=("decode",)),  # fmt: skip
     System("inductor-cg", "inductor + CUDA graphs", _inductor("reduce-overhead"), needs_cuda=True, inductor=True),
+    # Inductor's autotuned GEMMs and Triton configs, with CUDA graphs (issue 30's comparison)
+    System("inductor-ma", "inductor max-autotune", _inductor("max-autotune"), needs_cuda=True, inductor=True),
     System("piecewise-norewrite", "piecewise, no rewrites", _fx(False, "piecewise", [], "all")),
     System("inductor", "inductor", _inductor(None), inductor=True),
     System("fused-eager", "hand-fused eager", _eager(True)),
