@@ -3,7 +3,9 @@
 The quantization is spelled as ``runtime/ops/quant.py`` specifies it (and as model code writes
 it): static per-tensor ``(y.float() / scale).clamp(-448, 448).to(float8_e4m3fn)``, or dynamic
 per token with ``scale = amax(|y|, -1).clamp(min=1e-12) / 448``. Patterns are composed from the
-norm and activation patterns themselves, so every spelling those cover is covered here.
+norm and activation patterns themselves, so every spelling those cover is covered here. Each norm
+rule has a cast-last twin: the norm in torch.rms_norm's order (``(w * normed).to(dtype)``,
+``rewrites/norm.py``'s cast-last rules), fused into the same op with ``cast_last=True``.
 
 Norm + quant rules run before the plain norm rules (they contain them); activation + quant
 rules run after SiLU-and-mul fused and match on ``fxr.silu_and_mul``: the static one through
@@ -16,7 +18,10 @@ from __future__ import annotations
 import torch
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
-from fxrewrite.rewrites.norm import WILDCARDS, add_norm_guard, add_rms_norm_pattern, norm_guard, rms_norm_pattern
+from fxrewrite.rewrites.norm import (
+    WILDCARDS, add_cast_last_guard, add_norm_guard, add_rms_norm_cast_last_pattern, add_rms_norm_pattern,
+    cast_last_guard, norm_guard, rms_norm_cast_last_pattern, rms_norm_pattern,
+)  # fmt: skip
 from fxrewrite.rule import Bindings, Rule, all_of
 from fxrewrite.runtime.ops.quant import quant_fp8_per_token, quant_fp8_static
 
@@ -31,6 +36,8 @@ def scale_guard(b: Bindings) -> bool | str:
 
 norm_scale_guard = all_of(scale_guard, norm_guard)
 add_norm_scale_guard = all_of(scale_guard, add_norm_guard)
+cast_last_scale_guard = all_of(scale_guard, cast_last_guard)
+add_cast_last_scale_guard = all_of(scale_guard, add_cast_last_guard)
 
 
 # quant_static(norm(x)) -> fxr.rms_norm_quant_fp8(x, weight, eps, scale)
@@ -75,6 +82,52 @@ def add_rms_norm_dynamic_quant_replacement(x, residual, weight, eps):
     return out[0], out[1], out[2]
 
 
+# The norm in torch.rms_norm's order, (weight * normed(x)).to(dtype), then the quantization: the
+# same ops with cast_last=True (rewrites/norm.py's cast-last rules, quantized).
+
+
+# quant_static((w * norm(x)).to(dtype)) -> fxr.rms_norm_quant_fp8(x, weight, eps, scale, True)
+def rms_norm_cast_last_quant_pattern(x, weight, eps, dtype, scale):
+    return quant_fp8_static(rms_norm_cast_last_pattern(x, weight, eps, dtype), scale)
+
+
+def rms_norm_cast_last_quant_replacement(x, weight, eps, scale):
+    return torch.ops.fxr.rms_norm_quant_fp8(x, weight, eps, scale, True)
+
+
+# quant_per_token((w * norm(x)).to(dtype)) -> fxr.rms_norm_dynamic_quant_fp8(x, weight, eps, True)
+def rms_norm_cast_last_dynamic_quant_pattern(x, weight, eps, dtype):
+    return quant_fp8_per_token(rms_norm_cast_last_pattern(x, weight, eps, dtype))
+
+
+def rms_norm_cast_last_dynamic_quant_replacement(x, weight, eps):
+    out = torch.ops.fxr.rms_norm_dynamic_quant_fp8(x, weight, eps, True)
+    return out[0], out[1]
+
+
+# s = x + residual; quant_static((w * norm(s)).to(dtype)) -> fxr.fused_add_rms_norm_quant_fp8(.., scale, True)
+def add_rms_norm_cast_last_quant_pattern(x, residual, weight, eps, dtype, scale):
+    y, s = add_rms_norm_cast_last_pattern(x, residual, weight, eps, dtype)
+    return quant_fp8_static(y, scale), s
+
+
+def add_rms_norm_cast_last_quant_replacement(x, residual, weight, eps, scale):
+    out = torch.ops.fxr.fused_add_rms_norm_quant_fp8(x, residual, weight, eps, scale, True)
+    return out[0], out[1]
+
+
+# s = x + residual; quant_per_token((w * norm(s)).to(dtype)) -> fxr.fused_add_rms_norm_dynamic_quant_fp8(.., True)
+def add_rms_norm_cast_last_dynamic_quant_pattern(x, residual, weight, eps, dtype):
+    y, s = add_rms_norm_cast_last_pattern(x, residual, weight, eps, dtype)
+    q, scale = quant_fp8_per_token(y)
+    return q, scale, s
+
+
+def add_rms_norm_cast_last_dynamic_quant_replacement(x, residual, weight, eps):
+    out = torch.ops.fxr.fused_add_rms_norm_dynamic_quant_fp8(x, residual, weight, eps, True)
+    return out[0], out[1], out[2]
+
+
 # quant_static(fxr.silu_and_mul(x)) -> fxr.silu_and_mul_quant_fp8(x, scale)
 def silu_and_mul_quant_pattern(x, scale):
     return quant_fp8_static(torch.ops.fxr.silu_and_mul(x), scale)
@@ -108,6 +161,22 @@ ADD_RMS_NORM_DYNAMIC_QUANT = Rule(
     add_norm_guard,
     WILDCARDS,
 )
+RMS_NORM_CAST_LAST_QUANT = Rule(
+    "rms_norm_cast_last_quant_fp8", rms_norm_cast_last_quant_pattern, rms_norm_cast_last_quant_replacement,
+    cast_last_scale_guard, WILDCARDS,
+)  # fmt: skip
+RMS_NORM_CAST_LAST_DYNAMIC_QUANT = Rule(
+    "rms_norm_cast_last_dynamic_quant_fp8", rms_norm_cast_last_dynamic_quant_pattern,
+    rms_norm_cast_last_dynamic_quant_replacement, cast_last_guard, WILDCARDS,
+)  # fmt: skip
+ADD_RMS_NORM_CAST_LAST_QUANT = Rule(
+    "add_rms_norm_cast_last_quant_fp8", add_rms_norm_cast_last_quant_pattern,
+    add_rms_norm_cast_last_quant_replacement, add_cast_last_scale_guard, WILDCARDS,
+)  # fmt: skip
+ADD_RMS_NORM_CAST_LAST_DYNAMIC_QUANT = Rule(
+    "add_rms_norm_cast_last_dynamic_quant_fp8", add_rms_norm_cast_last_dynamic_quant_pattern,
+    add_rms_norm_cast_last_dynamic_quant_replacement, add_cast_last_guard, WILDCARDS,
+)  # fmt: skip
 SILU_AND_MUL_QUANT = Rule(
     "silu_and_mul_quant_fp8", silu_and_mul_quant_pattern, silu_and_mul_quant_replacement, scale_guard,
     via="subgraph_rewriter",
@@ -123,7 +192,11 @@ SILU_AND_MUL_DYNAMIC_QUANT = Rule(
     "silu_and_mul_dynamic_quant_fp8", silu_and_mul_dynamic_quant_pattern, silu_and_mul_dynamic_quant_replacement
 )
 
-# Before the norm rules (add + norm variants first, as there).
-NORM_RULES: list[Rule] = [ADD_RMS_NORM_DYNAMIC_QUANT, ADD_RMS_NORM_QUANT, RMS_NORM_DYNAMIC_QUANT, RMS_NORM_QUANT]
+# Before the norm rules (add + norm variants first, as there). Each cast-last twin after its
+# rule: in float32 the two orders are one computation, and the first takes it.
+NORM_RULES: list[Rule] = [
+    ADD_RMS_NORM_DYNAMIC_QUANT, ADD_RMS_NORM_CAST_LAST_DYNAMIC_QUANT, ADD_RMS_NORM_QUANT, ADD_RMS_NORM_CAST_LAST_QUANT,
+    RMS_NORM_DYNAMIC_QUANT, RMS_NORM_CAST_LAST_DYNAMIC_QUANT, RMS_NORM_QUANT, RMS_NORM_CAST_LAST_QUANT,
+]  # fmt: skip
 # After the activation rules.
 ACTIVATION_RULES: list[Rule] = [SILU_AND_MUL_QUANT, SILU_AND_MUL_QUANT_WALK, SILU_AND_MUL_DYNAMIC_QUANT]

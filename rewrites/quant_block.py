@@ -32,7 +32,10 @@ import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite.rewrites.collective import (
     COLLECTIVE_WILDCARDS, REQUIRES, all_reduce_add_rms_norm_pattern, all_reduce_norm_guard,
 )  # fmt: skip
-from fxrewrite.rewrites.norm import WILDCARDS, add_norm_guard, add_rms_norm_pattern, norm_guard, rms_norm_pattern
+from fxrewrite.rewrites.norm import (
+    WILDCARDS, add_cast_last_guard, add_norm_guard, add_rms_norm_cast_last_pattern, add_rms_norm_pattern,
+    cast_last_guard, norm_guard, rms_norm_cast_last_pattern, rms_norm_pattern,
+)  # fmt: skip
 from fxrewrite.rule import Bindings, Rule, Scalar, all_of
 from fxrewrite.runtime.ops.quant_block import check_group, quant_fp8_block
 
@@ -52,6 +55,8 @@ def act_group_guard(b: Bindings) -> bool | str:
 norm_group_guard = all_of(norm_guard, group_guard)
 add_norm_group_guard = all_of(add_norm_guard, group_guard)
 all_reduce_group_guard = all_of(all_reduce_norm_guard, group_guard)
+cast_last_group_guard = all_of(cast_last_guard, group_guard)
+add_cast_last_group_guard = all_of(add_cast_last_guard, group_guard)
 
 
 # quant_block(norm(x), G) -> fxr.rms_norm_block_quant_fp8(x, weight, eps, G)  (q, scales)
@@ -73,6 +78,28 @@ def add_rms_norm_block_quant_pattern(x, residual, weight, eps, dtype, group):
 
 def add_rms_norm_block_quant_replacement(x, residual, weight, eps, group):
     out = torch.ops.fxr.fused_add_rms_norm_block_quant_fp8(x, residual, weight, eps, group)
+    return out[0], out[1], out[2]
+
+
+# quant_block((w * norm(x)).to(dtype), G) -> fxr.rms_norm_block_quant_fp8(x, weight, eps, G, True)  (torch.rms_norm's order)
+def rms_norm_cast_last_block_quant_pattern(x, weight, eps, dtype, group):
+    return quant_fp8_block(rms_norm_cast_last_pattern(x, weight, eps, dtype), group)
+
+
+def rms_norm_cast_last_block_quant_replacement(x, weight, eps, group):
+    out = torch.ops.fxr.rms_norm_block_quant_fp8(x, weight, eps, group, True)
+    return out[0], out[1]
+
+
+# s = x + residual; quant_block((w * norm(s)).to(dtype), G) -> fxr.fused_add_rms_norm_block_quant_fp8(.., G, True)
+def add_rms_norm_cast_last_block_quant_pattern(x, residual, weight, eps, dtype, group):
+    y, s = add_rms_norm_cast_last_pattern(x, residual, weight, eps, dtype)
+    q, scales = quant_fp8_block(y, group)
+    return q, scales, s
+
+
+def add_rms_norm_cast_last_block_quant_replacement(x, residual, weight, eps, group):
+    out = torch.ops.fxr.fused_add_rms_norm_block_quant_fp8(x, residual, weight, eps, group, True)
     return out[0], out[1], out[2]
 
 
@@ -126,6 +153,14 @@ ADD_RMS_NORM_BLOCK_QUANT = Rule(
     "add_rms_norm_block_quant_fp8", add_rms_norm_block_quant_pattern, add_rms_norm_block_quant_replacement,
     add_norm_group_guard, NORM,
 )  # fmt: skip
+RMS_NORM_CAST_LAST_BLOCK_QUANT = Rule(
+    "rms_norm_cast_last_block_quant_fp8", rms_norm_cast_last_block_quant_pattern,
+    rms_norm_cast_last_block_quant_replacement, cast_last_group_guard, NORM,
+)  # fmt: skip
+ADD_RMS_NORM_CAST_LAST_BLOCK_QUANT = Rule(
+    "add_rms_norm_cast_last_block_quant_fp8", add_rms_norm_cast_last_block_quant_pattern,
+    add_rms_norm_cast_last_block_quant_replacement, add_cast_last_group_guard, NORM,
+)  # fmt: skip
 ALL_REDUCE_ADD_RMS_NORM_BLOCK_QUANT = Rule(
     "all_reduce_add_rms_norm_block_quant_fp8", all_reduce_add_rms_norm_block_quant_pattern,
     all_reduce_add_rms_norm_block_quant_replacement, all_reduce_group_guard, {**COLLECTIVE_WILDCARDS, **GROUP},
@@ -146,7 +181,9 @@ GELU_TANH_AND_MUL_BLOCK_QUANT = Rule(
 
 # Before the all-reduce rules (it contains the plain one).
 COLLECTIVE_RULES: list[Rule] = [ALL_REDUCE_ADD_RMS_NORM_BLOCK_QUANT]
-# Before the norm rules, add + norm first (as there).
-NORM_RULES: list[Rule] = [ADD_RMS_NORM_BLOCK_QUANT, RMS_NORM_BLOCK_QUANT]
+# Before the norm rules, add + norm first (as there); each cast-last twin after its rule (in
+# float32 the two orders are one computation, and the first takes it).
+NORM_RULES: list[Rule] = [ADD_RMS_NORM_BLOCK_QUANT, ADD_RMS_NORM_CAST_LAST_BLOCK_QUANT, RMS_NORM_BLOCK_QUANT,
+                          RMS_NORM_CAST_LAST_BLOCK_QUANT]  # fmt: skip
 # After the activation rules.
 ACTIVATION_RULES: list[Rule] = [SILU_AND_MUL_BLOCK_QUANT, GELU_AND_MUL_BLOCK_QUANT, GELU_TANH_AND_MUL_BLOCK_QUANT]

@@ -22,7 +22,10 @@ from __future__ import annotations
 import torch
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
-from fxrewrite.rewrites.norm import WILDCARDS, add_norm_guard, add_rms_norm_pattern, norm_guard, rms_norm_pattern
+from fxrewrite.rewrites.norm import (
+    WILDCARDS, add_cast_last_guard, add_norm_guard, add_rms_norm_cast_last_pattern, add_rms_norm_pattern,
+    cast_last_guard, norm_guard, rms_norm_cast_last_pattern, rms_norm_pattern,
+)  # fmt: skip
 from fxrewrite.rule import Bindings, Rule, Scalar, all_of
 from fxrewrite.runtime.ops.quant_nvfp4 import BLOCK, quant_e2m1_blocks
 
@@ -63,6 +66,28 @@ def add_rms_norm_nvfp4_replacement(x, residual, weight, eps, global_scale):
     return out[0], out[1], out[2]
 
 
+# quant_nvfp4((w * norm(x)).to(dtype)) -> fxr.rms_norm_quant_nvfp4(x, weight, eps, global_scale, True)  (torch.rms_norm's order)
+def rms_norm_cast_last_nvfp4_pattern(x, weight, eps, dtype, global_scale, block):
+    return quant_e2m1_blocks(rms_norm_cast_last_pattern(x, weight, eps, dtype), global_scale, block)
+
+
+def rms_norm_cast_last_nvfp4_replacement(x, weight, eps, global_scale):
+    out = torch.ops.fxr.rms_norm_quant_nvfp4(x, weight, eps, global_scale, True)
+    return out[0], out[1]
+
+
+# s = x + residual; quant_nvfp4((w * norm(s)).to(dtype)) -> fxr.fused_add_rms_norm_quant_nvfp4(.., global_scale, True)
+def add_rms_norm_cast_last_nvfp4_pattern(x, residual, weight, eps, dtype, global_scale, block):
+    y, s = add_rms_norm_cast_last_pattern(x, residual, weight, eps, dtype)
+    q, scales = quant_e2m1_blocks(y, global_scale, block)
+    return q, scales, s
+
+
+def add_rms_norm_cast_last_nvfp4_replacement(x, residual, weight, eps, global_scale):
+    out = torch.ops.fxr.fused_add_rms_norm_quant_nvfp4(x, residual, weight, eps, global_scale, True)
+    return out[0], out[1], out[2]
+
+
 # quant_nvfp4(fxr.silu_and_mul(x)) -> fxr.silu_and_mul_quant_nvfp4(x, global_scale)
 def silu_and_mul_nvfp4_pattern(x, global_scale, block):
     return quant_e2m1_blocks(torch.ops.fxr.silu_and_mul(x), global_scale, block)
@@ -100,6 +125,14 @@ ADD_RMS_NORM_NVFP4 = Rule(
     "add_rms_norm_quant_nvfp4", add_rms_norm_nvfp4_pattern, add_rms_norm_nvfp4_replacement,
     all_of(nvfp4_guard, add_norm_guard), SCALARS,
 )  # fmt: skip
+RMS_NORM_CAST_LAST_NVFP4 = Rule(
+    "rms_norm_cast_last_quant_nvfp4", rms_norm_cast_last_nvfp4_pattern, rms_norm_cast_last_nvfp4_replacement,
+    all_of(nvfp4_guard, cast_last_guard), SCALARS,
+)  # fmt: skip
+ADD_RMS_NORM_CAST_LAST_NVFP4 = Rule(
+    "add_rms_norm_cast_last_quant_nvfp4", add_rms_norm_cast_last_nvfp4_pattern, add_rms_norm_cast_last_nvfp4_replacement,
+    all_of(nvfp4_guard, add_cast_last_guard), SCALARS,
+)  # fmt: skip
 SILU_AND_MUL_NVFP4 = Rule(
     "silu_and_mul_quant_nvfp4", silu_and_mul_nvfp4_pattern, silu_and_mul_nvfp4_replacement, nvfp4_guard, BLOCK_SCALAR
 )
@@ -112,7 +145,8 @@ GELU_APPROX_AND_MUL_NVFP4 = Rule(
     {**BLOCK_SCALAR, "approximate": Scalar(str)},
 )  # fmt: skip
 
-# Before the norm rules (add + norm first, as there).
-NORM_RULES: list[Rule] = [ADD_RMS_NORM_NVFP4, RMS_NORM_NVFP4]
+# Before the norm rules (add + norm first, as there); each cast-last twin after its rule (in
+# float32 the two orders are one computation, and the first takes it).
+NORM_RULES: list[Rule] = [ADD_RMS_NORM_NVFP4, ADD_RMS_NORM_CAST_LAST_NVFP4, RMS_NORM_NVFP4, RMS_NORM_CAST_LAST_NVFP4]
 # After the activation rules.
 ACTIVATION_RULES: list[Rule] = [SILU_AND_MUL_NVFP4, GELU_AND_MUL_NVFP4, GELU_APPROX_AND_MUL_NVFP4]

@@ -58,3 +58,9 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
         values[name] = functools.partial(moe_samples.moe_arg, name, shape, dtype, gen)
     names = inspect.signature(op.reference).parameters
     return [rand(gen, *shape, dtype=dtype) if name in ("x", "residual", "a", "b") else values[name]() for name in names]
+
+
+def with_arg(op: OpDef, args: list[Any], name: str, value: Any) -> list[Any]:
+    """``args`` with ``op``'s argument ``name`` set to ``value`` (unchanged when ``op`` has none)."""
+    names = list(inspect.signature(op.reference).parameters)
+    return [value if n == name else a for n, a in zip(names, args)]

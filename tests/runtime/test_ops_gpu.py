@@ -286,6 +286,19 @@ def test_norms_without_weight_or_with_the_scale_rounded(provider: str, weighted:
         assert run_and_check(add, provider, args, torch.bfloat16) == ("triton" if provider == "triton" else "torch")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
+@pytest.mark.parametrize("op", [op for op in quant.DEFS if "cast_last" in inspect.signature(op.reference).parameters],
+                         ids=lambda op: op.name)
+def test_norm_quant_in_the_llama_order(op: OpDef, provider: str, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """The FP8 norm ops with ``cast_last=False`` (the weight after the rounding; the generic test
+    above runs ``True``, torch.rms_norm's order): every provider within an e4m3 step of the spec."""
+    force(provider)
+    args = make_args(op, 64, 4096, dtype, gen)
+    args[list(inspect.signature(op.reference).parameters).index("cast_last")] = False
+    run_and_check(op, provider, args, dtype)
+
+
 @pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
 def test_dynamic_quant_zero_rows(provider: str) -> None:
     force(provider)
