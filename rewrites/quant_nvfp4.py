@@ -3,8 +3,8 @@
 The quantization is spelled as ``runtime/ops/quant_nvfp4.py`` specifies it (vLLM's NVFP4
 reference recipe, written as torch code): blocks of 16 values along the last dim, an e4m3 scale
 per block from its amax, a float32 global scale, the values rounded to e2m1 and packed two a
-byte. Patterns are composed from the norm patterns and the fused activations, so every spelling
-those cover is covered here::
+byte. Patterns are composed from the norm, all-reduce + add + norm (tensor parallel) patterns and
+the fused activations, so every spelling those cover is covered here::
 
     # before                                                 # after
     y = weight * normed(x, eps).to(dtype)                    q, s = fxr.rms_norm_quant_nvfp4(x, weight, eps, g)
@@ -22,6 +22,9 @@ from __future__ import annotations
 import torch
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
+from fxrewrite.rewrites.collective import (
+    COLLECTIVE_WILDCARDS, REQUIRES, all_reduce_add_rms_norm_pattern, all_reduce_norm_guard,
+)  # fmt: skip
 from fxrewrite.rewrites.norm import (
     WILDCARDS, add_cast_last_guard, add_norm_guard, add_rms_norm_cast_last_pattern, add_rms_norm_pattern,
     cast_last_guard, norm_guard, rms_norm_cast_last_pattern, rms_norm_pattern,
@@ -88,6 +91,18 @@ def add_rms_norm_cast_last_nvfp4_replacement(x, residual, weight, eps, global_sc
     return out[0], out[1], out[2]
 
 
+# s = all_reduce(x) + residual; quant_nvfp4(norm(s)) -> fxr.all_reduce_add_rms_norm_quant_nvfp4 (values, scales, s)
+def all_reduce_add_rms_norm_nvfp4_pattern(x, residual, weight, eps, dtype, global_scale, block, group_name):
+    y, s = all_reduce_add_rms_norm_pattern(x, residual, weight, eps, dtype, group_name)
+    q, scales = quant_e2m1_blocks(y, global_scale, block)
+    return q, scales, s
+
+
+def all_reduce_add_rms_norm_nvfp4_replacement(x, residual, weight, eps, global_scale, group_name):
+    out = torch.ops.fxr.all_reduce_add_rms_norm_quant_nvfp4(x, residual, weight, eps, global_scale, group_name)
+    return out[0], out[1], out[2]
+
+
 # quant_nvfp4(fxr.silu_and_mul(x)) -> fxr.silu_and_mul_quant_nvfp4(x, global_scale)
 def silu_and_mul_nvfp4_pattern(x, global_scale, block):
     return quant_e2m1_blocks(torch.ops.fxr.silu_and_mul(x), global_scale, block)
@@ -133,6 +148,11 @@ ADD_RMS_NORM_CAST_LAST_NVFP4 = Rule(
     "add_rms_norm_cast_last_quant_nvfp4", add_rms_norm_cast_last_nvfp4_pattern, add_rms_norm_cast_last_nvfp4_replacement,
     all_of(nvfp4_guard, add_cast_last_guard), SCALARS,
 )  # fmt: skip
+ALL_REDUCE_ADD_RMS_NORM_NVFP4 = Rule(
+    "all_reduce_add_rms_norm_quant_nvfp4", all_reduce_add_rms_norm_nvfp4_pattern,
+    all_reduce_add_rms_norm_nvfp4_replacement, all_of(nvfp4_guard, all_reduce_norm_guard),
+    {**COLLECTIVE_WILDCARDS, **BLOCK_SCALAR}, requires=REQUIRES,
+)  # fmt: skip
 SILU_AND_MUL_NVFP4 = Rule(
     "silu_and_mul_quant_nvfp4", silu_and_mul_nvfp4_pattern, silu_and_mul_nvfp4_replacement, nvfp4_guard, BLOCK_SCALAR
 )
@@ -145,6 +165,8 @@ GELU_APPROX_AND_MUL_NVFP4 = Rule(
     {**BLOCK_SCALAR, "approximate": Scalar(str)},
 )  # fmt: skip
 
+# Before the all-reduce rules (it contains the plain one).
+COLLECTIVE_RULES: list[Rule] = [ALL_REDUCE_ADD_RMS_NORM_NVFP4]
 # Before the norm rules (add + norm first, as there); each cast-last twin after its rule (in
 # float32 the two orders are one computation, and the first takes it).
 NORM_RULES: list[Rule] = [ADD_RMS_NORM_NVFP4, ADD_RMS_NORM_CAST_LAST_NVFP4, RMS_NORM_NVFP4, RMS_NORM_CAST_LAST_NVFP4]

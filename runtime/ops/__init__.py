@@ -5,7 +5,7 @@ spec and CPU impl, fake impl, CUDA kernels chosen by the providers) registered w
 :func:`~fxrewrite.runtime.providers.define_op`: ``norm`` (RMSNorm, Gemma, add + norm, in-place
 twins), ``layernorm`` (LayerNorm, add + LayerNorm, in-place twin), ``norm_variants`` (L2 norm, gated RMSNorm), ``activation`` (SiLU/GELU and mul of one [..., 2d] tensor, and ``act_mul`` of two operands), ``quant`` (FP8 static and per-token variants), ``quant_block`` (block-wise FP8: per-token groups of 128), ``quant_nvfp4`` (NVFP4 after a norm or activation),
 ``rotary`` (RoPE: the rotation with the model's tables, and the cache-indexed kernels' op),
-``collective`` (all-reduce + add + RMSNorm, + FP8, for tensor parallelism), ``sequence_parallel``
+``collective`` (all-reduce + add + RMSNorm, + FP8, block FP8 or NVFP4, for tensor parallelism), ``sequence_parallel``
 (its reduce-scatter / all-gather form by the row count), ``linear``
 (``F.linear`` with a decode-size GEMM), ``moe`` (a mixture-of-experts block: routing, experts,
 weighted sum), ``moe_route`` (its router alone: scores, biased and group-limited top-k).
