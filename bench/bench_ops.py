@@ -19,7 +19,12 @@ and give [T, 4096], i.e. d = hidden, change with --mlp-hidden, e.g. 14336 for Ll
               forced ``sgl_kernel`` column the two-kernel pair (sgl-kernel's norm or activation,
               then its per-token-group quantization);
 - floor:      bytes that must move (each tensor argument read once, each output written once)
-              over the device-to-device copy bandwidth measured in this run (read + write).
+              over the device-to-device copy bandwidth measured in this run (read + write);
+- launch:     (``--ops launch_floor``, or every run without ``--ops``) the floor of any kernel:
+              an empty Triton kernel and one that reads and writes one element, timed as the ops
+              are (back to back in a CUDA graph). Below a few hundred KiB every op's HBM floor is
+              under it (8 x 4096 bf16 = 64 KiB: ~0.02 us), so at small T an op is bounded by the
+              launch, not by HBM: the report gives each op's time there against both floors.
 
 Then, for every op that more than one importable provider has a kernel for, the same check and
 fused timing with each provider forced in turn (``providers.configure("<op>=<provider>")``),
@@ -43,6 +48,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the launch floor needs Triton; the ops' rows do not
+    triton = None
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
@@ -261,6 +272,56 @@ def bench_op(
     return row
 
 
+# --------------------------------------------------------------------------- the launch floor
+
+LAUNCH_FLOOR = "launch_floor"
+LAUNCH_CALLS = 200  # as calls_for(T) for T <= 64
+
+if triton is not None:
+
+    @triton.jit
+    def _empty_kernel(ptr):
+        pass
+
+    @triton.jit
+    def _one_element_kernel(ptr):
+        tl.store(ptr, tl.load(ptr) + 1.0)
+
+
+def launch_floor_kernels() -> dict[str, Callable[[torch.Tensor], Any]]:
+    """The two kernels whose launch is the floor of any op: an empty one and a one-element
+    read-modify-write, each one program (one CTA), as a callable of a float32 tensor."""
+    return {
+        "empty Triton kernel": lambda t: _empty_kernel[(1,)](t),
+        "one-element Triton kernel": lambda t: _one_element_kernel[(1,)](t),
+    }
+
+
+def launch_floor_us() -> dict[str, float]:
+    """Each launch-floor kernel's time per call, timed as the ops are (:func:`graph_time_us`)."""
+    if triton is None:
+        return {}
+    t = torch.zeros(1, dtype=torch.float32, device="cuda")
+    return {name: graph_time_us(fn, [(t,)], LAUNCH_CALLS) for name, fn in launch_floor_kernels().items()}
+
+
+def launch_report(launch: dict[str, float], rows: Sequence[Row]) -> list[str]:
+    """The launch floor, and at each T up to 64 every op's time against it and against the HBM floor."""
+    if not launch:
+        return []
+    floor = max(launch.values())
+    lines = ["Launch floor (the same timing: "
+             f"{LAUNCH_CALLS} back-to-back launches in one CUDA graph, median of {REPLAYS} replays, per launch): "
+             + ", ".join(f"{name} {us:.2f} us" for name, us in launch.items()) + "."]  # fmt: skip
+    small = [r for r in rows if r.tokens <= 64]
+    if small:
+        cells = [[r.op, str(r.tokens), f"{r.fused_us:.2f}", f"{r.floor_us:.2f}", f"{floor:.2f}",
+                  f"{r.fused_us / max(r.floor_us, floor):.2f}"] for r in small]  # fmt: skip
+        lines += ["", markdown(["op", "T", "fused us", "HBM floor us", "launch floor us",
+                                "fused / max(HBM, launch)"], cells)]  # fmt: skip
+    return lines + [""]
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -341,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [op for op in ops.DEFS if not args.ops or op.name in args.ops.split(",")]
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
+    launch = launch_floor_us() if not args.ops or LAUNCH_FLOOR in args.ops.split(",") else {}
     rows = []
     for op in chosen:
         compare = kernel_providers(op) if args.compare else []
@@ -370,6 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if any(r.forced for r in rows)
                 else []
             ),
+            *launch_report(launch, rows),
             "Issue 3 bar (T=4096 within 1.3x of floor; T<=64 at least 3x faster than unfused): "
             + ("all met." if not misses else "missed by"),
             *misses,
