@@ -18,6 +18,8 @@ and give [T, 4096], i.e. d = hidden, change with --mlp-hidden, e.g. 14336 for Ll
 - block FP8 (``*_block_quant_fp8``): groups of 128; "unfused" is the torch code, and the
               forced ``sgl_kernel`` column the two-kernel pair (sgl-kernel's norm or activation,
               then its per-token-group quantization);
+- ``linear_block_fp8``: [T, hidden] x [hidden, hidden] (FP8 operands, groups of 128 and 128 x
+              128 tiles); "unfused" is its dequantizing float32 reference, not a bf16 GEMM;
 - floor:      bytes that must move (each tensor argument read once, each output written once)
               over the device-to-device copy bandwidth measured in this run (read + write);
 - launch:     (``--ops launch_floor``, or every run without ``--ops``) the floor of any kernel:
@@ -39,6 +41,7 @@ GPU time, as in piecewise-graph serving. Total runtime is about a minute on an H
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import math
 import statistics
@@ -58,6 +61,8 @@ except ImportError:  # the launch floor needs Triton; the ops' rows do not
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
 from fxrewrite.runtime.ops import quant, quant_nvfp4
+from fxrewrite.runtime.ops.linear_block_fp8 import quant_weight_block
+from fxrewrite.runtime.ops.quant_block import quant_fp8_block
 from fxrewrite.runtime.providers import OpDef
 
 DTYPE = torch.bfloat16
@@ -139,8 +144,25 @@ def make_args(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, dtype: torch
         "gate_first": lambda: False,
         "activation": lambda: "silu",
         "group": lambda: 128,  # block FP8: per-token groups of 128 (DeepSeek-V3, Qwen3-FP8)
+        **block_fp8_gemm_args(tokens, hidden, dtype),
     }
     return [values[name]() if name in values else p.default for name, p in params.items()]
+
+
+def block_fp8_gemm_args(tokens: int, hidden: int, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
+    """``fxr.linear_block_fp8``: [T, hidden] activations quantized per group of 128, a [hidden,
+    hidden] weight per 128 x 128 tile (made once per call of this function), output ``dtype``."""
+    made: dict[str, torch.Tensor] = {}
+
+    def get(name: str) -> torch.Tensor:
+        if not made:
+            x = torch.randn(tokens, hidden, device="cuda")
+            made["a_q"], made["a_scale"] = quant_fp8_block(x)
+            made["w_q"], made["w_scale"] = quant_weight_block(torch.randn(hidden, hidden, device="cuda") * hidden**-0.5)
+        return made[name]
+
+    makers: dict[str, Callable[[], Any]] = {n: functools.partial(get, n) for n in ("a_q", "a_scale", "w_q", "w_scale")}
+    return {**makers, "out_dtype": lambda: dtype}
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
