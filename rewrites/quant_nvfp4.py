@@ -19,6 +19,8 @@ after SiLU / GELU-and-mul fused, on ``fxr.silu_and_mul`` / ``fxr.gelu_and_mul``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
@@ -26,8 +28,7 @@ from fxrewrite.rewrites.collective import (
     COLLECTIVE_WILDCARDS, REQUIRES, all_reduce_add_rms_norm_pattern, all_reduce_norm_guard,
 )  # fmt: skip
 from fxrewrite.rewrites.norm import (
-    WILDCARDS, add_cast_last_guard, add_norm_guard, add_rms_norm_cast_last_pattern, add_rms_norm_pattern,
-    cast_last_guard, norm_guard, rms_norm_cast_last_pattern, rms_norm_pattern,
+    WILDCARDS, add_cast_last_guard, add_norm_guard, cast_flag, cast_last_guard, norm_guard, norm_patterns,
 )  # fmt: skip
 from fxrewrite.rule import Bindings, Rule, Scalar, all_of
 from fxrewrite.runtime.ops.quant_nvfp4 import BLOCK, quant_e2m1_blocks
@@ -47,48 +48,38 @@ BLOCK_SCALAR = {"block": Scalar(int)}
 SCALARS = {**WILDCARDS, **BLOCK_SCALAR}
 
 
-# quant_nvfp4(norm(x)) -> fxr.rms_norm_quant_nvfp4(x, weight, eps, global_scale) (values, scales)
-def rms_norm_nvfp4_pattern(x, weight, eps, dtype, global_scale, block):
-    return quant_e2m1_blocks(rms_norm_pattern(x, weight, eps, dtype), global_scale, block)
+# The norm rules are made for either order of the norm's weight and rounding (rewrites/norm.py's
+# ``norm_patterns``; torch.rms_norm's order calls the op with ``cast_last=True``).
 
 
-def rms_norm_nvfp4_replacement(x, weight, eps, global_scale):
-    out = torch.ops.fxr.rms_norm_quant_nvfp4(x, weight, eps, global_scale)
-    return out[0], out[1]
+def rms_norm_nvfp4(cast_last: bool) -> tuple[Callable, Callable]:
+    """quant_nvfp4(norm(x)) -> fxr.rms_norm_quant_nvfp4(x, weight, eps, global_scale[, True]) (values, scales)"""
+    norm, flags = norm_patterns(cast_last)[0], cast_flag(cast_last)
+
+    def pattern(x, weight, eps, dtype, global_scale, block):
+        return quant_e2m1_blocks(norm(x, weight, eps, dtype), global_scale, block)
+
+    def replacement(x, weight, eps, global_scale):
+        out = torch.ops.fxr.rms_norm_quant_nvfp4(x, weight, eps, global_scale, *flags)
+        return out[0], out[1]
+
+    return pattern, replacement
 
 
-# s = x + residual; quant_nvfp4(norm(s)) -> fxr.fused_add_rms_norm_quant_nvfp4 (values, scales, s)
-def add_rms_norm_nvfp4_pattern(x, residual, weight, eps, dtype, global_scale, block):
-    y, s = add_rms_norm_pattern(x, residual, weight, eps, dtype)
-    q, scales = quant_e2m1_blocks(y, global_scale, block)
-    return q, scales, s
+def add_rms_norm_nvfp4(cast_last: bool) -> tuple[Callable, Callable]:
+    """s = x + residual; quant_nvfp4(norm(s)) -> fxr.fused_add_rms_norm_quant_nvfp4(..[, True]) (values, scales, s)"""
+    add_norm, flags = norm_patterns(cast_last)[1], cast_flag(cast_last)
 
+    def pattern(x, residual, weight, eps, dtype, global_scale, block):
+        y, s = add_norm(x, residual, weight, eps, dtype)
+        q, scales = quant_e2m1_blocks(y, global_scale, block)
+        return q, scales, s
 
-def add_rms_norm_nvfp4_replacement(x, residual, weight, eps, global_scale):
-    out = torch.ops.fxr.fused_add_rms_norm_quant_nvfp4(x, residual, weight, eps, global_scale)
-    return out[0], out[1], out[2]
+    def replacement(x, residual, weight, eps, global_scale):
+        out = torch.ops.fxr.fused_add_rms_norm_quant_nvfp4(x, residual, weight, eps, global_scale, *flags)
+        return out[0], out[1], out[2]
 
-
-# quant_nvfp4((w * norm(x)).to(dtype)) -> fxr.rms_norm_quant_nvfp4(x, weight, eps, global_scale, True)  (torch.rms_norm's order)
-def rms_norm_cast_last_nvfp4_pattern(x, weight, eps, dtype, global_scale, block):
-    return quant_e2m1_blocks(rms_norm_cast_last_pattern(x, weight, eps, dtype), global_scale, block)
-
-
-def rms_norm_cast_last_nvfp4_replacement(x, weight, eps, global_scale):
-    out = torch.ops.fxr.rms_norm_quant_nvfp4(x, weight, eps, global_scale, True)
-    return out[0], out[1]
-
-
-# s = x + residual; quant_nvfp4((w * norm(s)).to(dtype)) -> fxr.fused_add_rms_norm_quant_nvfp4(.., global_scale, True)
-def add_rms_norm_cast_last_nvfp4_pattern(x, residual, weight, eps, dtype, global_scale, block):
-    y, s = add_rms_norm_cast_last_pattern(x, residual, weight, eps, dtype)
-    q, scales = quant_e2m1_blocks(y, global_scale, block)
-    return q, scales, s
-
-
-def add_rms_norm_cast_last_nvfp4_replacement(x, residual, weight, eps, global_scale):
-    out = torch.ops.fxr.fused_add_rms_norm_quant_nvfp4(x, residual, weight, eps, global_scale, True)
-    return out[0], out[1], out[2]
+    return pattern, replacement
 
 
 # s = all_reduce(x) + residual; quant_nvfp4(norm(s)) -> fxr.all_reduce_add_rms_norm_quant_nvfp4 (values, scales, s)
@@ -133,21 +124,20 @@ def gelu_approx_and_mul_nvfp4_replacement(x, global_scale, approximate):
     return out[0], out[1]
 
 
+# quant_nvfp4(norm(x)) -> fxr.rms_norm_quant_nvfp4(x, weight, eps, g); cast-last twin: (.., g, True)
 RMS_NORM_NVFP4 = Rule(
-    "rms_norm_quant_nvfp4", rms_norm_nvfp4_pattern, rms_norm_nvfp4_replacement, all_of(nvfp4_guard, norm_guard), SCALARS
+    "rms_norm_quant_nvfp4", *rms_norm_nvfp4(False), all_of(nvfp4_guard, norm_guard), SCALARS
 )
-ADD_RMS_NORM_NVFP4 = Rule(
-    "add_rms_norm_quant_nvfp4", add_rms_norm_nvfp4_pattern, add_rms_norm_nvfp4_replacement,
-    all_of(nvfp4_guard, add_norm_guard), SCALARS,
-)  # fmt: skip
 RMS_NORM_CAST_LAST_NVFP4 = Rule(
-    "rms_norm_cast_last_quant_nvfp4", rms_norm_cast_last_nvfp4_pattern, rms_norm_cast_last_nvfp4_replacement,
-    all_of(nvfp4_guard, cast_last_guard), SCALARS,
-)  # fmt: skip
+    "rms_norm_cast_last_quant_nvfp4", *rms_norm_nvfp4(True), all_of(nvfp4_guard, cast_last_guard), SCALARS
+)
+# s = x + residual; quant_nvfp4(norm(s)) -> fxr.fused_add_rms_norm_quant_nvfp4 (values, scales, s); cast-last twin
+ADD_RMS_NORM_NVFP4 = Rule(
+    "add_rms_norm_quant_nvfp4", *add_rms_norm_nvfp4(False), all_of(nvfp4_guard, add_norm_guard), SCALARS
+)
 ADD_RMS_NORM_CAST_LAST_NVFP4 = Rule(
-    "add_rms_norm_cast_last_quant_nvfp4", add_rms_norm_cast_last_nvfp4_pattern, add_rms_norm_cast_last_nvfp4_replacement,
-    all_of(nvfp4_guard, add_cast_last_guard), SCALARS,
-)  # fmt: skip
+    "add_rms_norm_cast_last_quant_nvfp4", *add_rms_norm_nvfp4(True), all_of(nvfp4_guard, add_cast_last_guard), SCALARS
+)
 ALL_REDUCE_ADD_RMS_NORM_NVFP4 = Rule(
     "all_reduce_add_rms_norm_quant_nvfp4", all_reduce_add_rms_norm_nvfp4_pattern,
     all_reduce_add_rms_norm_nvfp4_replacement, all_of(nvfp4_guard, all_reduce_norm_guard),

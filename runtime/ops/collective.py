@@ -137,29 +137,17 @@ def _quant_fake(
     return _q(x), fake_sum(x, residual)
 
 
-def _block_quant_check(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int, group_name: str
-) -> str | None:
-    return quant_block._triton_fused_add_check(x, residual, weight, eps, group)
+def _without_group_name(fn: Any) -> Any:
+    """``fn`` of the fused op's arguments (a check or a fake), called with the all-reduce op's:
+    the same followed by ``group_name``."""
+    return lambda *args: fn(*args[:-1])
 
 
-def _block_quant_fake(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int, group_name: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    total = fake_sum(x, residual)
-    return _q(total), total.new_empty((*total.shape[:-1], total.shape[-1] // group), dtype=torch.float32), total
-
-
-def _nvfp4_check(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, global_scale: Tensor, group_name: str
-) -> str | None:
-    return quant_nvfp4._triton_fused_add_check(x, residual, weight, eps, global_scale)
-
-
-def _nvfp4_fake(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, global_scale: Tensor, group_name: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    return quant_nvfp4._fused_add_fake(x, residual, weight, eps, global_scale)
+# NCCL's all-reduce, then the fused op's Triton kernel: what that kernel needs, what it returns
+_block_quant_check = _without_group_name(quant_block._triton_fused_add_check)
+_block_quant_fake = _without_group_name(quant_block._fused_add_fake)
+_nvfp4_check = _without_group_name(quant_nvfp4._triton_fused_add_check)
+_nvfp4_fake = _without_group_name(quant_nvfp4._fused_add_fake)
 
 
 # --------------------------------------------------------------------------- the workspace

@@ -46,3 +46,20 @@ def interpreted(module_name: str, kernel: str) -> Iterator[types.ModuleType]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(interpreter, "_convert_float", round_as_gpu)
         yield module
+
+
+def compile_in_subprocess(script: str) -> str:
+    """Run ``script`` (which compiles kernels for a GPU target, e.g. sm90, with Triton's compiler)
+    in a process without ``TRITON_INTERPRET``; its stdout. Skipped without Triton, or where the
+    CUDA toolchain (``ptxas``) is missing."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode and ("ptxas" in done.stderr or "No such file" in done.stderr):
+        pytest.skip(f"no CUDA toolchain for Triton here: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout

@@ -260,18 +260,9 @@ for mode, cast_last in ((tq.ADD_RMS_NORM, False), (tq.ADD_RMS_NORM, True), (tq.G
 def test_triton_kernel_compiles_for_hopper() -> None:
     """Compiled for sm90 (no GPU needed; the interpreter forgives what the compiler refuses, e.g.
     a global that is not a constexpr): IEEE divisions only, no FMA, saturating e4m3 conversion."""
-    import os
-    import subprocess
-    import sys
+    from helpers.triton import compile_in_subprocess
 
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    if done.returncode and ("ptxas" in done.stderr or "No such file" in done.stderr):
-        pytest.skip(f"no CUDA toolchain for Triton here: {done.stderr.strip().splitlines()[-1]}")
-    assert done.returncode == 0, done.stderr[-2000:]
-    for line in done.stdout.strip().splitlines():
+    for line in compile_in_subprocess(COMPILE_FOR_HOPPER).strip().splitlines():
         counts = eval(line)  # noqa: S307 - our own subprocess's dict
         assert set(counts) == {"cvt.rn.satfinite.e4m3x2.f32"}, counts
 
