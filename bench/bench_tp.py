@@ -21,13 +21,20 @@ they run (the comparisons first, in case ``--budget-s`` runs out):
                                   (``fxr.sp_reduce_add_rms_norm``: NCCL reduce-scatter, add +
                                   RMSNorm on this rank's rows, all-gather); below it the same
                                   flashinfer fused all-reduce as "piecewise, AR fused: flashinfer"
+    piecewise, SP + async TP      the same, with each site's GEMMs fused with its collectives
+                                  (``Config.async_tp``: torch's symm_mem fused matmul +
+                                  reduce-scatter and all-gather + matmul)
 
 Columns: decode of 8 and 64 sequences after ``--context`` cached tokens, prefill of 512 and 2048
-tokens (beyond the largest capture size, 512, the graph runs eagerly, as engines do); ``--decode``
-and ``--prefill`` name others. Sequence parallelism against today's fusion, one line:
+tokens; ``--decode`` and ``--prefill`` name others. Every column up to ``--max-capture`` tokens
+(default 512) is a capture size of every compiled system; beyond it the graph runs eagerly, as
+engines do beyond theirs. Today's fusion, sequence parallelism and async TP, every column
+replayed from CUDA graphs (bench/tp_sp_gpu.sh):
 
-    torchrun --nproc-per-node 2 bench/bench_tp.py --systems pw-fi,pw-sp --decode 1,8,64 --prefill 512,2048,4096
- A cell is
+    torchrun --nproc-per-node 2 bench/bench_tp.py --systems pw-fi,pw-sp,pw-atp --decode 1,8,64 \
+        --prefill 512,2048,4096 --max-capture 4096
+
+A cell is
 the median step time of rank 0 (CUDA events, from an idle device; both ranks run the same
 fixed number of steps: a collective needs both); "first call" includes Dynamo, the passes,
 workspace creation and captures; "rel err" is the largest ``max|y - ref| / max|ref|`` against
@@ -60,6 +67,7 @@ from tp_model import shard  # noqa: E402
 
 AR_OP = "all_reduce_add_rms_norm"
 SP_OP = "sp_reduce_add_rms_norm"
+ATP_OPS = ("sp_linear_reduce_add_rms_norm", "sp_all_gather_linear")
 WARMUP = {"decode": (3, 50), "prefill": (2, 10)}  # (warm-up calls, timed steps): the same on every rank
 
 
@@ -74,6 +82,7 @@ class System:
     collective: bool = True
     kinds: tuple[str, ...] = ("decode", "prefill")
     sequence_parallel: bool = False
+    async_tp: bool = False
 
 
 SYSTEMS = (
@@ -81,6 +90,8 @@ SYSTEMS = (
     System("pw-fi", "piecewise, AR fused: flashinfer", "piecewise"),
     System("pw-nccl", "piecewise, AR fused: NCCL", "piecewise", f"{AR_OP}=torch"),
     System("pw-none", "piecewise, AR not fused (NCCL + add-norm)", "piecewise", collective=False),
+    # SP + async TP before SP alone: the comparison with today's pw-fi first, in case --budget-s runs out
+    System("pw-atp", "piecewise, SP + async TP", "piecewise", sequence_parallel=True, async_tp=True),
     System("pw-sp", "piecewise, AR fused + sequence parallelism", "piecewise", sequence_parallel=True),
     System("full-fi", "full, AR fused: flashinfer", "full", kinds=("decode",)),
     System("full-nccl", "full, AR fused: NCCL", "full", f"{AR_OP}=torch", kinds=("decode",)),
@@ -119,7 +130,7 @@ class Row:
 
 
 def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, checks: dict, refs: dict,
-               clock: Clock, deadline: float, sp_min_tokens: int = 512) -> Row:  # fmt: skip
+               clock: Clock, deadline: float, sp_min_tokens: int = 512, max_capture: int = 512) -> Row:  # fmt: skip
     import fxrewrite
     from fxrewrite.runtime import providers
 
@@ -128,13 +139,16 @@ def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, 
         return Row(cells={c.name: "skipped" for c in cols}, notes=["skipped, past --budget-s"])
     torch._dynamo.reset()
     providers.reset_counts()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     backend = None
     if system.mode is None:
         step = model
     else:
-        capture = tuple(sorted({c.size for c in cols if c.size <= 512 and c.kind in system.kinds}))
+        capture = tuple(sorted({c.size for c in cols if c.size <= max_capture and c.kind in system.kinds}))
         backend = fxrewrite.Backend(mode=system.mode, splitting_ops=SPLITTING_OPS, capture_sizes=capture,
-                                    provider=system.provider, rules=rules(system.collective), progress=False,
+                                    max_capture_size=max((512, *capture)), provider=system.provider,
+                                    rules=rules(system.collective), progress=False, async_tp=system.async_tp,
                                     sequence_parallel_min_tokens=sp_min_tokens if system.sequence_parallel else None)  # fmt: skip
         step = backend.compile(model)
     errors = []
@@ -161,19 +175,51 @@ def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, 
         backend.refresh_runtime()
         served = providers.served().get(AR_OP)
         fused = sum(g.fused_ops.get(AR_OP, 0) for g in backend.report.graphs)
+        runs = [g.runtime or {} for g in backend.report.graphs]
+        eager = sum(r.get("eager_calls", 0) for r in runs)
         row.notes.append(f"{AR_OP} sites {fused} in {len(backend.report.graphs)} graphs; served (Python calls: "
-                         f"eager steps, warm-ups, captures) {served}")  # fmt: skip
+                         f"eager steps, warm-ups, captures) {served}; replays {sum(r.get('replays', 0) for r in runs)}, "
+                         f"eager calls {eager}")  # fmt: skip
+        if torch.cuda.is_available():
+            row.notes.append(f"memory reserved at peak {torch.cuda.max_memory_reserved() / 1e9:.1f} GB")
+        failed = [p for r in runs for p in r.get("eager_pieces", []) if p.get("reason")]
+        if failed:  # a piece that could not be captured at some size (a capture that raised, say)
+            row.notes.append(f"pieces run eagerly: {len(failed)}, first: {failed[0]}")
         if system.sequence_parallel:
-            sp = [s for s in backend.report.sites if s.rule == "sequence_parallel"]
-            row.notes.append(f"{SP_OP} sites {len(sp)}, served {providers.served().get(SP_OP)}; "
-                             f"first: {sp[0].module}: {sp[0].note}" if sp else "no sequence-parallel site")  # fmt: skip
-        misses = [f"{m.rule}: {m.reason}" for m in backend.report.near_misses if m.rule in (AR_OP, "sequence_parallel")]
+            row.notes += site_notes(backend, system.async_tp)
+        misses = [f"{m.rule}: {m.reason}" for m in backend.report.near_misses
+                  if m.rule in (AR_OP, "sequence_parallel", "async_tp")]  # fmt: skip
         if misses:
             row.notes.append(f"near misses: {misses[:3]}")
     del step, backend
     torch._dynamo.reset()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return row
+
+
+def site_notes(backend: Any, async_tp: bool) -> list[str]:
+    """The collective pattern of the sequence-parallel (async-TP) sites: each distinct pattern
+    (layer indices and the graphs' row symbols as ``*``) with its count and the sites (modules)
+    that got it, and the calls each op's paths served."""
+    import collections
+    import re
+
+    from fxrewrite.runtime import providers
+    from fxrewrite.runtime.ops import async_tp as atp
+
+    rule = "async_tp" if async_tp else "sequence_parallel"
+    patterns: dict[str, list[str]] = collections.defaultdict(list)
+    for site in (s for s in backend.report.sites if s.rule == rule):
+        patterns[re.sub(r"\.\d+\.", ".*.", re.sub(r"rows s\d+", "rows s*", site.note))].append(site.module)
+    notes = [f"{rule} sites {sum(map(len, patterns.values()))} in {len(backend.report.graphs)} graphs"]
+    for note, modules in sorted(patterns.items(), key=lambda kv: -len(kv[1])):
+        shown = sorted(set(modules))
+        notes.append(f"{len(modules)}x {note} (at {', '.join(shown[:3])}{', ...' if len(shown) > 3 else ''})")
+    for op in (*ATP_OPS,) if async_tp else (SP_OP,):
+        notes.append(f"{op} served (Python calls) {providers.served().get(op)}")
+    if async_tp and atp.refusals():
+        notes.append(f"symm-mem refused: {atp.refusals()}")
+    return notes
 
 
 def _past(deadline: float) -> bool:
@@ -213,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=None, help="comma-separated keys: " + ", ".join(s.key for s in SYSTEMS))
     p.add_argument("--decode", default=None, help="comma-separated decode batch sizes (default 8,64)")
     p.add_argument("--prefill", default=None, help="comma-separated prefill token counts (default 512,2048)")
-    p.add_argument("--sp-min-tokens", type=int, default=512, help="pw-sp: sequence parallelism from this many tokens")
+    p.add_argument("--sp-min-tokens", type=int, default=512, help="pw-sp, pw-atp: sequence parallelism from this many tokens")
+    p.add_argument("--max-capture", type=int, default=512, help="columns up to this many tokens are capture sizes")
     p.add_argument("--budget-s", type=float, default=220.0, help="start no column after this many seconds")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -267,13 +314,16 @@ def main(argv: list[str] | None = None) -> int:
         f"- decode: one new token per sequence after {cols[0].context} cached; prefill: one sequence from position 0; "
         f"step ms: rank 0's median of {WARMUP['decode'][1]} (decode) / {WARMUP['prefill'][1]} (prefill) steps",
         f"- rel err: against the unsharded model in float32, on steps without cached context; "
-        f"sequence parallelism (pw-sp) from {args.sp_min_tokens} tokens",
+        f"sequence parallelism (pw-sp, pw-atp) from {args.sp_min_tokens} tokens",
+        f"- capture sizes: the columns up to {args.max_capture} tokens "
+        f"({', '.join(str(c.size) for c in cols if c.size <= args.max_capture)}); larger columns run eagerly",
     ]
     rows: dict[str, Row] = {}
     for system in (s for s in SYSTEMS if s.key in keys):
         _log(f"{system.label} ...")
         try:
-            rows[system.key] = run_system(system, model, cols, batches, checks, refs, clock, deadline, args.sp_min_tokens)
+            rows[system.key] = run_system(system, model, cols, batches, checks, refs, clock, deadline, args.sp_min_tokens,
+                                          args.max_capture)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a row that fails says why; the others still run
             rows[system.key] = Row(cells={c.name: "failed" for c in cols}, notes=[f"failed: {_short(e)}"])
             _log(traceback.format_exc(limit=-8))
@@ -283,10 +333,12 @@ def main(argv: list[str] | None = None) -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(text)
     if rank == 0:
-        print(text)
+        print(text, flush=True)
     dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    # no destroy_process_group: its teardown with the IPC and symmetric-memory workspaces alive
+    # outlived the run's time limit on the H200s (bench/RESULTS.md, issues 7 and 32)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@ few programs for a 132-SM H100 at small batch: it reads the step's keys at about
 the copy bandwidth at batch 8 (bench/bench_attention.py). Here each (sequence, KV head) is cut
 into ``splits`` slices of the key range, one program each:
 
-    partial:  grid (batch * kv_heads, splits); a program loads its KV head's query heads as one
-              [group, dim] tile, walks its slice of the row's first ``seq_lens[b]`` keys in
-              blocks with an online softmax, and writes its output and log-sum-exp (float32)
-    combine:  grid (batch * heads); weights exp(lse_s - max lse) merge the slices
+    grid (batch * kv_heads, splits); a program loads its KV head's query heads as one
+    [group, dim] tile, walks its slice of the row's first ``seq_lens[b]`` keys in blocks with
+    an online softmax, and writes its output and log-sum-exp (float32); then it counts itself
+    in (an atomic add per sequence and KV head), and the program that stores the last slice
+    merges them, weights exp(lse_s - max lse), and writes the result (one launch, no combine
+    kernel; with one split the program writes the result directly)
 
 ``splits`` depends on shapes only (batch, kv heads, the key bound ``length``), so a CUDA graph
 captures a fixed launch; the lengths are read on the device. Sequences past the cache's rows
@@ -20,7 +22,7 @@ With ``store=(k, v, slots)`` the partial kernel also writes the step's keys and 
 cache (the programs of split 0, one per sequence and KV head); a program whose slice holds the
 slot written walks the cache before and after it and takes the new key and value from ``k``,
 ``v`` (one extra softmax step, no per-block work): no program reads another's write, and the
-engine model's decode step is two launches, not three. :func:`store_kv` writes keys and values alone (prefill), one launch for both caches. This file imports Triton at the top; :mod:`engine_model` imports it
+engine model's attention is one launch, not three. :func:`store_kv` writes keys and values alone (prefill), one launch for both caches. This file imports Triton at the top; :mod:`engine_model` imports it
 only where Triton is installed and uses it for CUDA tensors, torch elsewhere
 (``engine_model.KERNELS = "torch"``, or env ``FXBENCH_ATTENTION=torch``, forces torch).
 """
@@ -59,11 +61,11 @@ def _walk(q, m, total, acc, k_row, v_row, k_sn, v_sn, lo, hi, scale, d,
 
 @triton.jit
 def _partial_kernel(
-    q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, lse_ptr, nk_ptr, nv_ptr, slots_ptr,
-    q_sb, q_sh, k_sr, k_sn, k_sh, v_sr, v_sn, v_sh, nk_sb, nk_sh, nv_sb, nv_sh,
+    q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, lse_ptr, nk_ptr, nv_ptr, slots_ptr, out_ptr, scale_ptr, count_ptr,
+    q_sb, q_sh, k_sr, k_sn, k_sh, v_sr, v_sn, v_sh, nk_sb, nk_sh, nv_sb, nv_sh, out_sb, out_sh,
     rows, kv_heads, length, chunk, scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
-    SPLITS: tl.constexpr, PRECISION: tl.constexpr, STORE: tl.constexpr,
+    SPLITS: tl.constexpr, PRECISION: tl.constexpr, STORE: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
     pid, split = tl.program_id(0), tl.program_id(1)
     b, kvh = pid // kv_heads, pid % kv_heads
@@ -103,27 +105,46 @@ def _partial_kernel(
                               scale, d, BLOCK, PRECISION)  # fmt: skip
     else:
         m, total, acc = _walk(q, m, total, acc, k_row, v_row, k_sn, v_sn, start, end, scale, d, BLOCK, PRECISION)
-    # an empty slice (its start past the sequence's length) has total 0: weight 0 in the combine
-    out = (b * kv_heads * GROUP + heads) * SPLITS + split
     keep = g < GROUP
-    tl.store(o_ptr + out[:, None] * DIM + d[None, :], acc / tl.maximum(total, 1e-30)[:, None], mask=keep[:, None])
-    tl.store(lse_ptr + out, tl.where(total > 0, m + tl.log(total), float("-inf")), mask=keep)
+    if SPLITS == 1:
+        _store_out(out_ptr, scale_ptr, b * out_sb + heads * out_sh, d, acc / total[:, None], keep, QUANT)
+    else:
+        # an empty slice (its start past the sequence's length) has total 0: weight 0 below
+        part = (b * kv_heads * GROUP + heads) * SPLITS + split
+        tl.store(o_ptr + part[:, None] * DIM + d[None, :], acc / tl.maximum(total, 1e-30)[:, None], mask=keep[:, None])
+        tl.store(lse_ptr + part, tl.where(total > 0, m + tl.log(total), float("-inf")), mask=keep)
+        tl.debug_barrier()  # every thread's slice stored before the count says so (release)
+        if tl.atomic_add(count_ptr + pid, 1) == SPLITS - 1:  # acq_rel: the last slice of (b, kvh)
+            _merge_slices(o_ptr, lse_ptr, out_ptr, scale_ptr, part - split, b * out_sb + heads * out_sh, d, keep,
+                          SPLITS, GROUP_PAD, DIM, QUANT)  # fmt: skip
+            tl.atomic_xchg(count_ptr + pid, 0)  # zero again for the next launch (a CUDA graph's replay)
 
 
 @triton.jit
-def _combine_kernel(o_ptr, lse_ptr, out_ptr, scale_ptr, out_sb, out_sh, heads,
-                    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr,
-                    QUANT: tl.constexpr):  # fmt: skip
-    bh = tl.program_id(0)
-    s, d = tl.arange(0, SPLITS_PAD), tl.arange(0, DIM)
-    lse = tl.load(lse_ptr + bh * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, 0))
-    o = tl.load(o_ptr + (bh * SPLITS + s)[:, None] * DIM + d[None, :], mask=(s < SPLITS)[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    if QUANT:  # FP8 output, static scale: the float32 value / scale, clamped to +-448, rounded
+def _store_out(out_ptr, scale_ptr, rows, d, out, keep, QUANT: tl.constexpr):
+    """Store [GROUP_PAD, DIM] float32 outputs at ``out_ptr + rows``; ``QUANT``: FP8 with a static
+    scale, the float32 value / scale, clamped to +-448, rounded to nearest even."""
+    if QUANT:
         out = tl.clamp(tl.math.div_rn(out, tl.load(scale_ptr)), -FP8_MAX, FP8_MAX)
-    b, h = bh // heads, bh % heads
-    tl.store(out_ptr + b * out_sb + h * out_sh + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=keep[:, None])
+
+
+@triton.jit
+def _merge_slices(o_ptr, lse_ptr, out_ptr, scale_ptr, first, rows, d, keep,
+                  SPLITS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+    """The slices' outputs merged, each weighted by exp(lse_s - max lse), by the program that
+    stored the last of them; the others' stores are read past L1 (``.cg``)."""
+    top = tl.load(lse_ptr + first, mask=keep, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLITS):
+        top = tl.maximum(top, tl.load(lse_ptr + first + s, mask=keep, other=0.0, cache_modifier=".cg"))
+    num = tl.zeros([GROUP_PAD, DIM], tl.float32)
+    den = tl.zeros([GROUP_PAD], tl.float32)
+    for s in tl.static_range(SPLITS):
+        w = tl.exp(tl.load(lse_ptr + first + s, mask=keep, other=0.0, cache_modifier=".cg") - top)
+        o = tl.load(o_ptr + (first + s)[:, None] * DIM + d[None, :], mask=keep[:, None], other=0.0, cache_modifier=".cg")
+        num += o * w[:, None]
+        den += w
+    _store_out(out_ptr, scale_ptr, rows, d, num / den[:, None], keep, QUANT)
 
 
 @triton.jit
@@ -161,6 +182,19 @@ class Tuning:
     stages: int = 2
 
 
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device, n: int) -> torch.Tensor:
+    """The partial kernel's arrival counts, one per (sequence, KV head), zero between launches
+    (the merging program zeroes its own): one buffer per device, kept, so a CUDA graph's replay
+    finds it zeroed without a memset. Made on the first call (a runner's warm-up, before capture)."""
+    have = _ARRIVALS.get(device)
+    if have is None or have.numel() < n:
+        have = _ARRIVALS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return have
+
+
 @functools.cache
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
@@ -187,8 +221,8 @@ def decode_attention(
     ``slots`` [B] (``row * max_len + position``; the caches must be contiguous), as
     :func:`store_kv` would, in the same launch.
 
-    ``out_scale`` (one float32 element): the output in float8_e4m3fn, quantized in the combine
-    kernel's epilogue from the float32 result: ``clamp(out / out_scale, -448, 448)``, rounded
+    ``out_scale`` (one float32 element): the output in float8_e4m3fn, quantized in the merging
+    program's epilogue from the float32 result: ``clamp(out / out_scale, -448, 448)``, rounded
     to nearest even (the unfused pair rounds to q's dtype first, then divides)."""
     batch, heads, dim = q.shape
     rows, _, kv_heads, _ = k_cache.shape
@@ -204,19 +238,18 @@ def decode_attention(
     splits, chunk = split_plan(batch, kv_heads, length, q.device, tuning)
     o_part = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _partial_kernel[(batch * kv_heads, splits)](
-        q, k_cache, v_cache, seq_lens, o_part, lse, new_k, new_v, slots,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
-        rows, kv_heads, length, chunk, dim**-0.5,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=tuning.block,
-        SPLITS=splits, PRECISION=precision, STORE=store is not None, num_warps=tuning.warps, num_stages=tuning.stages,
-    )  # fmt: skip
     quant = out_scale is not None
     out = torch.empty(batch, heads, dim, dtype=torch.float8_e4m3fn if quant else q.dtype, device=q.device)
-    _combine_kernel[(batch * heads,)](o_part, lse, out, out_scale if quant else lse, out.stride(0), out.stride(1), heads,
-                                      SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), DIM=dim,
-                                      QUANT=quant)  # fmt: skip
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _partial_kernel[(batch * kv_heads, splits)](
+        q, k_cache, v_cache, seq_lens, o_part, lse, new_k, new_v, slots, out, out_scale if quant else lse,
+        _arrivals(q.device, batch * kv_heads),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), out.stride(0), out.stride(1),
+        rows, kv_heads, length, chunk, dim**-0.5,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=tuning.block,
+        SPLITS=splits, PRECISION=precision, STORE=store is not None, QUANT=quant, num_warps=tuning.warps,
+        num_stages=tuning.stages,
+    )  # fmt: skip
     return out

@@ -3,7 +3,8 @@
 #   1. the two-GPU tests (tests/runtime/test_collective_ops.py, tests/bench/test_tp_model.py, -m gpu)
 #   2. bench/bench_tp.py under torchrun --nproc-per-node 2 (8B shape, 32 layers; budget 180 s)
 # Logs and the markdown table go to $OUT (default /tmp/tp-out); the table is printed last.
-# TESTS and BENCH_ARGS replace the tests and bench_tp's arguments (bench/tp_sp_gpu.sh sets them).
+# TESTS and BENCH_ARGS replace the tests and bench_tp's arguments, TESTS_TIMEOUT and BENCH_TIMEOUT
+# their time limits in seconds (bench/tp_sp_gpu.sh sets them).
 set -u
 OUT="${OUT:-/tmp/tp-out}"
 TESTS="${TESTS:-tests/runtime/test_collective_ops.py tests/bench/test_tp_model.py}"
@@ -22,11 +23,11 @@ python3 -c "import flashinfer.comm as c; print('flashinfer.comm ok', c.trtllm_al
 nvidia-smi topo -m >> "$OUT/env.log" 2>&1
 
 echo "== two-GPU tests ($(($(date +%s) - T0)) s)"
-timeout -k 10 180 python3 -m pytest -q -s -m gpu -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
+timeout -k 10 "${TESTS_TIMEOUT:-180}" python3 -m pytest -q -s -m gpu -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
 echo "tests exit code $? (124: timed out)" | tee -a "$OUT/tests.log"
 
 echo "== bench_tp ($(($(date +%s) - T0)) s)"
-timeout -k 10 250 torchrun --nproc-per-node 2 bench/bench_tp.py $BENCH_ARGS --out "$OUT/tp_results.md" > "$OUT/bench.log" 2>&1
+timeout -k 10 "${BENCH_TIMEOUT:-250}" torchrun --nproc-per-node 2 bench/bench_tp.py $BENCH_ARGS --out "$OUT/tp_results.md" > "$OUT/bench.log" 2>&1
 echo "bench exit code $? (124: timed out)" | tee -a "$OUT/bench.log"
 
 echo "== summary ($(($(date +%s) - T0)) s); logs in $OUT"

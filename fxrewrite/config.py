@@ -87,6 +87,10 @@ class Config:
                      all-reduce. None (default): off, as in the engines that ship it (vLLM:
                      opt-in; vLLM-Ascend: from 1000 tokens); 1024 is the value to start from,
                      and ``bench/bench_tp.py`` measures it.
+    async_tp:        with ``sequence_parallel_min_tokens``: the GEMM before each sharded site and
+                     the GEMM after it fused with its reduce-scatter and all-gather (torch's
+                     symmetric-memory ops on CUDA: communication overlaps compute;
+                     ``rewrites/async_tp.py``). Off by default.
     cache:           keep rewritten graphs on disk and load them in later processes instead of
                      running the passes (:mod:`fxrewrite.cache`); on unless False or env
                      FXREWRITE_CACHE=0. Not read while ``dump_dir`` is set (dumps need the passes).
@@ -120,6 +124,7 @@ class Config:
     specialize_floats: bool = True
     max_positions: int = 32768
     sequence_parallel_min_tokens: int | None = None
+    async_tp: bool = False
     cache: bool | None = None
     cache_dir: str | None = None
     strict: bool | None = None
@@ -130,6 +135,8 @@ class Config:
         env = os.environ
         if self.sequence_parallel_min_tokens is not None and self.sequence_parallel_min_tokens < 1:
             raise ValueError(f"sequence_parallel_min_tokens={self.sequence_parallel_min_tokens}: at least 1, or None (off)")
+        if self.async_tp and self.sequence_parallel_min_tokens is None:
+            raise ValueError("async_tp fuses the collectives of sequence parallelism: set sequence_parallel_min_tokens too")
         strict = self.strict if self.strict is not None else env.get("FXREWRITE_STRICT", "0") not in ("", "0")
         return dataclasses.replace(
             self,

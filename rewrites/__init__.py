@@ -6,8 +6,8 @@ last rule group, cleanup last). Nothing registers itself at import time.
 """
 
 from fxrewrite.passes import GraphPass, RuleGroup, Step
-from fxrewrite.rewrites import (activation, attention_quant, collective, layernorm, linear, merge, moe, norm,
-                                norm_variants, quant, quant_block, quant_nvfp4, rotary, rotary_tables,
+from fxrewrite.rewrites import (activation, async_tp, attention_quant, collective, layernorm, linear, merge, moe,
+                                norm, norm_variants, quant, quant_block, quant_nvfp4, rotary, rotary_tables,
                                 sequence_parallel)
 
 PIPELINE: tuple[Step, ...] = (
@@ -42,9 +42,12 @@ PIPELINE: tuple[Step, ...] = (
     # pay (not measured: extra_rules=linear.RULES opts in). Last: after every rule whose
     # pattern holds a linear.
     RuleGroup("select_gemm", linear.RULES, modes=("piecewise", "full")),
+    # the GEMMs on either side of each sequence-parallel site fused with its collectives
+    # (Config.async_tp): after select_gemm, so that below the threshold the ops call the GEMMs it chose
+    GraphPass("async_tp", async_tp.fuse_async_tp, switch="async_tp", options=("capture_sizes", "mode")),
     # the cos/sin tables of the rotations fuse_rotary found, evaluated once (a no-op without them)
     GraphPass("fold_rotary", rotary_tables.fold_rotary_tables, options=("max_positions",)),
 )
 
-__all__ = ["PIPELINE", "activation", "attention_quant", "collective", "layernorm", "linear", "merge", "moe", "norm",
-           "norm_variants", "quant", "quant_block", "quant_nvfp4", "rotary", "rotary_tables", "sequence_parallel"]
+__all__ = ["PIPELINE", "activation", "async_tp", "attention_quant", "collective", "layernorm", "linear", "merge", "moe",
+           "norm", "norm_variants", "quant", "quant_block", "quant_nvfp4", "rotary", "rotary_tables", "sequence_parallel"]

@@ -153,14 +153,16 @@ def _rows(n: fx.Node) -> object:
     return math.prod(meta.tensor(n.args[0]).shape[:-1])  # type: ignore[union-attr]
 
 
-def _pattern(n: fx.Node, rows: object, min_tokens: int, capture_sizes: Sequence[int], mode: str) -> str:
-    """What the report says of a converted site: the pattern at which rows, and its shape."""
+def _pattern(n: fx.Node, rows: object, min_tokens: int, capture_sizes: Sequence[int], mode: str,
+             reduce: str = "reduce-scatter", gather: str = "all-gather") -> str:  # fmt: skip
+    """What the report says of a converted site: the pattern at which rows, and its shape
+    (``reduce`` and ``gather``: what the async-TP pass made of the collectives)."""
     x = meta.tensor(n.args[0])
     try:
         world: object = group_size_and_rank(n.args[-1])[0]
     except Exception:  # noqa: BLE001 - the group is named but not joined here (a compile-only run)
         world = "TP"
-    say = (f"reduce-scatter -> add + RMSNorm on 1/{world} of the rows -> all-gather at >= {min_tokens} rows, "
+    say = (f"{reduce} -> add + RMSNorm on 1/{world} of the rows -> {gather} at >= {min_tokens} rows, "
            f"fused all-reduce + add + RMSNorm below; rows {rows}, hidden {x.shape[-1]}, {x.dtype}")  # type: ignore[union-attr]  # fmt: skip
     if mode != "none" and not isinstance(rows, int) and capture_sizes:
         above = [s for s in capture_sizes if sharded(s, min_tokens)]

@@ -49,12 +49,11 @@ from fxrewrite.runtime.providers import Kernel, OpDef
 
 
 def group_size_and_rank(group_name: str) -> tuple[int, int]:
-    """``(size, rank)`` of the process group named ``group_name``."""
-    import torch.distributed as dist
+    """``(size, rank)`` of the process group named ``group_name`` (the rank within it)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     group = _resolve_process_group(group_name)
-    return group.size(), dist.get_rank(group)
+    return group.size(), group.rank()
 
 
 def sharded(rows: int, min_tokens: int) -> bool:
@@ -81,23 +80,66 @@ def _all_reduce(
 def _sharded(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float, min_tokens: int, group_name: str
 ) -> tuple[Tensor, Tensor]:
-    c10d = torch.ops._c10d_functional
-    hidden = x.shape[-1]
-    rows = x.numel() // hidden
+    rows = x.numel() // x.shape[-1]
+    mine = reduce_scatter_rows(x, group_name)
+    total = add_norm_own_rows(mine, residual, weight, eps, rows, group_name)
+    return all_gather_rows(mine, rows, group_name).view(x.shape), total
+
+
+# -- the sharded path's steps, shared with the async-TP ops (runtime/ops/async_tp.py) -----------
+
+
+def split_rows(rows: int, group_name: str) -> tuple[int, int, int]:
+    """``(chunk, lo, hi)``: each rank's row count (``ceil(rows / world)``, the last rank's rows
+    padded with zero rows) and this rank's rows ``[lo, hi)`` of the ``rows`` real ones."""
     world, rank = group_size_and_rank(group_name)
     chunk = -(-rows // world)
-    xs = x.reshape(rows, hidden)
-    if chunk * world != rows:
-        xs = torch.nn.functional.pad(xs, (0, 0, 0, chunk * world - rows))
-    mine = c10d.wait_tensor.default(c10d.reduce_scatter_tensor.default(xs.contiguous(), "sum", world, group_name))
+    return chunk, min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+
+
+def pad_rows(x: Tensor, rows: int) -> Tensor:
+    """``x`` as ``[rows', H]`` rows, zero rows appended up to ``rows`` (no copy when none are)."""
+    xs = x.reshape(-1, x.shape[-1])
+    return xs if xs.shape[0] == rows else torch.nn.functional.pad(xs, (0, 0, 0, rows - xs.shape[0]))
+
+
+def own_rows(x: Tensor, group_name: str) -> Tensor:
+    """This rank's ``chunk`` rows of ``x`` (``[chunk, H]``, contiguous; zero rows past the end)."""
+    xs = x.reshape(-1, x.shape[-1])
+    chunk, lo, hi = split_rows(xs.shape[0], group_name)
+    return pad_rows(xs[lo:hi], chunk).contiguous()
+
+
+def reduce_scatter_rows(x: Tensor, group_name: str) -> Tensor:
+    """``[chunk, H]``: this rank's rows of the sum of ``x`` over the group (``x`` padded to
+    ``chunk * world`` rows)."""
+    c10d = torch.ops._c10d_functional
+    rows = x.numel() // x.shape[-1]
+    world = group_size_and_rank(group_name)[0]
+    xs = pad_rows(x, split_rows(rows, group_name)[0] * world)
+    return c10d.wait_tensor.default(c10d.reduce_scatter_tensor.default(xs.contiguous(), "sum", world, group_name))
+
+
+def add_norm_own_rows(mine: Tensor, residual: Tensor, weight: Tensor, eps: float, rows: int,
+                      group_name: str) -> Tensor:  # fmt: skip
+    """``mine`` (this rank's reduced rows) += the residual's rows, then normed, in place; returns
+    the sum, ``residual``-shaped, holding this rank's rows (the others never written)."""
+    chunk, lo, hi = split_rows(rows, group_name)
+    world, rank = group_size_and_rank(group_name)
+    hidden = residual.shape[-1]
     total = residual.new_empty(chunk * world, hidden)
-    lo, hi = rank * chunk, min((rank + 1) * chunk, rows)
     own = total[rank * chunk : (rank + 1) * chunk]
-    own[: max(hi - lo, 0)].copy_(residual.reshape(rows, hidden)[lo:hi])
-    own[max(hi - lo, 0) :].zero_()
+    own[: hi - lo].copy_(residual.reshape(rows, hidden)[lo:hi])
+    own[hi - lo :].zero_()
     torch.ops.fxr.fused_add_rms_norm_.default(mine, own, weight, eps)
-    out = c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(mine, world, group_name))
-    return out[:rows].view(x.shape), total[:rows].view(residual.shape)
+    return total[:rows].view(residual.shape)
+
+
+def all_gather_rows(mine: Tensor, rows: int, group_name: str) -> Tensor:
+    """``[rows, H]``: every rank's ``mine`` in rank order, the padding rows dropped."""
+    c10d = torch.ops._c10d_functional
+    world = group_size_and_rank(group_name)[0]
+    return c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(mine, world, group_name))[:rows]
 
 
 def _path_check(want: bool, x: Tensor, residual: Tensor, weight: Tensor, eps: float, min_tokens: int,

@@ -28,9 +28,10 @@ STEPS = (("prefill", 12, 0), ("decode", 4, 20))  # the decode reads the prefill'
 SIZES = (4, 12)  # the steps' token counts: nothing padded (a padded row would write KV slot 0)
 AR_OP = "all_reduce_add_rms_norm"
 SP_OP = "sp_reduce_add_rms_norm"
+REDUCE_OP, GATHER_OP = "sp_linear_reduce_add_rms_norm", "sp_all_gather_linear"  # async TP
 NCCL = f"{AR_OP}=torch"  # the op's NCCL path (its reference), forced
 
-# name: (mode, provider override, with the collective rule[, sequence_parallel_min_tokens]); "none" runs on GPU only (on CPU
+# name: (mode, provider override, with the collective rule[, sequence_parallel_min_tokens[, async_tp]]); "none" runs on GPU only (on CPU
 # the emulated CUDA graphs run the same rewritten graph, and each system costs ~7 s on 2 cores)
 CPU_SYSTEMS = {
     "piecewise": ("piecewise", "", True),
@@ -89,7 +90,8 @@ def tp_worker(rank: int, world: int, device: str, dtype: torch.dtype, cfg: Any, 
         torch._dynamo.reset()
         providers.reset_counts()
         backend = fxrewrite.Backend(mode=mode, splitting_ops=SPLITTING_OPS, capture_sizes=sizes, provider=provider,
-                                    rules=_rules(collective), progress=False, sequence_parallel_min_tokens=(sp or [None])[0])  # fmt: skip
+                                    rules=_rules(collective), progress=False, sequence_parallel_min_tokens=(sp or [None])[0],
+                                    async_tp=sp[1:] == [True])  # fmt: skip
         step = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
         errs = [rel_err(step(**b), ref) for b, ref in zip(batches, refs)]  # compile and capture
         scatters = []
@@ -101,12 +103,14 @@ def tp_worker(rank: int, world: int, device: str, dtype: torch.dtype, cfg: Any, 
         counts = [op_counts(g) for g in backend.graphs]
         out[name] = {
             "errs": errs,
-            "fused": [c[f"fxr.{AR_OP}"] + c[f"fxr.{SP_OP}"] for c in counts],
-            "sp": [c[f"fxr.{SP_OP}"] for c in counts],
+            "fused": [c[f"fxr.{AR_OP}"] + c[f"fxr.{SP_OP}"] + c[f"fxr.{REDUCE_OP}"] for c in counts],
+            "sp": [c[f"fxr.{SP_OP}"] + c[f"fxr.{REDUCE_OP}"] for c in counts],
+            "atp": [(c[f"fxr.{REDUCE_OP}"], c[f"fxr.{GATHER_OP}"]) for c in counts],
             "reduce_scatters": scatters,
             "all_reduce": [c["_c10d_functional.all_reduce"] for c in counts],
-            "near_misses": [m.reason for m in backend.report.near_misses if m.rule in (AR_OP, "sequence_parallel")],
+            "near_misses": [m.reason for m in backend.report.near_misses if m.rule in (AR_OP, "sequence_parallel", "async_tp")],
             "served": providers.served().get(AR_OP, {}),
+            "served_atp": {op: providers.served().get(op, {}) for op in (REDUCE_OP, GATHER_OP)},
             "replays": sum((g.runtime or {}).get("replays", 0) for g in backend.report.graphs),
         }
     torch._dynamo.reset()
@@ -160,16 +164,30 @@ def test_tp2_equals_single_device_on_cpu() -> None:
 # rank), a decode of 3 below it (the fused all-reduce); captured at exactly these sizes
 SP_STEPS, SP_SIZES, SP_MIN = (("prefill", 7, 0), ("decode", 3, 20)), (3, 7), 5
 SP_SYSTEMS = {"sp-none": ("none", "", True, SP_MIN), "sp-piecewise": ("piecewise", "", True, SP_MIN)}
+ATP_SYSTEMS = {"atp-none": ("none", "", True, SP_MIN, True), "atp-piecewise": ("piecewise", "", True, SP_MIN, True)}
 
 
-def test_sequence_parallel_tp2_equals_single_device_on_cpu() -> None:
-    """Two gloo ranks, float32: with sequence parallelism the TP model equals the single-device
-    model at a prefill above the threshold (reduce-scatter, 2 a layer) and a decode below it
-    (none), at token counts that are not multiples of the two ranks; every site sharded."""
-    results = run_ranks(tp_worker, "cpu", torch.float32, CPU_CFG, SP_SYSTEMS, SP_STEPS, SP_SIZES, backend="gloo")
-    check_results(results, SP_SYSTEMS, 1e-5, CPU_CFG)
+def check_async_tp(results: list[dict[str, Any]], systems: dict, cfg: Any) -> None:
+    """Every site sharded with its GEMM before it (2 a layer); the GEMM after it too at every
+    site but the final norm's (its output is the graph's): 2 a layer less one."""
+    layers = cfg.num_layers
     for res in results:
-        for name in SP_SYSTEMS:
+        for name in systems:
+            assert res[name]["atp"] == [(2 * layers, 2 * layers - 1)] * len(res[name]["atp"]), (name, res[name])
+
+
+@pytest.mark.parametrize("systems", [SP_SYSTEMS, ATP_SYSTEMS], ids=["sp", "async-tp"])
+def test_sequence_parallel_tp2_equals_single_device_on_cpu(systems: dict) -> None:
+    """Two gloo ranks, float32: with sequence parallelism (and async TP) the TP model equals the
+    single-device model at a prefill above the threshold (reduce-scatter, 2 a layer; with async
+    TP inside the GEMM + reduce-scatter op, every site's GEMMs moved in) and a decode below it
+    (none), at token counts that are not multiples of the two ranks; every site sharded."""
+    results = run_ranks(tp_worker, "cpu", torch.float32, CPU_CFG, systems, SP_STEPS, SP_SIZES, backend="gloo")
+    check_results(results, systems, 1e-5, CPU_CFG)
+    if systems is ATP_SYSTEMS:
+        check_async_tp(results, systems, CPU_CFG)
+    for res in results:
+        for name in systems:
             assert res[name]["reduce_scatters"] == [2 * CPU_CFG.num_layers, 0], (name, res[name])
 
 
@@ -200,10 +218,32 @@ def test_sequence_parallel_tp2_equals_single_device_on_two_gpus() -> None:
     one whole-graph capture (full), at the odd token counts of the CPU test; the decode's
     sites served by flashinfer's fused all-reduce, the prefill's by NCCL's reduce-scatter and
     all-gather around the in-place add + norm kernel."""
-    systems = {**SP_SYSTEMS, "sp-full": ("full", "", True, SP_MIN)}
+    run_sharded_on_two_gpus({**SP_SYSTEMS, "sp-full": ("full", "", True, SP_MIN)}, "served")
+
+
+def run_sharded_on_two_gpus(systems: dict, served: str) -> list[dict[str, Any]]:
+    """The SP steps of ``systems`` on two NCCL ranks in bf16, each rank's errors and ``served``
+    counts printed, within bf16 error of the reference; the results."""
     results = run_ranks(tp_worker, "cuda:{rank}", torch.bfloat16, GPU_CFG, systems, SP_STEPS, SP_SIZES, backend="nccl",
                         timeout=400)  # fmt: skip
     for rank, res in enumerate(results):
         for name in systems:
-            print(f"rank {rank} {name}: errs {['%.1e' % e for e in res[name]['errs']]} served {res[name]['served']}")
+            print(f"rank {rank} {name}: errs {['%.1e' % e for e in res[name]['errs']]} {served} {res[name][served]}")
     check_results(results, systems, 3e-2, GPU_CFG)
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_async_tp_tp2_equals_single_device_on_two_gpus() -> None:
+    """Two NCCL ranks, bf16: the async-TP ops inside captured pieces (piecewise) and one
+    whole-graph capture (full); the prefill's calls served by torch's symm-mem fused GEMM +
+    collective ops, the decode's by the fused all-reduce and the GEMMs alone."""
+    systems = {**ATP_SYSTEMS, "atp-full": ("full", "", True, SP_MIN, True)}
+    results = run_sharded_on_two_gpus(systems, "served_atp")
+    check_async_tp(results, systems, GPU_CFG)
+    for res in results:
+        for name in systems:
+            for op, below in ((REDUCE_OP, "all-reduce"), (GATHER_OP, "linear")):
+                served = res[name]["served_atp"][op]
+                assert served.get("symm-mem", 0) > 0 and served.get(below, 0) > 0 and not served["fallbacks"], (name, op, served)

@@ -113,3 +113,42 @@ def test_hf_llama_two_projection_mlp_is_a_silu_and_mul_near_miss() -> None:
     (miss,) = [m for m in r.report.near_misses if m.rule == "silu_and_mul"]
     assert miss.reason.startswith("expected `slice`, found `linear`")
     assert miss.source.startswith("modeling_llama.py:")
+
+
+def _clamped_norm(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A magnitude renormalization: the eps a clamp, not an addition (no norm op computes it)."""
+    return x * target / torch.sqrt(torch.clamp_min(x.pow(2).mean(-1, keepdim=True), 1e-5))
+
+
+def _reciprocal_root_of_other(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A product with a reciprocal root of something that is no mean of squares."""
+    return x * torch.rsqrt(target.abs() + 1e-5)
+
+
+def _product(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return x * (target + 1e-5)
+
+
+@pytest.mark.parametrize(
+    ("fn", "reason"),
+    [
+        (_clamped_norm, "expected `add`, found `clamp`"),
+        (_reciprocal_root_of_other, "expected `mean`, found `abs`"),
+        (_product, None),
+    ],
+    ids=["clamped-eps", "rsqrt-of-other", "no-rsqrt"],
+)
+def test_a_product_with_a_reciprocal_root_is_a_norm_shaped_near_miss(fn: Callable[..., Any], reason: str | None) -> None:
+    """The bare float32 norm rule matches 2 of its 5 operations (the product, the ``rsqrt``)
+    before these differ: below the config's 0.5, yet a norm-shaped site, so the rule's own
+    threshold reports it with why; a product with no reciprocal root is no site of it."""
+    x, target = torch.randn(4, 8), torch.rand(4, 1) + 0.5
+    r = check_rewrite(fn, x, target, rules=[norm.RMS_NORM_FLOAT32], dynamic=False, expect={"fxr.rms_norm": 0})
+    misses = [m.reason for m in r.report.near_misses if m.rule == "rms_norm_float32"]
+    if reason is None:
+        assert not misses
+    else:
+        assert len(misses) == 1 and misses[0].startswith(reason), misses
+    plain = check_rewrite(fn, x, target, rules=[norm.RMS_NORM_FLOAT32], dynamic=False, expect={"fxr.rms_norm": 0},
+                          config=Config(near_miss_min=0.5))  # fmt: skip
+    assert [m.reason for m in plain.report.near_misses] == misses, "the rule's own threshold, not the config's"

@@ -48,18 +48,41 @@ def interpreted(module_name: str, kernel: str) -> Iterator[types.ModuleType]:
         yield module
 
 
-def compile_in_subprocess(script: str) -> str:
-    """Run ``script`` (which compiles kernels for a GPU target, e.g. sm90, with Triton's compiler)
-    in a process without ``TRITON_INTERPRET``; its stdout. Skipped without Triton, or where the
-    CUDA toolchain (``ptxas``) is missing."""
+
+_COMPILE = """
+import importlib, inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, kernel, types, constexprs, options = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), kernel)
+names = list(inspect.signature(fn.fn).parameters)
+signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
+sys.stdout.write(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"])
+"""
+
+
+def compile_for_hopper(module: str, kernel: str, types: dict[str, str], constexprs: dict[str, object],
+                       **options: int) -> str:  # fmt: skip
+    """Compile ``module.kernel`` (a ``@triton.jit`` function) for sm90 on this machine, GPU or
+    not, and return its PTX: the front end and the NVIDIA backend check what the interpreter lets
+    through (this Triton's; the GPU machine's may refuse more). In a process of its own, without
+    ``TRITON_INTERPRET`` (under it the kernels are the interpreter's). ``types``: each
+    non-constexpr parameter's Triton type (``"*bf16"``, ``"fp32"``); unnamed ones are ``i32``.
+    Skipped without Triton, or where it cannot build for a GPU (no ``ptxas``, another API)."""
+    import json
     import os
     import subprocess
     import sys
 
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    if done.returncode and ("ptxas" in done.stderr or "No such file" in done.stderr):
-        pytest.skip(f"no CUDA toolchain for Triton here: {done.stderr.strip().splitlines()[-1]}")
-    assert done.returncode == 0, done.stderr[-2000:]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    args = json.dumps([module, kernel, types, constexprs, options])
+    done = subprocess.run([sys.executable, "-c", _COMPILE, args], env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        if "ImportError" in done.stderr or "ptxas" in done.stderr:
+            pytest.skip(f"this Triton cannot build for sm90 here: {done.stderr.strip().splitlines()[-1]}")
+        raise AssertionError(f"{module}.{kernel} does not compile for sm90:\n{done.stderr[-3000:]}")
     return done.stdout

@@ -51,6 +51,9 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
         # sequence parallelism: the all-reduce path (a sharded call leaves other ranks' rows of the
         # sum unwritten: opcheck would compare them); the sharded path: test_sequence_parallel_ops.py
         "min_tokens": lambda: 2**30,
+        # async TP (its GEMMs are "w", [hidden, hidden]): the all-gather's two forms, the plain linear
+        "gather": lambda: True,
+        "gated": lambda: False,
     }
     values.update(block_fp8_gemm_args(shape, gen, dtype))
     for name in rotary_samples.NAMES:

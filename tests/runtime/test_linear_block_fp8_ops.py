@@ -124,25 +124,20 @@ def test_triton_kernel_applies_the_scales(triton_linear_block_fp8: types.ModuleT
         assert_close_to_reference(args[0].float() @ args[2].float().t(), args, F32)
 
 
-COMPILE_FOR_HOPPER = """
-import re, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import fxrewrite.runtime.triton_linear_block_fp8 as tk
-sig = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16",
-       "m": "i32", "n": "i32", "k": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
-src = ASTSource(tk._linear_block_fp8_kernel, sig, constexprs={"BM": 64, "BN": 128, "BK": 128})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-print(sorted(set(re.findall(r"wgmma\\.mma_async\\S*", ptx))))
-"""
+@pytest.mark.parametrize("rows", [1, 64, 512])
+def test_triton_kernel_compiles_for_hopper(rows: int) -> None:
+    """Compiled for sm90 without a GPU, in each row tiling: 64 rows and more are Hopper's FP8 MMA
+    (``wgmma`` e4m3 x e4m3 into float32); 16-row tiles ``mma.sync`` on the values as fp16 (exact)."""
+    from helpers.triton import compile_for_hopper
 
+    import fxrewrite.runtime.triton_linear_block_fp8 as tk
 
-def test_triton_kernel_compiles_to_fp8_wgmma_for_hopper() -> None:
-    """Compiled for sm90 without a GPU: the MMA is Hopper's FP8 one (e4m3 x e4m3, float32 accumulator)."""
-    from helpers.triton import compile_in_subprocess
-
-    out = compile_in_subprocess(COMPILE_FOR_HOPPER)
-    assert "f32.e4m3.e4m3" in out, out
+    bm, bn, warps = tk.tiles(rows)
+    types = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "c_ptr": "*bf16"}
+    ptx = compile_for_hopper("fxrewrite.runtime.triton_linear_block_fp8", "_linear_block_fp8_kernel", types,
+                             {"BM": bm, "BN": bn, "BK": 128}, num_warps=warps, num_stages=3)  # fmt: skip
+    mma = "wgmma.mma_async.sync.aligned.m64n" if bm >= 64 else "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+    assert mma in ptx and (bm < 64 or ".f32.e4m3.e4m3" in ptx)
 
 
 # -- GPU: each provider compiled, against the reference ------------------------------------------

@@ -23,8 +23,8 @@ from helpers.gpu import force, fresh_counts, gen  # noqa: F401  (fresh_counts, g
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import (activation, collective, linear_block_fp8, moe, moe_route, norm, norm_variants, quant,
-                                   quant_block, quant_nvfp4, rotary, sequence_parallel)
+from fxrewrite.runtime.ops import (activation, async_tp, collective, linear_block_fp8, moe, moe_route, norm, norm_variants,
+                                   quant, quant_block, quant_nvfp4, rotary, sequence_parallel)
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -39,14 +39,14 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 # 3420 (Qwen2.5-VL MLP half: not 16-byte rows), 5120.
 # Ops whose arguments are [tokens, hidden] activations; the rotary ops (q/k per head, a cache)
 # have tests/runtime/test_rotary_gpu.py, the all-reduce ops (a process group) test_collective_ops.py and
-# test_sequence_parallel_ops.py,
+# test_sequence_parallel_ops.py and test_async_tp_ops.py,
 # fxr.moe (routing and stacked experts) test_moe_gpu.py, fxr.moe_route (router logits [tokens,
 # experts] with no two equal in a row, the router's kind; its ids compared exactly)
 # test_moe_route_gpu.py; the NVFP4 ops (packed values, block scales) test_quant_nvfp4_gpu.py; the
 # block FP8 ops (a group argument, per-group scales) test_quant_block_ops.py, the block-FP8 GEMM
 # (FP8 operands and scales) test_linear_block_fp8_ops.py.
 GENERIC = [op for op in ops.DEFS
-           if op not in rotary.DEFS + collective.DEFS + sequence_parallel.DEFS + moe.DEFS + moe_route.DEFS
+           if op not in rotary.DEFS + collective.DEFS + sequence_parallel.DEFS + async_tp.DEFS + moe.DEFS + moe_route.DEFS
            + quant_nvfp4.DEFS + quant_block.DEFS + linear_block_fp8.DEFS]
 SHAPES = [(1, 4096), (7, 4096), (64, 4096), (513, 4096), (4096, 4096), (3, 33), (5, 3420), (2, 5120)]
 

@@ -422,8 +422,9 @@ INTERPRETER_BF16_DOT = ("linear", "linear_silu_and_mul", "moe")  # Triton kernel
 @pytest.mark.parametrize("shape", [(1, 64), (7, 256), (2, 3, 128)])
 @pytest.mark.parametrize("provider", ["sgl_kernel", "flashinfer", "triton"])
 # The all-reduce ops (sequence parallelism included) need a process group and flashinfer.comm:
-# tests/runtime/test_collective_ops.py, tests/runtime/test_sequence_parallel_ops.py.
-@pytest.mark.parametrize("op", [op for op in ops.DEFS if op not in ops.collective.DEFS + ops.sequence_parallel.DEFS], ids=lambda op: op.name)
+# tests/runtime/test_collective_ops.py, tests/runtime/test_sequence_parallel_ops.py, tests/runtime/test_async_tp_ops.py.
+@pytest.mark.parametrize("op", [op for op in ops.DEFS if op not in ops.collective.DEFS + ops.sequence_parallel.DEFS
+                                + ops.async_tp.DEFS], ids=lambda op: op.name)
 def test_every_op_through_each_emulated_provider(
     both_libraries: providers._Registry,
     gen: torch.Generator,
@@ -514,6 +515,7 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
         "fxrewrite.runtime.triton_route": False,
         "sgl_kernel": True,
         "torch.distributed": True,  # sequence parallelism's NCCL paths
+        "torch.distributed._symmetric_memory": True,  # async TP's fused GEMM + collective ops
     }
 
 

@@ -240,30 +240,25 @@ def test_triton_activation_ops_equal_the_reference_but_for_exp_erf_last_bits(tri
         assert float((u8(got[0]) != u8(want[0])).float().mean()) < 1e-3, name
 
 
-COMPILE_FOR_HOPPER = """
-import collections, re, sys, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import fxrewrite.runtime.triton_quant_block as tq
-sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv",
-       "s_ptr": "*fp32", "y_ptr": "*bf16", "n": "i32", "eps": "fp32", "GROUP": "constexpr", "GROUPS": "constexpr",
-       "MODE": "constexpr", "STORE_Y": "constexpr", "CAST_LAST": "constexpr"}
-for mode, cast_last in ((tq.ADD_RMS_NORM, False), (tq.ADD_RMS_NORM, True), (tq.GELU_TANH, False)):
-    src = ASTSource(tq._block_quant_kernel, sig, constexprs={"GROUP": 128, "GROUPS": 32, "MODE": mode, "STORE_Y": False,
-                                                             "CAST_LAST": cast_last})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
-    print(dict(collections.Counter(re.findall(r"\\b(div\\.full\\.f32|div\\.approx\\.f32|fma\\.rn\\.f32|"
-                                               r"cvt\\.rn\\.satfinite\\.e4m3x2\\.f32)", ptx))))
-"""
-
-
 def test_triton_kernel_compiles_for_hopper() -> None:
     """Compiled for sm90 (no GPU needed; the interpreter forgives what the compiler refuses, e.g.
-    a global that is not a constexpr): IEEE divisions only, no FMA, saturating e4m3 conversion."""
-    from helpers.triton import compile_in_subprocess
+    a global that is not a constexpr): IEEE divisions only, no FMA, saturating e4m3 conversion;
+    the norm in either order of its weight and rounding (``CAST_LAST``), an activation."""
+    import collections
+    import re
 
-    for line in compile_in_subprocess(COMPILE_FOR_HOPPER).strip().splitlines():
-        counts = eval(line)  # noqa: S307 - our own subprocess's dict
+    from helpers.triton import compile_for_hopper
+
+    import fxrewrite.runtime.triton_quant_block as tq
+
+    types = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv",
+             "s_ptr": "*fp32", "y_ptr": "*bf16", "n": "i32", "eps": "fp32"}  # fmt: skip
+    for mode, cast_last in ((tq.ADD_RMS_NORM, False), (tq.ADD_RMS_NORM, True), (tq.GELU_TANH, False)):
+        constexprs = {"GROUP": 128, "GROUPS": 32, "MODE": int(mode.value), "STORE_Y": False, "CAST_LAST": cast_last}
+        ptx = compile_for_hopper("fxrewrite.runtime.triton_quant_block", "_block_quant_kernel", types, constexprs,
+                                 enable_fp_fusion=False)  # fmt: skip
+        counts = collections.Counter(re.findall(
+            r"\b(div\.full\.f32|div\.approx\.f32|fma\.rn\.f32|cvt\.rn\.satfinite\.e4m3x2\.f32)", ptx))
         assert set(counts) == {"cvt.rn.satfinite.e4m3x2.f32"}, counts
 
 
