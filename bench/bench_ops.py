@@ -137,7 +137,9 @@ def make_args(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, dtype: torch
         "scale": lambda: torch.tensor([0.02], device="cuda"),
         "global_scale": lambda: torch.tensor([300.0], device="cuda"),  # NVFP4: block scales of about 150
         "approximate": lambda: "none",
-        "cast_last": lambda: True,
+        # the plain norms in the order the library kernels compute exactly; the norm + quant ops in
+        # Llama's, as their rows were timed before they took the flag (the GPU tests check both)
+        "cast_last": lambda: "quant" not in op.name,
         "round_scale": lambda: False,
         "gate": lambda: torch.randn(tokens, width, device="cuda", dtype=dtype),  # fxr.rms_norm_gated: one group
         "group_size": lambda: None,
