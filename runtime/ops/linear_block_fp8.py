@@ -11,7 +11,9 @@ dequantized one, accumulated in float32 and rounded once to ``out_dtype``::
     a = dequant_fp8_block(a_q, a_scale)                      y = torch.ops.fxr.linear_block_fp8(
     y = F.linear(a, dequant_weight_block(w_q, w_scale))          a_q, a_scale, w_q, w_scale, torch.bfloat16)
 
-CUDA, in order (not measured yet: ``bench/bench_ops.py --ops linear_block_fp8`` times both):
+CUDA, in order (not measured against each other yet: ``bench/bench_ops.py --ops linear_block_fp8``
+times the first against the reference; an override cannot pick the second, whose provider
+"torch" forces the reference: it serves where Triton does not import, and its GPU test calls it):
 
 - ``triton``: our kernel (``fxrewrite.runtime.triton_linear_block_fp8``): per output tile, one
   ``tl.dot`` of e4m3 operands per 128-wide K block, its float32 result times the two blocks'
