@@ -10,15 +10,17 @@ and Qwen3-FP8's format, every linear of the decoder layers in FP8.
   that produces their input (``fxr.rms_norm_block_quant_fp8`` / ``fused_add_rms_norm_block_quant_fp8``,
   ``fxr.silu_and_mul_block_quant_fp8``); the one after attention stays (attention + FP8 is
   another rule's).
-- GEMM: a dequantizing reference, said plainly: the activation dequantized (``q * s`` per
-  group) and multiplied with the weight dequantized once at conversion, in the model's dtype,
-  on every device. Not a block-scaled FP8 GEMM: no FP8 tensor cores run here, and the GEMM
-  times of this model are bf16 GEMM times plus the dequantization.
+- GEMM (``gemm=``): ``"fp8"`` (default), ``fxr.linear_block_fp8`` on the FP8 values and both
+  scales: FP8 tensor cores on Ada / Hopper (our Triton kernel; cuBLASLt's block-scaled GEMM on
+  Hopper), the dequantizing float32 reference elsewhere (``runtime/ops/linear_block_fp8.py``);
+  ``"dequant"``, the dequantizing reference said plainly: the activation dequantized (``q * s``
+  per group) and multiplied with the weight dequantized once at conversion, in the model's
+  dtype, on every device (bf16 GEMM times plus the dequantization).
 
     # before (per linear)                                  # after the rewriter (norm + quant)
     y = rms_norm(x, w, eps)                                q, s = torch.ops.fxr.rms_norm_block_quant_fp8(x, w, eps, 128)
-    q, s = quant_fp8_block(y, 128)                         out = block_fp8_linear(q, s, ...)
-    out = block_fp8_linear(q, s, ...)
+    q, s = quant_fp8_block(y, 128)                         out = fxr.linear_block_fp8(q, s, w_q, w_s, dtype)
+    out = fxr.linear_block_fp8(q, s, w_q, w_s, dtype)
 
     model = to_block_fp8(build_model(tiny_fp8()))   # every nn.Linear of the layers converted
 """
@@ -32,10 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_model import EngineLlama, ModelConfig, tiny
-from fxrewrite.runtime.ops.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from fxrewrite.runtime.ops.linear_block_fp8 import dequant_weight_block, quant_weight_block
 from fxrewrite.runtime.ops.quant_block import GROUP, dequant_fp8_block, quant_fp8_block
 
+__all__ = ["BlockFp8Linear", "dequant_weight_block", "expected_fusions", "quant_weight_block", "tiny_fp8", "to_block_fp8"]
+
 BLOCK = GROUP  # weights: 128 x 128 blocks; activations: groups of 128 along the hidden dim
+GEMMS = ("fp8", "dequant")
 
 
 def tiny_fp8(**overrides: object) -> ModelConfig:
@@ -43,52 +48,42 @@ def tiny_fp8(**overrides: object) -> ModelConfig:
     return dataclasses.replace(tiny(hidden_size=256, intermediate_size=256, head_dim=64), **overrides)
 
 
-def quant_weight_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` [N, K] (both multiples of ``block``) -> (q [N, K] FP8, s [N / block, K / block] float32),
-    each ``block`` x ``block`` tile scaled by its own ``max(amax, 1e-12) / 448``."""
-    n, k = w.shape
-    tiles = w.float().reshape(n // block, block, k // block, block)
-    s = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
-    q = (tiles / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.reshape(n, k), s.reshape(n // block, k // block)
-
-
-def dequant_weight_block(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """float32 ``q * s``, each scale over its tile."""
-    block = q.shape[0] // s.shape[0]
-    return q.float() * s.repeat_interleave(block, 0).repeat_interleave(block, 1)
-
-
 class BlockFp8Linear(nn.Module):
-    """A linear of a block-FP8 checkpoint: the weight in FP8 with per-tile scales (kept, as a
-    checkpoint holds them) and dequantized once (what the reference GEMM reads); the input
-    quantized per token and group of 128 in the forward, as model code does."""
+    """A linear of a block-FP8 checkpoint: the weight in FP8 with per-tile scales, as a checkpoint
+    holds them; the input quantized per token and group of 128 in the forward, as model code
+    does; the GEMM ``fxr.linear_block_fp8`` (``gemm="fp8"``) or the dequantizing reference
+    (``gemm="dequant"``: the weight dequantized once, here)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, gemm: str = "fp8") -> None:
         super().__init__()
         assert linear.bias is None, "the engine model's linears have no bias"
+        assert gemm in GEMMS, f"gemm {gemm!r} is not one of {GEMMS}"
+        self.gemm = gemm
         q, s = quant_weight_block(linear.weight.detach())
         self.register_buffer("weight_q", q)
         self.register_buffer("weight_scale", s)
-        self.register_buffer("weight", dequant_weight_block(q, s).to(linear.weight.dtype))
+        if gemm == "dequant":
+            self.register_buffer("weight", dequant_weight_block(q, s).to(linear.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, s = quant_fp8_block(x, BLOCK)
+        if self.gemm == "fp8":
+            return torch.ops.fxr.linear_block_fp8(q, s, self.weight_q, self.weight_scale, x.dtype)
         return F.linear(dequant_fp8_block(q, s).to(x.dtype), self.weight)
 
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def to_block_fp8(model: EngineLlama) -> EngineLlama:
+def to_block_fp8(model: EngineLlama, gemm: str = "fp8") -> EngineLlama:
     """Convert ``model`` (the plain one) in place: each decoder layer's four linears become
-    :class:`BlockFp8Linear` (their weights quantized now). Returns ``model``."""
+    :class:`BlockFp8Linear` (their weights quantized now; ``gemm`` as there). Returns ``model``."""
     assert not model.fused, "convert the plain model; the rewriter fuses it"
     for layer in model.layers:
         for path in LINEARS:
             parent_name, _, name = path.rpartition(".")
             parent = layer.get_submodule(parent_name)
-            setattr(parent, name, BlockFp8Linear(getattr(parent, name)))
+            setattr(parent, name, BlockFp8Linear(getattr(parent, name), gemm))
     return model
 
 

@@ -19,7 +19,7 @@ PIPELINE: tuple[Step, ...] = (
     # take it for a residual add where a per-head norm follows the rotation (rotary, then QK norm)
     RuleGroup("fuse_rotary", rotary.RULES),
     # all-reduce + add + norm (tensor parallel): before the other norms, or the add + norm rules would take its sites
-    RuleGroup("fuse_collective", quant_block.COLLECTIVE_RULES + collective.RULES),
+    RuleGroup("fuse_collective", quant_block.COLLECTIVE_RULES + quant_nvfp4.COLLECTIVE_RULES + collective.RULES),
     # the fused all-reduce sites, chained through the residual, sharded by the row count
     # (Config.sequence_parallel_min_tokens; None, the default: no such pass): right after the rules that made them
     GraphPass("sequence_parallel", sequence_parallel.shard_sequence, switch="sequence_parallel_min_tokens",

@@ -19,6 +19,8 @@ dtype and multiplies there (``x * rsqrt(..).to(x.dtype)``): another computation 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
@@ -136,6 +138,21 @@ def add_rms_norm_cast_last_pattern(x, residual, weight, eps, dtype):
 def add_rms_norm_cast_last_replacement(x, residual, weight, eps):
     out = torch.ops.fxr.fused_add_rms_norm(x, residual, weight, eps, True)
     return out[0], out[1]
+
+
+def norm_patterns(cast_last: bool) -> tuple[Callable, Callable]:
+    """(norm, add + norm) patterns in one order of the weight and the rounding: Llama's
+    (``cast_last=False``) or torch.rms_norm's (``True``): what the rules that extend a norm (a
+    quantization after it) are made from, once per order."""
+    if cast_last:
+        return rms_norm_cast_last_pattern, add_rms_norm_cast_last_pattern
+    return rms_norm_pattern, add_rms_norm_pattern
+
+
+def cast_flag(cast_last: bool) -> tuple[bool, ...]:
+    """The ops' trailing ``cast_last`` argument as a replacement passes it: only when set, so the
+    graphs of the Llama order read as they did before the flag."""
+    return (True,) if cast_last else ()
 
 
 # x.float() * rsqrt(mean(x^2) + eps), cast back, no weight -> fxr.rms_norm(x, None, eps)

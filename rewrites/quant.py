@@ -3,7 +3,9 @@
 The quantization is spelled as ``runtime/ops/quant.py`` specifies it (and as model code writes
 it): static per-tensor ``(y.float() / scale).clamp(-448, 448).to(float8_e4m3fn)``, or dynamic
 per token with ``scale = amax(|y|, -1).clamp(min=1e-12) / 448``. Patterns are composed from the
-norm and activation patterns themselves, so every spelling those cover is covered here.
+norm and activation patterns themselves, so every spelling those cover is covered here. Each norm
+rule has a cast-last twin: the norm in torch.rms_norm's order (``(w * normed).to(dtype)``,
+``rewrites/norm.py``'s cast-last rules), fused into the same op with ``cast_last=True``.
 
 Norm + quant rules run before the plain norm rules (they contain them); activation + quant
 rules run after SiLU-and-mul fused and match on ``fxr.silu_and_mul``: the static one through
@@ -13,10 +15,14 @@ node-walking matcher for the spellings exact matching misses (lifted 448, elided
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
-from fxrewrite.rewrites.norm import WILDCARDS, add_norm_guard, add_rms_norm_pattern, norm_guard, rms_norm_pattern
+from fxrewrite.rewrites.norm import (
+    WILDCARDS, add_cast_last_guard, add_norm_guard, cast_flag, cast_last_guard, norm_guard, norm_patterns,
+)  # fmt: skip
 from fxrewrite.rule import Bindings, Rule, all_of
 from fxrewrite.runtime.ops.quant import quant_fp8_per_token, quant_fp8_static
 
@@ -31,48 +37,71 @@ def scale_guard(b: Bindings) -> bool | str:
 
 norm_scale_guard = all_of(scale_guard, norm_guard)
 add_norm_scale_guard = all_of(scale_guard, add_norm_guard)
+cast_last_scale_guard = all_of(scale_guard, cast_last_guard)
+add_cast_last_scale_guard = all_of(scale_guard, add_cast_last_guard)
 
 
-# quant_static(norm(x)) -> fxr.rms_norm_quant_fp8(x, weight, eps, scale)
-def rms_norm_quant_pattern(x, weight, eps, dtype, scale):
-    return quant_fp8_static(rms_norm_pattern(x, weight, eps, dtype), scale)
+# Each norm + quant rule is made for either order of the norm's weight and rounding
+# (rewrites/norm.py's ``norm_patterns``): Llama's ``weight * normed.to(dtype)`` and torch.rms_norm's
+# ``(weight * normed).to(dtype)``, the op then called with ``cast_last=True`` (``flags``).
 
 
-def rms_norm_quant_replacement(x, weight, eps, scale):
-    return torch.ops.fxr.rms_norm_quant_fp8(x, weight, eps, scale)
+def rms_norm_quant(cast_last: bool) -> tuple[Callable, Callable]:
+    """quant_static(norm(x)) -> fxr.rms_norm_quant_fp8(x, weight, eps, scale[, True])"""
+    norm, flags = norm_patterns(cast_last)[0], cast_flag(cast_last)
+
+    def pattern(x, weight, eps, dtype, scale):
+        return quant_fp8_static(norm(x, weight, eps, dtype), scale)
+
+    def replacement(x, weight, eps, scale):
+        return torch.ops.fxr.rms_norm_quant_fp8(x, weight, eps, scale, *flags)
+
+    return pattern, replacement
 
 
-# quant_per_token(norm(x)) -> fxr.rms_norm_dynamic_quant_fp8(x, weight, eps)
-def rms_norm_dynamic_quant_pattern(x, weight, eps, dtype):
-    return quant_fp8_per_token(rms_norm_pattern(x, weight, eps, dtype))
+def rms_norm_dynamic_quant(cast_last: bool) -> tuple[Callable, Callable]:
+    """quant_per_token(norm(x)) -> fxr.rms_norm_dynamic_quant_fp8(x, weight, eps[, True]) (q, scales)"""
+    norm, flags = norm_patterns(cast_last)[0], cast_flag(cast_last)
+
+    def pattern(x, weight, eps, dtype):
+        return quant_fp8_per_token(norm(x, weight, eps, dtype))
+
+    def replacement(x, weight, eps):
+        out = torch.ops.fxr.rms_norm_dynamic_quant_fp8(x, weight, eps, *flags)
+        return out[0], out[1]
+
+    return pattern, replacement
 
 
-def rms_norm_dynamic_quant_replacement(x, weight, eps):
-    out = torch.ops.fxr.rms_norm_dynamic_quant_fp8(x, weight, eps)
-    return out[0], out[1]
+def add_rms_norm_quant(cast_last: bool) -> tuple[Callable, Callable]:
+    """s = x + residual; quant_static(norm(s)) -> fxr.fused_add_rms_norm_quant_fp8(.., scale[, True]) (q, s)"""
+    add_norm, flags = norm_patterns(cast_last)[1], cast_flag(cast_last)
+
+    def pattern(x, residual, weight, eps, dtype, scale):
+        y, s = add_norm(x, residual, weight, eps, dtype)
+        return quant_fp8_static(y, scale), s
+
+    def replacement(x, residual, weight, eps, scale):
+        out = torch.ops.fxr.fused_add_rms_norm_quant_fp8(x, residual, weight, eps, scale, *flags)
+        return out[0], out[1]
+
+    return pattern, replacement
 
 
-# s = x + residual; quant_static(norm(s)) -> fxr.fused_add_rms_norm_quant_fp8 (q, s)
-def add_rms_norm_quant_pattern(x, residual, weight, eps, dtype, scale):
-    y, s = add_rms_norm_pattern(x, residual, weight, eps, dtype)
-    return quant_fp8_static(y, scale), s
+def add_rms_norm_dynamic_quant(cast_last: bool) -> tuple[Callable, Callable]:
+    """s = x + residual; quant_per_token(norm(s)) -> fxr.fused_add_rms_norm_dynamic_quant_fp8(..[, True]) (q, scales, s)"""
+    add_norm, flags = norm_patterns(cast_last)[1], cast_flag(cast_last)
 
+    def pattern(x, residual, weight, eps, dtype):
+        y, s = add_norm(x, residual, weight, eps, dtype)
+        q, scale = quant_fp8_per_token(y)
+        return q, scale, s
 
-def add_rms_norm_quant_replacement(x, residual, weight, eps, scale):
-    out = torch.ops.fxr.fused_add_rms_norm_quant_fp8(x, residual, weight, eps, scale)
-    return out[0], out[1]
+    def replacement(x, residual, weight, eps):
+        out = torch.ops.fxr.fused_add_rms_norm_dynamic_quant_fp8(x, residual, weight, eps, *flags)
+        return out[0], out[1], out[2]
 
-
-# s = x + residual; quant_per_token(norm(s)) -> fxr.fused_add_rms_norm_dynamic_quant_fp8 (q, scale, s)
-def add_rms_norm_dynamic_quant_pattern(x, residual, weight, eps, dtype):
-    y, s = add_rms_norm_pattern(x, residual, weight, eps, dtype)
-    q, scale = quant_fp8_per_token(y)
-    return q, scale, s
-
-
-def add_rms_norm_dynamic_quant_replacement(x, residual, weight, eps):
-    out = torch.ops.fxr.fused_add_rms_norm_dynamic_quant_fp8(x, residual, weight, eps)
-    return out[0], out[1], out[2]
+    return pattern, replacement
 
 
 # quant_static(fxr.silu_and_mul(x)) -> fxr.silu_and_mul_quant_fp8(x, scale)
@@ -94,19 +123,27 @@ def silu_and_mul_dynamic_quant_replacement(x):
     return out[0], out[1]
 
 
-RMS_NORM_QUANT = Rule("rms_norm_quant_fp8", rms_norm_quant_pattern, rms_norm_quant_replacement, norm_scale_guard, WILDCARDS)
-RMS_NORM_DYNAMIC_QUANT = Rule(
-    "rms_norm_dynamic_quant_fp8", rms_norm_dynamic_quant_pattern, rms_norm_dynamic_quant_replacement, norm_guard, WILDCARDS
+# quant_static(norm(x)) -> fxr.rms_norm_quant_fp8(x, weight, eps, scale); cast-last twin: (.., scale, True)
+RMS_NORM_QUANT = Rule("rms_norm_quant_fp8", *rms_norm_quant(False), norm_scale_guard, WILDCARDS)
+RMS_NORM_CAST_LAST_QUANT = Rule(
+    "rms_norm_cast_last_quant_fp8", *rms_norm_quant(True), cast_last_scale_guard, WILDCARDS
 )
-ADD_RMS_NORM_QUANT = Rule(
-    "add_rms_norm_quant_fp8", add_rms_norm_quant_pattern, add_rms_norm_quant_replacement, add_norm_scale_guard, WILDCARDS
+# quant_per_token(norm(x)) -> fxr.rms_norm_dynamic_quant_fp8(x, weight, eps); cast-last twin: (.., True)
+RMS_NORM_DYNAMIC_QUANT = Rule("rms_norm_dynamic_quant_fp8", *rms_norm_dynamic_quant(False), norm_guard, WILDCARDS)
+RMS_NORM_CAST_LAST_DYNAMIC_QUANT = Rule(
+    "rms_norm_cast_last_dynamic_quant_fp8", *rms_norm_dynamic_quant(True), cast_last_guard, WILDCARDS
 )
+# s = x + residual; quant_static(norm(s)) -> fxr.fused_add_rms_norm_quant_fp8 (q, s); cast-last twin
+ADD_RMS_NORM_QUANT = Rule("add_rms_norm_quant_fp8", *add_rms_norm_quant(False), add_norm_scale_guard, WILDCARDS)
+ADD_RMS_NORM_CAST_LAST_QUANT = Rule(
+    "add_rms_norm_cast_last_quant_fp8", *add_rms_norm_quant(True), add_cast_last_scale_guard, WILDCARDS
+)
+# s = x + residual; quant_per_token(norm(s)) -> fxr.fused_add_rms_norm_dynamic_quant_fp8 (q, scales, s); cast-last twin
 ADD_RMS_NORM_DYNAMIC_QUANT = Rule(
-    "add_rms_norm_dynamic_quant_fp8",
-    add_rms_norm_dynamic_quant_pattern,
-    add_rms_norm_dynamic_quant_replacement,
-    add_norm_guard,
-    WILDCARDS,
+    "add_rms_norm_dynamic_quant_fp8", *add_rms_norm_dynamic_quant(False), add_norm_guard, WILDCARDS
+)
+ADD_RMS_NORM_CAST_LAST_DYNAMIC_QUANT = Rule(
+    "add_rms_norm_cast_last_dynamic_quant_fp8", *add_rms_norm_dynamic_quant(True), add_cast_last_guard, WILDCARDS
 )
 SILU_AND_MUL_QUANT = Rule(
     "silu_and_mul_quant_fp8", silu_and_mul_quant_pattern, silu_and_mul_quant_replacement, scale_guard,
@@ -123,7 +160,11 @@ SILU_AND_MUL_DYNAMIC_QUANT = Rule(
     "silu_and_mul_dynamic_quant_fp8", silu_and_mul_dynamic_quant_pattern, silu_and_mul_dynamic_quant_replacement
 )
 
-# Before the norm rules (add + norm variants first, as there).
-NORM_RULES: list[Rule] = [ADD_RMS_NORM_DYNAMIC_QUANT, ADD_RMS_NORM_QUANT, RMS_NORM_DYNAMIC_QUANT, RMS_NORM_QUANT]
+# Before the norm rules (add + norm variants first, as there). Each cast-last twin after its
+# rule: in float32 the two orders are one computation, and the first takes it.
+NORM_RULES: list[Rule] = [
+    ADD_RMS_NORM_DYNAMIC_QUANT, ADD_RMS_NORM_CAST_LAST_DYNAMIC_QUANT, ADD_RMS_NORM_QUANT, ADD_RMS_NORM_CAST_LAST_QUANT,
+    RMS_NORM_DYNAMIC_QUANT, RMS_NORM_CAST_LAST_DYNAMIC_QUANT, RMS_NORM_QUANT, RMS_NORM_CAST_LAST_QUANT,
+]  # fmt: skip
 # After the activation rules.
 ACTIVATION_RULES: list[Rule] = [SILU_AND_MUL_QUANT, SILU_AND_MUL_QUANT_WALK, SILU_AND_MUL_DYNAMIC_QUANT]

@@ -26,13 +26,17 @@ rules, after the activation rules; the all-reduce one before ``collective.RULES`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite.rewrites.collective import (
     COLLECTIVE_WILDCARDS, REQUIRES, all_reduce_add_rms_norm_pattern, all_reduce_norm_guard,
 )  # fmt: skip
-from fxrewrite.rewrites.norm import WILDCARDS, add_norm_guard, add_rms_norm_pattern, norm_guard, rms_norm_pattern
+from fxrewrite.rewrites.norm import (
+    WILDCARDS, add_cast_last_guard, add_norm_guard, cast_flag, cast_last_guard, norm_guard, norm_patterns,
+)  # fmt: skip
 from fxrewrite.rule import Bindings, Rule, Scalar, all_of
 from fxrewrite.runtime.ops.quant_block import check_group, quant_fp8_block
 
@@ -52,28 +56,42 @@ def act_group_guard(b: Bindings) -> bool | str:
 norm_group_guard = all_of(norm_guard, group_guard)
 add_norm_group_guard = all_of(add_norm_guard, group_guard)
 all_reduce_group_guard = all_of(all_reduce_norm_guard, group_guard)
+cast_last_group_guard = all_of(cast_last_guard, group_guard)
+add_cast_last_group_guard = all_of(add_cast_last_guard, group_guard)
 
 
-# quant_block(norm(x), G) -> fxr.rms_norm_block_quant_fp8(x, weight, eps, G)  (q, scales)
-def rms_norm_block_quant_pattern(x, weight, eps, dtype, group):
-    return quant_fp8_block(rms_norm_pattern(x, weight, eps, dtype), group)
+# The norm rules are made for either order of the norm's weight and rounding (rewrites/norm.py's
+# ``norm_patterns``; torch.rms_norm's order calls the op with ``cast_last=True``).
 
 
-def rms_norm_block_quant_replacement(x, weight, eps, group):
-    out = torch.ops.fxr.rms_norm_block_quant_fp8(x, weight, eps, group)
-    return out[0], out[1]
+def rms_norm_block_quant(cast_last: bool) -> tuple[Callable, Callable]:
+    """quant_block(norm(x), G) -> fxr.rms_norm_block_quant_fp8(x, weight, eps, G[, True])  (q, scales)"""
+    norm, flags = norm_patterns(cast_last)[0], cast_flag(cast_last)
+
+    def pattern(x, weight, eps, dtype, group):
+        return quant_fp8_block(norm(x, weight, eps, dtype), group)
+
+    def replacement(x, weight, eps, group):
+        out = torch.ops.fxr.rms_norm_block_quant_fp8(x, weight, eps, group, *flags)
+        return out[0], out[1]
+
+    return pattern, replacement
 
 
-# s = x + residual; quant_block(norm(s), G) -> fxr.fused_add_rms_norm_block_quant_fp8 (q, scales, s)
-def add_rms_norm_block_quant_pattern(x, residual, weight, eps, dtype, group):
-    y, s = add_rms_norm_pattern(x, residual, weight, eps, dtype)
-    q, scales = quant_fp8_block(y, group)
-    return q, scales, s
+def add_rms_norm_block_quant(cast_last: bool) -> tuple[Callable, Callable]:
+    """s = x + residual; quant_block(norm(s), G) -> fxr.fused_add_rms_norm_block_quant_fp8(.., G[, True]) (q, scales, s)"""
+    add_norm, flags = norm_patterns(cast_last)[1], cast_flag(cast_last)
 
+    def pattern(x, residual, weight, eps, dtype, group):
+        y, s = add_norm(x, residual, weight, eps, dtype)
+        q, scales = quant_fp8_block(y, group)
+        return q, scales, s
 
-def add_rms_norm_block_quant_replacement(x, residual, weight, eps, group):
-    out = torch.ops.fxr.fused_add_rms_norm_block_quant_fp8(x, residual, weight, eps, group)
-    return out[0], out[1], out[2]
+    def replacement(x, residual, weight, eps, group):
+        out = torch.ops.fxr.fused_add_rms_norm_block_quant_fp8(x, residual, weight, eps, group, *flags)
+        return out[0], out[1], out[2]
+
+    return pattern, replacement
 
 
 # s = all_reduce(x) + residual; quant_block(norm(s), G) -> fxr.all_reduce_add_rms_norm_block_quant_fp8 (q, scales, s)
@@ -119,13 +137,18 @@ def gelu_tanh_and_mul_block_quant_replacement(x, group):
 
 
 NORM = {**WILDCARDS, **GROUP}
-RMS_NORM_BLOCK_QUANT = Rule(
-    "rms_norm_block_quant_fp8", rms_norm_block_quant_pattern, rms_norm_block_quant_replacement, norm_group_guard, NORM
+# quant_block(norm(x), G) -> fxr.rms_norm_block_quant_fp8(x, weight, eps, G); cast-last twin: (.., G, True)
+RMS_NORM_BLOCK_QUANT = Rule("rms_norm_block_quant_fp8", *rms_norm_block_quant(False), norm_group_guard, NORM)
+RMS_NORM_CAST_LAST_BLOCK_QUANT = Rule(
+    "rms_norm_cast_last_block_quant_fp8", *rms_norm_block_quant(True), cast_last_group_guard, NORM
 )
+# s = x + residual; quant_block(norm(s), G) -> fxr.fused_add_rms_norm_block_quant_fp8 (q, scales, s); cast-last twin
 ADD_RMS_NORM_BLOCK_QUANT = Rule(
-    "add_rms_norm_block_quant_fp8", add_rms_norm_block_quant_pattern, add_rms_norm_block_quant_replacement,
-    add_norm_group_guard, NORM,
-)  # fmt: skip
+    "add_rms_norm_block_quant_fp8", *add_rms_norm_block_quant(False), add_norm_group_guard, NORM
+)
+ADD_RMS_NORM_CAST_LAST_BLOCK_QUANT = Rule(
+    "add_rms_norm_cast_last_block_quant_fp8", *add_rms_norm_block_quant(True), add_cast_last_group_guard, NORM
+)
 ALL_REDUCE_ADD_RMS_NORM_BLOCK_QUANT = Rule(
     "all_reduce_add_rms_norm_block_quant_fp8", all_reduce_add_rms_norm_block_quant_pattern,
     all_reduce_add_rms_norm_block_quant_replacement, all_reduce_group_guard, {**COLLECTIVE_WILDCARDS, **GROUP},
@@ -146,7 +169,9 @@ GELU_TANH_AND_MUL_BLOCK_QUANT = Rule(
 
 # Before the all-reduce rules (it contains the plain one).
 COLLECTIVE_RULES: list[Rule] = [ALL_REDUCE_ADD_RMS_NORM_BLOCK_QUANT]
-# Before the norm rules, add + norm first (as there).
-NORM_RULES: list[Rule] = [ADD_RMS_NORM_BLOCK_QUANT, RMS_NORM_BLOCK_QUANT]
+# Before the norm rules, add + norm first (as there); each cast-last twin after its rule (in
+# float32 the two orders are one computation, and the first takes it).
+NORM_RULES: list[Rule] = [ADD_RMS_NORM_BLOCK_QUANT, ADD_RMS_NORM_CAST_LAST_BLOCK_QUANT, RMS_NORM_BLOCK_QUANT,
+                          RMS_NORM_CAST_LAST_BLOCK_QUANT]  # fmt: skip
 # After the activation rules.
 ACTIVATION_RULES: list[Rule] = [SILU_AND_MUL_BLOCK_QUANT, GELU_AND_MUL_BLOCK_QUANT, GELU_TANH_AND_MUL_BLOCK_QUANT]

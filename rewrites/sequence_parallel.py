@@ -51,7 +51,8 @@ AR = torch.ops.fxr.all_reduce_add_rms_norm.default
 SP = torch.ops.fxr.sp_reduce_add_rms_norm.default
 # fused sites with an output the sharded op has no form of: a chain that reaches one stays whole
 UNSHARDED_VARIANTS = (torch.ops.fxr.all_reduce_add_rms_norm_quant_fp8.default,
-                      torch.ops.fxr.all_reduce_add_rms_norm_block_quant_fp8.default)  # fmt: skip
+                      torch.ops.fxr.all_reduce_add_rms_norm_block_quant_fp8.default,
+                      torch.ops.fxr.all_reduce_add_rms_norm_quant_nvfp4.default)  # fmt: skip
 
 
 def shard_sequence(

@@ -100,9 +100,11 @@ def _rms_norm_quant_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     DYNAMIC: tl.constexpr,
+    CAST_LAST: tl.constexpr = False,
 ):
     """One row per program: ``[sum = x + r]; y = w * (h * rsqrt(mean(h^2) + eps)).to(dtype)``
-    with ``h = sum.float()``, rounded to the input dtype as the reference does; then FP8."""
+    with ``h = sum.float()`` (``CAST_LAST``: ``y = (w * h).to(dtype)``), rounded to the input
+    dtype as the reference does; then FP8."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -115,7 +117,9 @@ def _rms_norm_quant_kernel(
     h = x.to(tl.float32)
     h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / n + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (w * h.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    if not CAST_LAST:
+        h = h.to(dtype).to(tl.float32)
+    y = (w * h).to(dtype).to(tl.float32)
     _quantize_store(y, q_ptr + row * n + cols, mask, s_ptr + row, scale_ptr, DYNAMIC)
 
 
@@ -279,7 +283,7 @@ def _outputs(x: Tensor, d: int, dynamic: bool) -> tuple[Tensor, Tensor]:
 
 
 def _rms_norm_quant(
-    x: Tensor, weight: Tensor, eps: float, scale: Tensor | None, residual: Tensor | None
+    x: Tensor, weight: Tensor, eps: float, scale: Tensor | None, residual: Tensor | None, cast_last: bool = False
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """(q, s or None when static, sum or None without residual), shaped as the op returns them."""
     n = x.shape[-1]
@@ -292,7 +296,8 @@ def _rms_norm_quant(
     with device_of(x):
         _rms_norm_quant_kernel[(rows.shape[0],)](
             rows, res, weight, total, q, s, s if dynamic else scale, rows.stride(0), res.stride(0), n, eps,
-            BLOCK=block, HAS_RESIDUAL=residual is not None, DYNAMIC=dynamic, num_warps=_warps(block),
+            BLOCK=block, HAS_RESIDUAL=residual is not None, DYNAMIC=dynamic, CAST_LAST=cast_last,
+            num_warps=_warps(block),
         )  # fmt: skip
     return (
         q.view(x.shape),
@@ -522,26 +527,26 @@ def gelu_and_mul(x: Tensor, approximate: str = "none") -> Tensor:
     return _act_and_mul(x, 2 if approximate == "tanh" else 1)
 
 
-def rms_norm_quant_fp8(x: Tensor, weight: Tensor, eps: float, scale: Tensor) -> Tensor:
-    return _rms_norm_quant(x, weight, eps, scale, None)[0]
+def rms_norm_quant_fp8(x: Tensor, weight: Tensor, eps: float, scale: Tensor, cast_last: bool = False) -> Tensor:
+    return _rms_norm_quant(x, weight, eps, scale, None, cast_last)[0]
 
 
-def rms_norm_dynamic_quant_fp8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    q, s, _ = _rms_norm_quant(x, weight, eps, None, None)
+def rms_norm_dynamic_quant_fp8(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> tuple[Tensor, Tensor]:
+    q, s, _ = _rms_norm_quant(x, weight, eps, None, None, cast_last)
     return q, s  # type: ignore[return-value]
 
 
 def fused_add_rms_norm_quant_fp8(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor, cast_last: bool = False
 ) -> tuple[Tensor, Tensor]:
-    q, _, total = _rms_norm_quant(x, weight, eps, scale, residual)
+    q, _, total = _rms_norm_quant(x, weight, eps, scale, residual, cast_last)
     return q, total  # type: ignore[return-value]
 
 
 def fused_add_rms_norm_dynamic_quant_fp8(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _rms_norm_quant(x, weight, eps, None, residual)  # type: ignore[return-value]
+    return _rms_norm_quant(x, weight, eps, None, residual, cast_last)  # type: ignore[return-value]
 
 
 def silu_and_mul_quant_fp8(x: Tensor, scale: Tensor) -> Tensor:

@@ -60,9 +60,11 @@ def _quantize_nvfp4(y, col0, n, q_ptr, s_ptr, g_ptr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _nvfp4_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr, q_ptr, s_ptr, g_ptr, x_stride, r_stride, n, eps,
-                  BLOCK: tl.constexpr, PRE: tl.constexpr, ACT_KIND: tl.constexpr, STORE_Y: tl.constexpr):  # fmt: skip
+                  BLOCK: tl.constexpr, PRE: tl.constexpr, ACT_KIND: tl.constexpr, STORE_Y: tl.constexpr,
+                  CAST_LAST: tl.constexpr = False):  # fmt: skip
     """Program (row, column block) (one block holds the row for the norms): ``y`` of ``n``
-    values, then NVFP4. ``PRE``: 0 ``y = x``; 1 ``y = w * norm(x).to(dtype)`` rounded to the dtype;
+    values, then NVFP4. ``PRE``: 0 ``y = x``; 1 ``y = w * norm(x).to(dtype)`` rounded to the dtype
+    (``CAST_LAST``: ``(w * norm(x))`` rounded once);
     2 the same of ``sum = (x + r)`` rounded, ``sum`` stored; 3 ``y = (act(gate).to(dtype) * up)``
     rounded, ``gate = x[row, :n]``, ``up = x[row, n:2n]``. ``STORE_Y``: ``y`` stored too."""
     row = tl.program_id(0).to(tl.int64)
@@ -88,7 +90,9 @@ def _nvfp4_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr, q_ptr, s_ptr, g_ptr, x_st
         else:
             h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / n + eps)
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            y = (w * h.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            if not CAST_LAST:
+                h = h.to(dtype).to(tl.float32)
+            y = (w * h).to(dtype).to(tl.float32)
     if STORE_Y:
         tl.store(y_ptr + row * n + cols, y.to(dtype), mask=mask)
     _quantize_nvfp4(y, col0, n, q_ptr + row * (n // 2), s_ptr + row * (n // 16), g_ptr, BLOCK)
@@ -96,7 +100,7 @@ def _nvfp4_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr, q_ptr, s_ptr, g_ptr, x_st
 
 def _launch(x: Tensor, global_scale: Tensor, pre: int, n: int, weight: Tensor | None = None, eps: float = 0.0,
             residual: Tensor | None = None, act: str = "silu",
-            y_out: Tensor | None = None) -> tuple[Tensor, ...]:  # fmt: skip
+            y_out: Tensor | None = None, cast_last: bool = False) -> tuple[Tensor, ...]:  # fmt: skip
     """(q, s[, sum]) shaped as the op returns them, for ``n`` output values a row; ``y_out``
     (rows x n, x's dtype) receives the quantizer's input."""
     rows = x.view(-1, x.shape[-1])
@@ -114,7 +118,7 @@ def _launch(x: Tensor, global_scale: Tensor, pre: int, n: int, weight: Tensor | 
         _nvfp4_kernel[grid](
             rows, res, weight if weight is not None else rows, total, y_out if y_out is not None else q, q, s,
             global_scale, rows.stride(0), res.stride(0), n, eps, BLOCK=block, PRE=pre, ACT_KIND=ACTS[act],
-            STORE_Y=y_out is not None, num_warps=_warps(block),
+            STORE_Y=y_out is not None, CAST_LAST=cast_last, num_warps=_warps(block),
         )  # fmt: skip
     return (q, s, total) if residual is not None else (q, s)
 
@@ -127,14 +131,15 @@ def quant_nvfp4(y: Tensor, global_scale: Tensor) -> tuple[Tensor, Tensor]:
     return _launch(y, global_scale, NONE, y.shape[-1])  # type: ignore[return-value]
 
 
-def rms_norm_quant_nvfp4(x: Tensor, weight: Tensor, eps: float, global_scale: Tensor,
+def rms_norm_quant_nvfp4(x: Tensor, weight: Tensor, eps: float, global_scale: Tensor, cast_last: bool = False,
                          y_out: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
-    return _launch(x, global_scale, NORM, x.shape[-1], weight, eps, y_out=y_out)  # type: ignore[return-value]
+    return _launch(x, global_scale, NORM, x.shape[-1], weight, eps, y_out=y_out, cast_last=cast_last)  # type: ignore[return-value]
 
 
 def fused_add_rms_norm_quant_nvfp4(x: Tensor, residual: Tensor, weight: Tensor, eps: float, global_scale: Tensor,
+                                   cast_last: bool = False,
                                    y_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    out = _launch(x, global_scale, ADD_NORM, x.shape[-1], weight, eps, residual, y_out=y_out)
+    out = _launch(x, global_scale, ADD_NORM, x.shape[-1], weight, eps, residual, y_out=y_out, cast_last=cast_last)
     return out  # type: ignore[return-value]
 
 

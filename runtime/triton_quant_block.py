@@ -47,9 +47,10 @@ QUANT_ONLY, RMS_NORM, ADD_RMS_NORM, SILU, GELU, GELU_TANH = (tl.constexpr(i) for
 @triton.jit
 def _block_quant_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, q_ptr, s_ptr, y_ptr, n, eps,
                         GROUP: tl.constexpr, GROUPS: tl.constexpr, MODE: tl.constexpr,
-                        STORE_Y: tl.constexpr):  # fmt: skip
+                        STORE_Y: tl.constexpr, CAST_LAST: tl.constexpr = False):  # fmt: skip
     """Program (row, block): ``y`` over columns ``[block * GROUPS * GROUP, ...)`` of the output
-    row (``n`` columns; for the activations ``x`` has ``2n``: gate, then up), then FP8 per group."""
+    row (``n`` columns; for the activations ``x`` has ``2n``: gate, then up), then FP8 per group.
+    A norm's ``y`` is ``w * normed.to(dtype)`` rounded, or with ``CAST_LAST`` ``(w * normed)`` rounded once."""
     row = tl.program_id(0).to(tl.int64)
     g0 = tl.program_id(1) * GROUPS
     groups = g0 + tl.arange(0, GROUPS)
@@ -66,7 +67,10 @@ def _block_quant_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, q_ptr, s_ptr, y_ptr, n, ep
             ss = tl.sum(tl.sum(y * y, axis=1), axis=0)
             scale = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, n.to(tl.float32)) + eps))
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            y = (w * (y * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            y = y * scale
+            if not CAST_LAST:
+                y = y.to(dtype).to(tl.float32)
+            y = (w * y).to(dtype).to(tl.float32)
     else:
         base = x_ptr + row * 2 * n + cols
         gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
@@ -89,10 +93,11 @@ def _block_quant_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, q_ptr, s_ptr, y_ptr, n, ep
 
 
 def launch(mode: int, x: Tensor, n: int, group: int, weight: Tensor | None = None, eps: float = 0.0,
-           residual: Tensor | None = None, y_out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+           residual: Tensor | None = None, y_out: Tensor | None = None,
+           cast_last: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
     """Run :func:`_block_quant_kernel` over ``x``'s rows (contiguous; ``n`` output columns per
     row); returns ``(q, s, sum or None)`` shaped as the op returns them. ``y_out`` (a tensor of
-    the output's shape): store the value quantized there too."""
+    the output's shape): store the value quantized there too. ``cast_last``: the norms' order."""
     mode = int(getattr(mode, "value", mode))
     rows = x.numel() // x.shape[-1]
     shape = (*x.shape[:-1], n)
@@ -105,7 +110,8 @@ def launch(mode: int, x: Tensor, n: int, group: int, weight: Tensor | None = Non
         _block_quant_kernel[(rows, triton.cdiv(n // group, groups))](
             x, residual if residual is not None else dummy, weight if weight is not None else dummy,
             total if total is not None else dummy, q, s, y_out if y_out is not None else dummy, n, eps,
-            GROUP=group, GROUPS=groups, MODE=mode, STORE_Y=y_out is not None, num_warps=_warps(groups * group),
+            GROUP=group, GROUPS=groups, MODE=mode, STORE_Y=y_out is not None, CAST_LAST=cast_last,
+            num_warps=_warps(groups * group),
             enable_fp_fusion=False,  # no FMA: each product and sum rounds on its own, as the spec's
         )  # fmt: skip
     return q, s, total
@@ -114,15 +120,16 @@ def launch(mode: int, x: Tensor, n: int, group: int, weight: Tensor | None = Non
 # --------------------------------------------------------------------------- the ops' signatures
 
 
-def rms_norm_block_quant_fp8(x: Tensor, weight: Tensor, eps: float, group: int) -> tuple[Tensor, Tensor]:
-    q, s, _ = launch(RMS_NORM, x, x.shape[-1], group, weight, eps)
+def rms_norm_block_quant_fp8(x: Tensor, weight: Tensor, eps: float, group: int,
+                             cast_last: bool = False) -> tuple[Tensor, Tensor]:  # fmt: skip
+    q, s, _ = launch(RMS_NORM, x, x.shape[-1], group, weight, eps, cast_last=cast_last)
     return q, s
 
 
 def fused_add_rms_norm_block_quant_fp8(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int, cast_last: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return launch(ADD_RMS_NORM, x, x.shape[-1], group, weight, eps, residual)  # type: ignore[return-value]
+    return launch(ADD_RMS_NORM, x, x.shape[-1], group, weight, eps, residual, cast_last=cast_last)  # type: ignore[return-value]
 
 
 def silu_and_mul_block_quant_fp8(x: Tensor, group: int) -> tuple[Tensor, Tensor]:

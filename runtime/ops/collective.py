@@ -1,4 +1,5 @@
-"""All-reduce fused with the residual add and RMSNorm (and static FP8 quantization) that follow it.
+"""All-reduce fused with the residual add and RMSNorm (and a quantization: static FP8, block FP8,
+NVFP4) that follow it.
 
 Tensor parallelism ends attention (``o_proj``) and the MLP (``down_proj``) with an all-reduce
 of row-parallel partial sums; the next thing a Llama layer does is add the residual and norm::
@@ -67,7 +68,7 @@ import torch
 from torch import Tensor
 
 from fxrewrite.runtime import constraints, providers
-from fxrewrite.runtime.ops import quant_block
+from fxrewrite.runtime.ops import quant_block, quant_nvfp4
 from fxrewrite.runtime.ops.norm import _rms_norm_fake, check_norm_args, fake_sum
 from fxrewrite.runtime.ops.quant import FP8_CAPABILITY, _q, check_scale
 from fxrewrite.runtime.providers import Kernel, OpDef
@@ -112,6 +113,16 @@ def all_reduce_add_rms_norm_block_quant_fp8_reference(
     return torch.ops.fxr.fused_add_rms_norm_block_quant_fp8.default(reduced, residual, weight, eps, group)
 
 
+def all_reduce_add_rms_norm_quant_nvfp4_reference(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, global_scale: Tensor, group_name: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(values, scales, sum)``: ``fxr.fused_add_rms_norm_quant_nvfp4`` (``runtime/ops/quant_nvfp4.py``)
+    of the reduced ``x``. As for block FP8, no library fuses the all-reduce with it: on CUDA this
+    is the kernel too (NCCL's all-reduce, then the fused op's Triton kernel, "nccl+triton")."""
+    reduced = all_reduce_sum(x, group_name)
+    return torch.ops.fxr.fused_add_rms_norm_quant_nvfp4.default(reduced, residual, weight, eps, global_scale)
+
+
 # --------------------------------------------------------------------------- fake impls
 
 
@@ -126,17 +137,17 @@ def _quant_fake(
     return _q(x), fake_sum(x, residual)
 
 
-def _block_quant_check(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int, group_name: str
-) -> str | None:
-    return quant_block._triton_fused_add_check(x, residual, weight, eps, group)
+def _without_group_name(fn: Any) -> Any:
+    """``fn`` of the fused op's arguments (a check or a fake), called with the all-reduce op's:
+    the same followed by ``group_name``."""
+    return lambda *args: fn(*args[:-1])
 
 
-def _block_quant_fake(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int, group_name: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    total = fake_sum(x, residual)
-    return _q(total), total.new_empty((*total.shape[:-1], total.shape[-1] // group), dtype=torch.float32), total
+# NCCL's all-reduce, then the fused op's Triton kernel: what that kernel needs, what it returns
+_block_quant_check = _without_group_name(quant_block._triton_fused_add_check)
+_block_quant_fake = _without_group_name(quant_block._fused_add_fake)
+_nvfp4_check = _without_group_name(quant_nvfp4._triton_fused_add_check)
+_nvfp4_fake = _without_group_name(quant_nvfp4._fused_add_fake)
 
 
 # --------------------------------------------------------------------------- the workspace
@@ -341,5 +352,8 @@ DEFS: tuple[OpDef, ...] = (
     OpDef("all_reduce_add_rms_norm_block_quant_fp8", all_reduce_add_rms_norm_block_quant_fp8_reference, _block_quant_fake,
           (Kernel("triton", all_reduce_add_rms_norm_block_quant_fp8_reference, _block_quant_check, FP8_CAPABILITY,
                   "nccl+triton", quant_block.TRITON_MODULE),)),
+    OpDef("all_reduce_add_rms_norm_quant_nvfp4", all_reduce_add_rms_norm_quant_nvfp4_reference, _nvfp4_fake,
+          (Kernel("triton", all_reduce_add_rms_norm_quant_nvfp4_reference, _nvfp4_check, FP8_CAPABILITY,
+                  "nccl+triton", quant_nvfp4.TRITON_MODULE),)),
 )
 OPS: tuple[str, ...] = providers.define_all(DEFS)

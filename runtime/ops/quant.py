@@ -147,30 +147,34 @@ def fp8_output_mismatches(
 # --------------------------------------------------------------------------- references (the spec)
 
 
-def rms_norm_quant_fp8_reference(x: Tensor, weight: Tensor, eps: float, scale: Tensor) -> Tensor:
-    """``quant_fp8_static(rms_norm_reference(x, weight, eps), scale)``, i.e.
-    ``(rms_norm(x, w, eps).float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)``."""
-    return quant_fp8_static(rms_norm_reference(x, weight, eps), scale)
+def rms_norm_quant_fp8_reference(x: Tensor, weight: Tensor, eps: float, scale: Tensor, cast_last: bool = False) -> Tensor:
+    """``quant_fp8_static(rms_norm_reference(x, weight, eps, cast_last), scale)``, i.e.
+    ``(rms_norm(x, w, eps).float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)``
+    (``cast_last``: the norm's weight applied in float32, rounded once, as ``torch.rms_norm``)."""
+    return quant_fp8_static(rms_norm_reference(x, weight, eps, cast_last), scale)
 
 
-def rms_norm_dynamic_quant_fp8_reference(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """``(q, s) = quant_fp8_per_token(rms_norm_reference(x, weight, eps))``."""
-    return quant_fp8_per_token(rms_norm_reference(x, weight, eps))
+def rms_norm_dynamic_quant_fp8_reference(
+    x: Tensor, weight: Tensor, eps: float, cast_last: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``(q, s) = quant_fp8_per_token(rms_norm_reference(x, weight, eps, cast_last))``."""
+    return quant_fp8_per_token(rms_norm_reference(x, weight, eps, cast_last))
 
 
 def fused_add_rms_norm_quant_fp8_reference(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor, cast_last: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """Returns ``(q, sum)``: ``sum = x + residual; q = rms_norm_quant_fp8_reference(sum, weight, eps, scale)``."""
-    return add_then_norm(functools.partial(rms_norm_quant_fp8_reference, scale=scale), x, residual, weight, eps)
+    """Returns ``(q, sum)``: ``sum = x + residual; q = rms_norm_quant_fp8_reference(sum, weight, eps, scale, cast_last)``."""
+    norm = functools.partial(rms_norm_quant_fp8_reference, scale=scale, cast_last=cast_last)
+    return add_then_norm(norm, x, residual, weight, eps)
 
 
 def fused_add_rms_norm_dynamic_quant_fp8_reference(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(q, s, sum)``: ``sum = x + residual;
-    q, s = rms_norm_dynamic_quant_fp8_reference(sum, weight, eps)``."""
-    (q, s), total = add_then_norm(rms_norm_dynamic_quant_fp8_reference, x, residual, weight, eps)
+    q, s = rms_norm_dynamic_quant_fp8_reference(sum, weight, eps, cast_last)``."""
+    (q, s), total = add_then_norm(rms_norm_dynamic_quant_fp8_reference, x, residual, weight, eps, cast_last)
     return q, s, total
 
 
@@ -195,23 +199,23 @@ def _s(x: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
-def _rms_norm_quant_fake(x: Tensor, weight: Tensor, eps: float, scale: Tensor) -> Tensor:
+def _rms_norm_quant_fake(x: Tensor, weight: Tensor, eps: float, scale: Tensor, cast_last: bool = False) -> Tensor:
     return _q(x)
 
 
-def _rms_norm_dynamic_quant_fake(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _rms_norm_dynamic_quant_fake(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> tuple[Tensor, Tensor]:
     return _q(x), _s(x)
 
 
 def _fused_add_quant_fake(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor, cast_last: bool = False
 ) -> tuple[Tensor, Tensor]:
     total = fake_sum(x, residual)
     return _q(total), total
 
 
 def _fused_add_dynamic_quant_fake(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     total = fake_sum(x, residual)
     return _q(total), _s(total), total
@@ -244,19 +248,22 @@ def _hidden_multiple_of_4(d: int) -> str | None:
     return None if d % 4 == 0 else f"hidden {d} not a multiple of 4 (sgl_per_token_quant_fp8)"
 
 
-def _static_check(x: Tensor, weight: Tensor, eps: float, scale: Tensor) -> str | None:
+# The libraries' norms scale in float32 and round once (``cast_last``) or not at all before the
+# quantization (flashinfer's ``rmsnorm_quant``): either order is within fp8_mismatch's step of the spec.
+def _static_check(x: Tensor, weight: Tensor, eps: float, scale: Tensor, cast_last: bool = False) -> str | None:
     return check_norm(x, weight) or check_scale(x, scale)
 
 
-def _fused_add_static_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor) -> str | None:
+def _fused_add_static_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor,
+                            cast_last: bool = False) -> str | None:  # fmt: skip
     return check_norm_args(x, weight, residual) or check_scale(x, scale)
 
 
-def _dynamic_check(x: Tensor, weight: Tensor, eps: float) -> str | None:
+def _dynamic_check(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> str | None:
     return check_norm(x, weight, contiguous=True) or _hidden_multiple_of_4(x.shape[-1])
 
 
-def _fused_add_dynamic_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> str | None:
+def _fused_add_dynamic_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> str | None:
     return check_norm_args(x, weight, residual) or _hidden_multiple_of_4(x.shape[-1])
 
 
@@ -280,14 +287,22 @@ def _triton_rows_check(x: Tensor, weight: Tensor, others: tuple[Tensor, ...], sc
     return reason or (check_scale(x, scale) if scale is not None else None)
 
 
-def _triton_norm_check(x: Tensor, weight: Tensor, eps: float, scale: Tensor | None = None) -> str | None:
+def _triton_static_check(x: Tensor, weight: Tensor, eps: float, scale: Tensor, cast_last: bool = False) -> str | None:
     return _triton_rows_check(x, weight, (), scale)
 
 
-def _triton_fused_add_check(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor | None = None
-) -> str | None:
+def _triton_dynamic_check(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> str | None:
+    return _triton_rows_check(x, weight, (), None)
+
+
+def _triton_fused_add_static_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor,
+                                   cast_last: bool = False) -> str | None:  # fmt: skip
     return _triton_rows_check(x, weight, (residual,), scale)
+
+
+def _triton_fused_add_dynamic_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                                    cast_last: bool = False) -> str | None:  # fmt: skip
+    return _triton_rows_check(x, weight, (residual,), None)
 
 
 def _triton_silu_check(x: Tensor, scale: Tensor | None = None) -> str | None:
@@ -316,7 +331,7 @@ def sgl_per_token_quant(y: Tensor) -> tuple[Tensor, Tensor]:
     return q.view(y.shape), s.view(*y.shape[:-1], 1)
 
 
-def _flashinfer_rms_norm_quant(x: Tensor, weight: Tensor, eps: float, scale: Tensor) -> Tensor:
+def _flashinfer_rms_norm_quant(x: Tensor, weight: Tensor, eps: float, scale: Tensor, cast_last: bool = False) -> Tensor:
     rows = as_rows(x)
     assert rows is not None
     out = torch.empty(rows.shape, dtype=FP8_DTYPE, device=x.device)
@@ -325,15 +340,17 @@ def _flashinfer_rms_norm_quant(x: Tensor, weight: Tensor, eps: float, scale: Ten
     return out.view(x.shape)
 
 
-def _sgl_rms_norm_dynamic_quant(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _sgl_rms_norm_dynamic_quant(x: Tensor, weight: Tensor, eps: float, cast_last: bool = False) -> tuple[Tensor, Tensor]:
     return sgl_per_token_quant(sgl_rms_norm(x, weight, eps))
 
 
-def _fused_add_static(x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor) -> tuple[Tensor, Tensor]:
+def _fused_add_static(x: Tensor, residual: Tensor, weight: Tensor, eps: float, scale: Tensor,
+                      cast_last: bool = False) -> tuple[Tensor, Tensor]:  # fmt: skip
     return add_then_norm(functools.partial(_flashinfer_rms_norm_quant, scale=scale), x, residual, weight, eps)
 
 
-def _fused_add_dynamic(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, ...]:
+def _fused_add_dynamic(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                       cast_last: bool = False) -> tuple[Tensor, ...]:  # fmt: skip
     (q, s), total = add_then_norm(_sgl_rms_norm_dynamic_quant, x, residual, weight, eps)
     return q, s, total
 
@@ -364,7 +381,7 @@ DEFS: tuple[OpDef, ...] = (
         _rms_norm_quant_fake,
         (
             Kernel("flashinfer", _flashinfer_rms_norm_quant, _static_check, FP8, module=_FI),
-            _triton_kernel("rms_norm_quant_fp8", _triton_norm_check),
+            _triton_kernel("rms_norm_quant_fp8", _triton_static_check),
         ),
     ),
     OpDef(
@@ -372,7 +389,7 @@ DEFS: tuple[OpDef, ...] = (
         rms_norm_dynamic_quant_fp8_reference,
         _rms_norm_dynamic_quant_fake,
         (
-            _triton_kernel("rms_norm_dynamic_quant_fp8", _triton_norm_check),
+            _triton_kernel("rms_norm_dynamic_quant_fp8", _triton_dynamic_check),
             Kernel("sgl_kernel", _sgl_rms_norm_dynamic_quant, _dynamic_check, FP8),
         ),
     ),
@@ -381,7 +398,7 @@ DEFS: tuple[OpDef, ...] = (
         fused_add_rms_norm_quant_fp8_reference,
         _fused_add_quant_fake,
         (
-            _triton_kernel("fused_add_rms_norm_quant_fp8", _triton_fused_add_check),
+            _triton_kernel("fused_add_rms_norm_quant_fp8", _triton_fused_add_static_check),
             Kernel("flashinfer", _fused_add_static, _fused_add_static_check, FP8, "flashinfer+torch", _FI),
         ),
     ),
@@ -390,7 +407,7 @@ DEFS: tuple[OpDef, ...] = (
         fused_add_rms_norm_dynamic_quant_fp8_reference,
         _fused_add_dynamic_quant_fake,
         (
-            _triton_kernel("fused_add_rms_norm_dynamic_quant_fp8", _triton_fused_add_check),
+            _triton_kernel("fused_add_rms_norm_dynamic_quant_fp8", _triton_fused_add_dynamic_check),
             Kernel("sgl_kernel", _fused_add_dynamic, _fused_add_dynamic_check, FP8, "sgl_kernel+torch"),
         ),
     ),

@@ -83,18 +83,21 @@ def dequant_fp8_block(q: Tensor, s: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- references (the spec)
 
 
-def rms_norm_block_quant_fp8_reference(x: Tensor, weight: Tensor, eps: float, group: int) -> tuple[Tensor, Tensor]:
-    """``(q, s) = quant_fp8_block(rms_norm_reference(x, weight, eps), group)``."""
-    return quant_fp8_block(rms_norm_reference(x, weight, eps), group)
+def rms_norm_block_quant_fp8_reference(
+    x: Tensor, weight: Tensor, eps: float, group: int, cast_last: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``(q, s) = quant_fp8_block(rms_norm_reference(x, weight, eps, cast_last), group)`` (``cast_last``:
+    the weight applied in float32 and rounded once, ``torch.rms_norm``'s order)."""
+    return quant_fp8_block(rms_norm_reference(x, weight, eps, cast_last), group)
 
 
 def fused_add_rms_norm_block_quant_fp8_reference(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int, cast_last: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(q, s, sum)``: ``sum = x + residual;
-    q, s = rms_norm_block_quant_fp8_reference(sum, weight, eps, group)``."""
-    (q, s), total = add_then_norm(functools.partial(rms_norm_block_quant_fp8_reference, group=group),
-                                  x, residual, weight, eps)  # fmt: skip
+    q, s = rms_norm_block_quant_fp8_reference(sum, weight, eps, group, cast_last)``."""
+    norm = functools.partial(rms_norm_block_quant_fp8_reference, group=group, cast_last=cast_last)
+    (q, s), total = add_then_norm(norm, x, residual, weight, eps)
     return q, s, total
 
 
@@ -122,11 +125,12 @@ def _half_shape(x: Tensor) -> tuple[int, ...]:
     return (*x.shape[:-1], x.shape[-1] // 2)
 
 
-def _norm_fake(x: Tensor, weight: Tensor, eps: float, group: int) -> tuple[Tensor, Tensor]:
+def _norm_fake(x: Tensor, weight: Tensor, eps: float, group: int, cast_last: bool = False) -> tuple[Tensor, Tensor]:
     return block_outputs(x, group)
 
 
-def _fused_add_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int) -> tuple[Tensor, ...]:
+def _fused_add_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int,
+                    cast_last: bool = False) -> tuple[Tensor, ...]:  # fmt: skip
     total = fake_sum(x, residual)
     return (*block_outputs(total, group), total)
 
@@ -163,7 +167,8 @@ def _triton_rows(x: Tensor, *others: Tensor) -> str | None:
     return constraints.check_same_device(x, *others)
 
 
-def _triton_norm_check(x: Tensor, weight: Tensor, eps: float, group: int, residual: Tensor | None = None) -> str | None:
+def _triton_norm_check(x: Tensor, weight: Tensor, eps: float, group: int, cast_last: bool = False,
+                       residual: Tensor | None = None) -> str | None:  # fmt: skip
     others = (residual,) if residual is not None else ()
     if weight.dtype != x.dtype or weight.shape != x.shape[-1:]:
         return f"weight {weight.dtype}{tuple(weight.shape)} is not a [{x.shape[-1]}] vector of the input dtype"
@@ -173,8 +178,9 @@ def _triton_norm_check(x: Tensor, weight: Tensor, eps: float, group: int, residu
             or check_group(x.shape[-1], group, power_of_two=True))  # fmt: skip
 
 
-def _triton_fused_add_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int) -> str | None:
-    return _triton_norm_check(x, weight, eps, group, residual)
+def _triton_fused_add_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int,
+                            cast_last: bool = False) -> str | None:  # fmt: skip
+    return _triton_norm_check(x, weight, eps, group, cast_last, residual)
 
 
 def _triton_act_check(x: Tensor, group: int, approximate: str = "none") -> str | None:

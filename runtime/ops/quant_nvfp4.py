@@ -147,17 +147,18 @@ def nvfp4_mismatch(got: tuple[Tensor, Tensor], want: tuple[Tensor, Tensor], glob
 
 
 def rms_norm_quant_nvfp4_reference(
-    x: Tensor, weight: Tensor, eps: float, global_scale: Tensor
+    x: Tensor, weight: Tensor, eps: float, global_scale: Tensor, cast_last: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """``quant_nvfp4(rms_norm_reference(x, weight, eps), global_scale)``."""
-    return quant_nvfp4(rms_norm_reference(x, weight, eps), global_scale)
+    """``quant_nvfp4(rms_norm_reference(x, weight, eps, cast_last), global_scale)`` (``cast_last``:
+    the weight applied in float32 and rounded once, ``torch.rms_norm``'s order)."""
+    return quant_nvfp4(rms_norm_reference(x, weight, eps, cast_last), global_scale)
 
 
 def fused_add_rms_norm_quant_nvfp4_reference(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, global_scale: Tensor
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, global_scale: Tensor, cast_last: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(q, s, sum)``: ``sum = x + residual; q, s = rms_norm_quant_nvfp4_reference(sum, ...)``."""
-    norm = functools.partial(rms_norm_quant_nvfp4_reference, global_scale=global_scale)
+    norm = functools.partial(rms_norm_quant_nvfp4_reference, global_scale=global_scale, cast_last=cast_last)
     (q, s), total = add_then_norm(norm, x, residual, weight, eps)
     return q, s, total
 
@@ -182,12 +183,12 @@ def _quantized(x: Tensor, width: int) -> tuple[Tensor, Tensor]:
     return x.new_empty((*lead, width // 2), dtype=torch.uint8), x.new_empty((*lead, width // BLOCK), dtype=SCALE_DTYPE)
 
 
-def _norm_fake(x: Tensor, weight: Tensor, eps: float, global_scale: Tensor) -> tuple[Tensor, Tensor]:
+def _norm_fake(x: Tensor, weight: Tensor, eps: float, global_scale: Tensor, cast_last: bool = False) -> tuple[Tensor, Tensor]:
     return _quantized(x, x.shape[-1])
 
 
 def _fused_add_fake(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, global_scale: Tensor
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, global_scale: Tensor, cast_last: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     total = fake_sum(x, residual)
     return (*_quantized(total, total.shape[-1]), total)
@@ -234,12 +235,12 @@ def _check_rows(x: Tensor, width: int, others: tuple[Tensor, ...] = ()) -> str |
     return None
 
 
-def _triton_norm_check(x: Tensor, weight: Tensor, eps: float, global_scale: Tensor) -> str | None:
+def _triton_norm_check(x: Tensor, weight: Tensor, eps: float, global_scale: Tensor, cast_last: bool = False) -> str | None:
     return _triton_fused_add_check(x, None, weight, eps, global_scale)
 
 
 def _triton_fused_add_check(
-    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, global_scale: Tensor
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, global_scale: Tensor, cast_last: bool = False
 ) -> str | None:
     reason = _check_rows(x, x.shape[-1] if x.dim() else 0, () if residual is None else (residual,))
     reason = reason or constraints.check_triton_row(x.shape[-1]) or check_global_scale(x, global_scale)

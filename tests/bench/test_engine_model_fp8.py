@@ -19,8 +19,8 @@ CFG = tiny_fp8()
 MAX_SEQS, MAX_LEN = 4, 64
 
 
-def _model(dtype: torch.dtype) -> Any:
-    model = to_block_fp8(build_model(CFG, dtype=dtype))
+def _model(dtype: torch.dtype, gemm: str = "fp8") -> Any:
+    model = to_block_fp8(build_model(CFG, dtype=dtype), gemm)
     model.allocate_kv_cache(MAX_SEQS, MAX_LEN)
     return model
 
@@ -41,13 +41,15 @@ def test_every_layer_linear_is_converted() -> None:
     assert model.layers[0].mlp.down_proj.weight_q.dtype == torch.float8_e4m3fn
 
 
+@pytest.mark.parametrize("gemm", ["fp8", "dequant"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize(("kind", "size", "context"), [("decode", 3, 9), ("prefill", 6, 0)])
 def test_rewriter_fuses_norm_and_activation_quant_sites_per_layer(kind: str, size: int, context: int,
-                                                                  dtype: torch.dtype) -> None:  # fmt: skip
+                                                                  dtype: torch.dtype, gemm: str) -> None:  # fmt: skip
     """Per layer: the input norm (add + norm after the first layer), the post-attention add +
-    norm and SiLU-and-mul, each with its block quantization, as one op; bit for bit eager."""
-    model = _model(dtype)
+    norm and SiLU-and-mul, each with its block quantization, as one op; bit for bit eager. Either
+    GEMM (``fxr.linear_block_fp8``: four per layer)."""
+    model = _model(dtype, gemm)
     batch = make_batch(CFG, kind, size, context, max_len=MAX_LEN)
     names = list(batch)
 
@@ -60,4 +62,5 @@ def test_rewriter_fuses_norm_and_activation_quant_sites_per_layer(kind: str, siz
         assert got.get(op) == n, got
     # what the block quant does not take: the quantization of the attention output (o_proj's input)
     assert sum(n for op, n in r.counts().items() if "amax" in op) == CFG.num_layers, r.counts()
+    assert got.get("linear_block_fp8", 0) == (4 * CFG.num_layers if gemm == "fp8" else 0), got
     assert torch.equal(r.output, r.eager)

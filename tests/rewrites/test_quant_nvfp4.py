@@ -10,13 +10,15 @@ unfused code, so values and scales must equal eager bit for bit (``exact=True``)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from helpers.rewrites import BF16, DYNAMIC, F32, check, reasons, sites
+from helpers.rewrites import BF16, DYNAMIC, F32, check, fake_process_group, reasons, sites
 
 from fxrewrite.runtime.ops.quant_nvfp4 import quant_e2m1_blocks, quant_nvfp4
 
@@ -198,3 +200,44 @@ def test_quantized_norm_whose_output_is_also_used_fuses_only_the_norm() -> None:
     x, w = inputs(BF16)[0], torch.randn(64, dtype=BF16)
     r = check(both, x, w, torch.tensor([150.0]), expect={"rms_norm": 1}, dynamic=False, exact=True)
     assert reasons(r, "rms_norm_quant_nvfp4") == ["internal node `y` has 1 user(s) outside the match (`output`)"]
+
+
+# -- all-reduce + add + RMSNorm + NVFP4 (tensor parallel) ----------------------------------------
+
+
+@pytest.fixture
+def fake_group() -> Iterator[None]:
+    with fake_process_group():
+        yield
+
+
+def all_reduce_model(w: torch.Tensor, block: int = 16) -> Callable[..., Any]:
+    g = torch.tensor(300.0)
+
+    def fn(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+        return (*quant_e2m1_blocks(rms_norm(h, w, 1e-6), g, block), h)
+
+    return fn
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@DYNAMIC
+@pytest.mark.usefixtures("fake_group")
+def test_all_reduce_add_rms_norm_nvfp4(dtype: torch.dtype, dynamic: bool | str) -> None:
+    """The all-reduce that ends a row-parallel linear, the residual add, the norm and NVFP4: one op."""
+    w = (1 + 0.1 * torch.randn(64)).to(dtype)
+    x, r = torch.randn(4, 64).to(dtype), torch.randn(4, 64).to(dtype)
+    res = check(all_reduce_model(w), x, r, expect={"all_reduce_add_rms_norm_quant_nvfp4": 1}, dynamic=dynamic,
+                exact=True)  # fmt: skip
+    assert [s.rule for s in sites(res)] == ["all_reduce_add_rms_norm_quant_nvfp4"]
+
+
+@pytest.mark.usefixtures("fake_group")
+def test_all_reduce_then_blocks_of_32_fuse_without_the_quantizer() -> None:
+    """The twin: MXFP4-sized blocks are refused with the reason; the all-reduce + add + norm
+    still fuses (collective.RULES after it)."""
+    w = torch.randn(64).to(BF16)
+    x, r = torch.randn(4, 64).to(BF16), torch.randn(4, 64).to(BF16)
+    res = check(all_reduce_model(w, 32), x, r, expect={"all_reduce_add_rms_norm": 1}, dynamic=False, exact=True)
+    assert reasons(res, "all_reduce_add_rms_norm_quant_nvfp4") == ["guard: blocks of 32 values: NVFP4 scales blocks of 16"]

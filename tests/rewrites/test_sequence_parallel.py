@@ -19,6 +19,9 @@ from helpers.rewrites import BF16, F32, LlamaRMSNorm, check, fake_process_group,
 
 import fxrewrite
 from fxrewrite.config import Config
+from fxrewrite.runtime.ops.quant import quant_fp8_static
+from fxrewrite.runtime.ops.quant_block import quant_fp8_block
+from fxrewrite.runtime.ops.quant_nvfp4 import quant_nvfp4
 from fxrewrite.testing import compile_once
 
 AR, SP, RULE = "all_reduce_add_rms_norm", "sp_reduce_add_rms_norm", "sequence_parallel"
@@ -142,3 +145,27 @@ def test_nothing_to_shard_without_a_fused_all_reduce() -> None:
 
     r = check(plain, *_inputs(), expect={"fused_add_rms_norm": 1}, sequence_parallel_min_tokens=4)
     assert sites(r, RULE) == [] and reasons(r, RULE) == []
+
+
+QUANTIZERS = {
+    "all_reduce_add_rms_norm_quant_fp8": lambda y: quant_fp8_static(y, torch.tensor(0.05)),
+    "all_reduce_add_rms_norm_block_quant_fp8": lambda y: quant_fp8_block(y, 32),
+    "all_reduce_add_rms_norm_quant_nvfp4": lambda y: quant_nvfp4(y, torch.tensor(300.0)),
+}
+
+
+@pytest.mark.parametrize("op", list(QUANTIZERS))
+def test_a_quantized_site_is_not_sharded_and_says_so(op: str) -> None:
+    """A site whose norm feeds a quantizer (static FP8, block FP8, NVFP4): the sharded op has no
+    such output; the fused quant site stays, and the report names it."""
+
+    norm = LlamaRMSNorm(64).to(BF16)
+
+    def fn(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+        q = QUANTIZERS[op](norm(h))
+        return (*q, h) if isinstance(q, tuple) else (q, h)
+
+    r = check(fn, *_inputs(BF16), expect={op: 1}, sequence_parallel_min_tokens=4, dynamic=False, exact=True)
+    assert sites(r, RULE) == []
+    assert reasons(r, RULE) == [f"fxr::{op} (quantized output): no sharded form of it"]

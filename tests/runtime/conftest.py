@@ -56,3 +56,9 @@ def triton_nvfp4() -> Iterator[types.ModuleType]:
 def triton_quant_block() -> Iterator[types.ModuleType]:
     """``fxrewrite.runtime.triton_quant_block`` interpreted (tests/runtime/test_quant_block_ops.py's GPU tests run it compiled)."""
     yield from _interpreted("fxrewrite.runtime.triton_quant_block", "_block_quant_kernel")
+
+
+@pytest.fixture(scope="module")
+def triton_linear_block_fp8() -> Iterator[types.ModuleType]:
+    """``fxrewrite.runtime.triton_linear_block_fp8`` interpreted (its GPU tests run it compiled)."""
+    yield from _interpreted("fxrewrite.runtime.triton_linear_block_fp8", "_linear_block_fp8_kernel")

@@ -55,9 +55,38 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
         "gather": lambda: True,
         "gated": lambda: False,
     }
+    values.update(block_fp8_gemm_args(shape, gen, dtype))
     for name in rotary_samples.NAMES:
         values[name] = functools.partial(rotary_samples.rotary_arg, name, shape, dtype, gen)
     for name in moe_samples.NAMES:
         values[name] = functools.partial(moe_samples.moe_arg, name, shape, dtype, gen)
     names = inspect.signature(op.reference).parameters
     return [rand(gen, *shape, dtype=dtype) if name in ("x", "residual", "a", "b") else values[name]() for name in names]
+
+
+def with_arg(op: OpDef, args: list[Any], name: str, value: Any) -> list[Any]:
+    """``args`` with ``op``'s argument ``name`` set to ``value`` (unchanged when ``op`` has none)."""
+    names = list(inspect.signature(op.reference).parameters)
+    return [value if n == name else a for n, a in zip(names, args)]
+
+
+def block_fp8_gemm_args(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> dict[str, Any]:
+    """``fxr.linear_block_fp8``'s arguments, as makers: activations of ``shape``'s leading dims and
+    K the last dim rounded up to 128, quantized per group of 128; a [128, K] weight per 128 x 128
+    tile; the output in ``dtype``."""
+    from fxrewrite.runtime.ops.linear_block_fp8 import quant_weight_block
+    from fxrewrite.runtime.ops.quant_block import quant_fp8_block
+
+    k = 128 * -(-shape[-1] // 128)
+    made: dict[str, Any] = {}
+
+    def make() -> None:
+        if not made:
+            made["a_q"], made["a_scale"] = quant_fp8_block(torch.randn(*shape[:-1], k, generator=gen))
+            made["w_q"], made["w_scale"] = quant_weight_block(torch.randn(128, k, generator=gen) * k**-0.5)
+
+    def get(name: str) -> Any:
+        make()
+        return made[name]
+
+    return {**{n: functools.partial(get, n) for n in ("a_q", "a_scale", "w_q", "w_scale")}, "out_dtype": lambda: dtype}

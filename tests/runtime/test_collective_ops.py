@@ -71,6 +71,42 @@ def test_spec_sums_over_the_ranks() -> None:
         torch.testing.assert_close(res["sum_q"], total)
 
 
+ARB = torch.ops.fxr.all_reduce_add_rms_norm_block_quant_fp8.default
+ARN = torch.ops.fxr.all_reduce_add_rms_norm_quant_nvfp4.default
+GLOBAL_SCALE = torch.tensor([300.0])
+
+
+def test_opcheck_block_fp8_and_nvfp4(fake_group: str) -> None:
+    x, residual, weight = _args(0, 6, 64, torch.float32)
+    torch.library.opcheck(ARB, (x, residual, weight, EPS, 32, fake_group))
+    torch.library.opcheck(ARN, (x, residual, weight, EPS, GLOBAL_SCALE, fake_group))
+
+
+def quant_worker(rank: int, world: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    group = dist.group.WORLD.group_name
+    x, residual, weight = _args(rank, 5, 256, torch.bfloat16)
+    return {"block": ARB(x, residual, weight, EPS, 128, group), "nvfp4": ARN(x, residual, weight, EPS, GLOBAL_SCALE, group)}
+
+
+def test_block_fp8_and_nvfp4_sum_over_the_ranks() -> None:
+    """Two gloo ranks, bf16: each op is its fused add + norm + quant op of ``x_0 + x_1``, bit for bit
+    (values, scales, the new residual), on every rank."""
+    from fxrewrite.runtime.ops.quant_block import fused_add_rms_norm_block_quant_fp8_reference
+    from fxrewrite.runtime.ops.quant_nvfp4 import fused_add_rms_norm_quant_nvfp4_reference
+
+    results = run_ranks(quant_worker, backend="gloo")
+    (x0, residual, weight), (x1, _, _) = _args(0, 5, 256, torch.bfloat16), _args(1, 5, 256, torch.bfloat16)
+    want = {"block": fused_add_rms_norm_block_quant_fp8_reference(x0 + x1, residual, weight, EPS, 128),
+            "nvfp4": fused_add_rms_norm_quant_nvfp4_reference(x0 + x1, residual, weight, EPS, GLOBAL_SCALE)}  # fmt: skip
+    for res in results:
+        for kind, outs in res.items():
+            for got, ref in zip(outs, want[kind], strict=True):
+                assert got.dtype == ref.dtype and torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), kind
+    # the sum is over both ranks: one rank's x alone gives other bytes
+    alone = fused_add_rms_norm_quant_nvfp4_reference(x0, residual, weight, EPS, GLOBAL_SCALE)
+    assert not torch.equal(results[0]["nvfp4"][0], alone[0])
+
+
 @pytest.mark.parametrize(
     ("tokens", "hidden", "world", "oneshot"),
     [(1, 4096, 2, True), (16384, 4096, 2, True), (16385, 4096, 2, False), (1024, 4096, 4, True),

@@ -21,7 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import fxrewrite.runtime.ops as ops
 from samples import op_args  # this folder
-from fxrewrite.runtime.ops import activation, linear, norm, quant, quant_nvfp4
+from fxrewrite.runtime.ops import activation, linear, norm, quant
 from fxrewrite.runtime.providers import OpDef
 
 EPS = 1e-6
@@ -385,7 +385,7 @@ def make_args(op: OpDef, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.
     """Arguments for ``op`` by parameter name (:func:`samples.op_args`); ``shape`` is that of
     ``x`` (even last dim; rounded up to a multiple of 32 for the NVFP4 ops, which quantize
     blocks of 16 of a gated activation's half)."""
-    if op in quant_nvfp4.DEFS:
+    if "global_scale" in inspect.signature(op.reference).parameters:  # NVFP4 (the all-reduce one too)
         shape = (*shape[:-1], -(-shape[-1] // 32) * 32)
     return tuple(op_args(op, shape, gen, dtype))
 
@@ -435,7 +435,7 @@ def test_linear_silu_and_mul_triton_kernel_constraints(gen: torch.Generator) -> 
 
 def test_ops_lists_every_definition() -> None:
     assert ops.OPS == tuple(op.name for op in ops.DEFS)
-    assert len(set(ops.OPS)) == len(ops.OPS) == 41
+    assert len(set(ops.OPS)) == len(ops.OPS) == 43
     for name in ops.OPS:
         assert hasattr(torch.ops.fxr, name)
 
@@ -460,9 +460,12 @@ def test_opcheck(gen: torch.Generator, op: OpDef) -> None:
     # cannot be functionalized, which only AOTAutograd/Inductor would need; fxrewrite never does.
     utils = ("test_schema", "test_faketensor") if op.mutates_args else ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     for shape in [(2, 34), (2, 3, 64)]:
-        torch.library.opcheck(
-            getattr(torch.ops.fxr, op.name).default, make_args(op, shape, torch.float32, gen), test_utils=utils
-        )
+        args = make_args(op, shape, torch.float32, gen)
+        # FP8 inputs (fxr.linear_block_fp8): the schema test compares them with arithmetic that
+        # float8 has no CPU kernel for; the op declares no mutation, and the other tests run
+        fp8 = any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args)
+        torch.library.opcheck(getattr(torch.ops.fxr, op.name).default, args,
+                              test_utils=tuple(u for u in utils if not (fp8 and u == "test_schema")))  # fmt: skip
 
 
 @pytest.mark.parametrize("op", [op for op in ops.DEFS if not op.mutates_args], ids=lambda op: op.name)

@@ -23,8 +23,8 @@ from helpers.gpu import force, fresh_counts, gen  # noqa: F401  (fresh_counts, g
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import (activation, async_tp, collective, moe, moe_route, norm, norm_variants, quant,
-                                   quant_block, quant_nvfp4, rotary, sequence_parallel)
+from fxrewrite.runtime.ops import (activation, async_tp, collective, linear_block_fp8, moe, moe_route, norm, norm_variants,
+                                   quant, quant_block, quant_nvfp4, rotary, sequence_parallel)
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -43,10 +43,11 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 # fxr.moe (routing and stacked experts) test_moe_gpu.py, fxr.moe_route (router logits [tokens,
 # experts] with no two equal in a row, the router's kind; its ids compared exactly)
 # test_moe_route_gpu.py; the NVFP4 ops (packed values, block scales) test_quant_nvfp4_gpu.py; the
-# block FP8 ops (a group argument, per-group scales) test_quant_block_ops.py.
+# block FP8 ops (a group argument, per-group scales) test_quant_block_ops.py, the block-FP8 GEMM
+# (FP8 operands and scales) test_linear_block_fp8_ops.py.
 GENERIC = [op for op in ops.DEFS
            if op not in rotary.DEFS + collective.DEFS + sequence_parallel.DEFS + async_tp.DEFS + moe.DEFS + moe_route.DEFS
-           + quant_nvfp4.DEFS + quant_block.DEFS]
+           + quant_nvfp4.DEFS + quant_block.DEFS + linear_block_fp8.DEFS]
 SHAPES = [(1, 4096), (7, 4096), (64, 4096), (513, 4096), (4096, 4096), (3, 33), (5, 3420), (2, 5120)]
 
 
@@ -284,6 +285,19 @@ def test_norms_without_weight_or_with_the_scale_rounded(provider: str, weighted:
         add = ops.DEFS[ops.OPS.index("fused_add_rms_norm_")]
         args = [x.clone(), torch.randn_like(x), None, EPS]
         assert run_and_check(add, provider, args, torch.bfloat16) == ("triton" if provider == "triton" else "torch")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("provider", KERNEL_PROVIDERS)
+@pytest.mark.parametrize("op", [op for op in quant.DEFS if "cast_last" in inspect.signature(op.reference).parameters],
+                         ids=lambda op: op.name)
+def test_norm_quant_in_the_llama_order(op: OpDef, provider: str, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """The FP8 norm ops with ``cast_last=False`` (the weight after the rounding; the generic test
+    above runs ``True``, torch.rms_norm's order): every provider within an e4m3 step of the spec."""
+    force(provider)
+    args = make_args(op, 64, 4096, dtype, gen)
+    args[list(inspect.signature(op.reference).parameters).index("cast_last")] = False
+    run_and_check(op, provider, args, dtype)
 
 
 @pytest.mark.parametrize("provider", KERNEL_PROVIDERS)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import activation, layernorm, norm, quant, quant_block, quant_nvfp4, rotary
+from fxrewrite.runtime.ops import activation, layernorm, linear_block_fp8, norm, quant, quant_block, quant_nvfp4, rotary
 from fxrewrite.runtime.providers import Kernel, OpDef
 from samples import op_args  # this folder
 
@@ -496,7 +496,8 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
     install(registry, **{providers.TRITON_MODULE: None, "fxrewrite.runtime.triton_moe": None,
                          layernorm.TRITON_LAYER_NORM: None, "fxrewrite.runtime.triton_route": None,
                          "fxrewrite.runtime.triton_norms": None, quant_nvfp4.TRITON_MODULE: None,
-                         quant_block.TRITON_MODULE: None, activation.TRITON_ACT_MUL: None})  # fmt: skip
+                         quant_block.TRITON_MODULE: None, activation.TRITON_ACT_MUL: None,
+                         linear_block_fp8.TRITON_MODULE: None})  # fmt: skip
     assert providers.preload() == {
         "flashinfer": False,
         "flashinfer.activation": False,
@@ -506,6 +507,7 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
         "fxrewrite.runtime.triton_act_mul": False,
         "fxrewrite.runtime.triton_kernels": False,
         "fxrewrite.runtime.triton_layernorm": False,
+        "fxrewrite.runtime.triton_linear_block_fp8": False,
         "fxrewrite.runtime.triton_moe": False,
         "fxrewrite.runtime.triton_quant_block": False,
         "fxrewrite.runtime.triton_norms": False,

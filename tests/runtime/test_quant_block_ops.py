@@ -116,15 +116,16 @@ def test_triton_checks_refuse_what_the_kernel_cannot_take() -> None:
 
 
 def op_args(name: str, shape: tuple[int, ...], dtype: torch.dtype, group: int, device: str = "cpu",
-            exact: bool = False) -> tuple[object, ...]:  # fmt: skip
-    """Arguments of op ``name`` for a ``shape`` output (activations: an input of twice its width)."""
+            exact: bool = False, cast_last: bool = False) -> tuple[object, ...]:  # fmt: skip
+    """Arguments of op ``name`` for a ``shape`` output (activations: an input of twice its width;
+    norms: ``cast_last``, their order of weight and rounding)."""
     wide = name not in NORMS
     x = rows((*shape[:-1], 2 * shape[-1]) if wide else shape, dtype, device, exact)
     w = (1 + 0.1 * torch.randn(shape[-1])).to(dtype).to(device)
     if name == "rms_norm_block_quant_fp8":
-        return x, w, EPS, group
+        return x, w, EPS, group, cast_last
     if name == "fused_add_rms_norm_block_quant_fp8":
-        return x, rows(shape, dtype, device, exact), w, EPS, group
+        return x, rows(shape, dtype, device, exact), w, EPS, group, cast_last
     if name == "silu_and_mul_block_quant_fp8":
         return x, group
     return x, group, "tanh" if name.endswith("tanh") else "none"
@@ -133,11 +134,11 @@ def op_args(name: str, shape: tuple[int, ...], dtype: torch.dtype, group: int, d
 def pre_quant(name: str, args: tuple[object, ...]) -> torch.Tensor:
     """What the reference quantizes."""
     if name == "rms_norm_block_quant_fp8":
-        x, w, eps, _ = args
-        return rms_norm_reference(x, w, eps)
+        x, w, eps, _, cast_last = args
+        return rms_norm_reference(x, w, eps, cast_last)
     if name == "fused_add_rms_norm_block_quant_fp8":
-        x, r, w, eps, _ = args
-        return rms_norm_reference(x + r, w, eps)
+        x, r, w, eps, _, cast_last = args
+        return rms_norm_reference(x + r, w, eps, cast_last)
     if name == "silu_and_mul_block_quant_fp8":
         return silu_and_mul_reference(args[0])
     return gelu_and_mul_reference(args[0], args[2])
@@ -149,17 +150,18 @@ KERNEL_OPS = ["rms_norm_block_quant_fp8", "fused_add_rms_norm_block_quant_fp8", 
 
 def run_storing_y(tq: types.ModuleType, name: str, args: tuple[object, ...]) -> tuple[torch.Tensor, ...]:
     """The kernel as the op runs it, with ``STORE_Y``: (q, s[, sum], y)."""
-    x, group = args[0], args[-1] if name in NORMS else args[1]
+    x, group = args[0], args[-2] if name in NORMS else args[1]
     assert isinstance(x, torch.Tensor)
+    cast_last = False
     if name in NORMS:
         n, mode = x.shape[-1], tq.RMS_NORM if name == NORMS[0] else tq.ADD_RMS_NORM
-        weight, eps = args[-3], args[-2]
+        weight, eps, cast_last = args[-4], args[-3], args[-1]
         residual = args[1] if name == NORMS[1] else None
     else:
         n, weight, eps, residual = x.shape[-1] // 2, None, 0.0, None
         mode = tq.SILU if name.startswith("silu") else tq.GELU_TANH if args[2] == "tanh" else tq.GELU
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    q, s, total = tq.launch(mode, x, n, group, weight, eps, residual, y_out=y)
+    q, s, total = tq.launch(mode, x, n, group, weight, eps, residual, y_out=y, cast_last=cast_last)
     return (q, s, *(() if total is None else (total,)), y)
 
 
@@ -199,14 +201,16 @@ def test_triton_kernel_quantizes_its_values_as_the_spec(triton_quant_block: type
         assert_bits((outs[2],), (args[0] + args[1],))  # type: ignore[operator]
 
 
+@pytest.mark.parametrize("cast_last", [False, True], ids=["round-then-scale", "scale-then-round"])
 @pytest.mark.parametrize("exact", [False, True], ids=["random", "exact-sums"])
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
 @pytest.mark.parametrize("name", NORMS)
 def test_triton_norm_ops_equal_the_reference_bit_for_bit(triton_quant_block: types.ModuleType, name: str,
-                                                          dtype: torch.dtype, exact: bool) -> None:  # fmt: skip
+                                                          dtype: torch.dtype, exact: bool, cast_last: bool) -> None:  # fmt: skip
     """The whole op against its reference: bf16 / fp16 rows (rounding absorbs the order of the
-    sum of squares), float32 rows whose sums are exact; float32 random rows may not (the twin)."""
-    args = op_args(name, (8, 1024), dtype, 128, exact=exact)
+    sum of squares), float32 rows whose sums are exact; float32 random rows may not (the twin).
+    Either order of the weight and the rounding (``cast_last``: torch.rms_norm's)."""
+    args = op_args(name, (8, 1024), dtype, 128, exact=exact, cast_last=cast_last)
     got, want = getattr(triton_quant_block, name)(*args), getattr(qb, f"{name}_reference")(*args)
     if dtype == F32 and not exact:  # scales move with a last bit of the row's sum: one e4m3 step at most
         from fxrewrite.runtime.ops.quant import fp8_mismatch
@@ -214,6 +218,16 @@ def test_triton_norm_ops_equal_the_reference_bit_for_bit(triton_quant_block: typ
         assert fp8_mismatch(got[0], want[0], scale_rtol=4 * torch.finfo(F32).eps) is None
         return
     assert_bits(got, want)
+
+
+@pytest.mark.parametrize("name", NORMS)
+def test_the_two_orders_quantize_differently(triton_quant_block: types.ModuleType, name: str) -> None:
+    """The twin of ``cast_last``: in bf16 the order of weight and rounding moves FP8 bytes, so the
+    test above tells a kernel that ignores the flag from one that follows it."""
+    args = op_args(name, (8, 1024), BF16, 128)
+    flipped = (*args[:-1], True)
+    assert not torch.equal(u8(getattr(qb, f"{name}_reference")(*args)[0]), u8(getattr(qb, f"{name}_reference")(*flipped)[0]))
+    assert not torch.equal(u8(getattr(triton_quant_block, name)(*args)[0]), u8(getattr(triton_quant_block, name)(*flipped)[0]))
 
 
 def test_triton_activation_ops_equal_the_reference_but_for_exp_erf_last_bits(triton_quant_block: types.ModuleType) -> None:
@@ -226,54 +240,45 @@ def test_triton_activation_ops_equal_the_reference_but_for_exp_erf_last_bits(tri
         assert float((u8(got[0]) != u8(want[0])).float().mean()) < 1e-3, name
 
 
-COMPILE_FOR_HOPPER = """
-import collections, re, sys, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import fxrewrite.runtime.triton_quant_block as tq
-sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv",
-       "s_ptr": "*fp32", "y_ptr": "*bf16", "n": "i32", "eps": "fp32", "GROUP": "constexpr", "GROUPS": "constexpr",
-       "MODE": "constexpr", "STORE_Y": "constexpr"}
-for mode in (tq.ADD_RMS_NORM, tq.GELU_TANH):
-    src = ASTSource(tq._block_quant_kernel, sig, constexprs={"GROUP": 128, "GROUPS": 32, "MODE": mode, "STORE_Y": False})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["ptx"]
-    print(dict(collections.Counter(re.findall(r"\\b(div\\.full\\.f32|div\\.approx\\.f32|fma\\.rn\\.f32|"
-                                               r"cvt\\.rn\\.satfinite\\.e4m3x2\\.f32)", ptx))))
-"""
-
-
 def test_triton_kernel_compiles_for_hopper() -> None:
     """Compiled for sm90 (no GPU needed; the interpreter forgives what the compiler refuses, e.g.
-    a global that is not a constexpr): IEEE divisions only, no FMA, saturating e4m3 conversion."""
-    import os
-    import subprocess
-    import sys
+    a global that is not a constexpr): IEEE divisions only, no FMA, saturating e4m3 conversion;
+    the norm in either order of its weight and rounding (``CAST_LAST``), an activation."""
+    import collections
+    import re
 
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    if done.returncode and ("ptxas" in done.stderr or "No such file" in done.stderr):
-        pytest.skip(f"no CUDA toolchain for Triton here: {done.stderr.strip().splitlines()[-1]}")
-    assert done.returncode == 0, done.stderr[-2000:]
-    for line in done.stdout.strip().splitlines():
-        counts = eval(line)  # noqa: S307 - our own subprocess's dict
+    from helpers.triton import compile_for_hopper
+
+    import fxrewrite.runtime.triton_quant_block as tq
+
+    types = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv",
+             "s_ptr": "*fp32", "y_ptr": "*bf16", "n": "i32", "eps": "fp32"}  # fmt: skip
+    for mode, cast_last in ((tq.ADD_RMS_NORM, False), (tq.ADD_RMS_NORM, True), (tq.GELU_TANH, False)):
+        constexprs = {"GROUP": 128, "GROUPS": 32, "MODE": int(mode.value), "STORE_Y": False, "CAST_LAST": cast_last}
+        ptx = compile_for_hopper("fxrewrite.runtime.triton_quant_block", "_block_quant_kernel", types, constexprs,
+                                 enable_fp_fusion=False)  # fmt: skip
+        counts = collections.Counter(re.findall(
+            r"\b(div\.full\.f32|div\.approx\.f32|fma\.rn\.f32|cvt\.rn\.satfinite\.e4m3x2\.f32)", ptx))
         assert set(counts) == {"cvt.rn.satfinite.e4m3x2.f32"}, counts
 
 
 # -- GPU: each provider compiled, against the spec ---------------------------------------------
 
+@pytest.mark.parametrize("cast_last", [False, True], ids=["round-then-scale", "scale-then-round"])
 @pytest.mark.parametrize("shape", [(1, 2048), (8, 4096), (33, 7168), (512, 4096)])
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
 @pytest.mark.parametrize("name", KERNEL_OPS)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_triton_quantizes_its_values_as_the_spec(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+def test_gpu_triton_quantizes_its_values_as_the_spec(name: str, dtype: torch.dtype, shape: tuple[int, ...],
+                                                     cast_last: bool) -> None:  # fmt: skip
     """Compiled: bytes and scales equal the spec of the values quantized (on the CPU), bit for
     bit; those values within one rounding of the CPU reference's (approximate rsqrt / exp may move one)."""
     import fxrewrite.runtime.triton_quant_block as tq
 
-    args = op_args(name, shape, dtype, 128, "cuda")
+    if cast_last and name not in NORMS:
+        pytest.skip("no norm")
+    args = op_args(name, shape, dtype, 128, "cuda", cast_last=cast_last)
     if dtype == F16 and name not in NORMS:  # rows up to 1e2: gate * up would overflow float16
         args = tuple(a / 16 if isinstance(a, torch.Tensor) else a for a in args)
     *outs, y = run_storing_y(tq, name, args)

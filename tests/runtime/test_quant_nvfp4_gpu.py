@@ -56,7 +56,8 @@ def rows(tokens: int, width: int, dtype: torch.dtype, gen: torch.Generator) -> t
     return t
 
 
-def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torch.Generator) -> list[object]:
+def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torch.Generator,
+              cast_last: bool = False) -> list[object]:  # fmt: skip
     width = 2 * hidden if op.name.endswith("and_mul_quant_nvfp4") else hidden
     values = {
         "x": lambda: rows(tokens, width, dtype, gen),
@@ -65,6 +66,7 @@ def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torc
         "eps": lambda: EPS,
         "global_scale": lambda: torch.tensor([300.0], device="cuda"),
         "approximate": lambda: "tanh",
+        "cast_last": lambda: cast_last,
     }
     return [values[name]() for name in inspect.signature(op.reference).parameters]
 
@@ -91,29 +93,37 @@ def test_quantizer_kernel_on_hand_made_values(kernels: types.ModuleType) -> None
         same_bytes(tuple(t.cpu() for t in kernels.quant_nvfp4(y.cuda(), g.cuda())), nv.quant_nvfp4(y, g))
 
 
+def global_scale(op: OpDef, args: list[object]) -> torch.Tensor:
+    return args[list(inspect.signature(op.reference).parameters).index("global_scale")]  # type: ignore[return-value]
+
+
 def intermediate(op: OpDef, args: list[object]) -> torch.Tensor:
     """The reference's value before the quantizer."""
     x = args[0]
     if op.name == "rms_norm_quant_nvfp4":
-        return rms_norm_reference(x, args[1], EPS)
+        return rms_norm_reference(x, args[1], EPS, args[-1])
     if op.name == "fused_add_rms_norm_quant_nvfp4":
-        return rms_norm_reference(x + args[1], args[2], EPS)
+        return rms_norm_reference(x + args[1], args[2], EPS, args[-1])
     if op.name == "silu_and_mul_quant_nvfp4":
         return silu_and_mul_reference(x)
     return gelu_and_mul_reference(x, args[2])
 
 
+@pytest.mark.parametrize("cast_last", [False, True], ids=["round-then-scale", "scale-then-round"])
 @pytest.mark.parametrize(("tokens", "hidden"), SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", nv.DEFS, ids=lambda op: op.name)
 def test_fused_op_served_by_triton(kernels: types.ModuleType, op: OpDef, dtype: torch.dtype, tokens: int,
-                                   hidden: int, gen: torch.Generator) -> None:  # fmt: skip
+                                   hidden: int, gen: torch.Generator, cast_last: bool) -> None:  # fmt: skip
+    """The norms in either order of weight and rounding (``cast_last``: torch.rms_norm's)."""
+    if cast_last and "rms_norm" not in op.name:
+        pytest.skip("no norm")
     force("triton")
-    args = make_args(op, tokens, hidden, dtype, gen)
+    args = make_args(op, tokens, hidden, dtype, gen, cast_last)
     got = getattr(torch.ops.fxr, op.name)(*args)
     assert providers.served()[op.name] == {"fallbacks": {}, "triton": 1}
     want = op.reference(*args)
-    g = args[-2] if op.name.startswith("gelu") else args[-1]
+    g = global_scale(op, args)
     y = torch.empty_like(intermediate(op, args))
     again = getattr(kernels, op.name)(*args, y_out=y)
     same_bytes(again, got)  # the launcher as the op called it, deterministic
@@ -129,7 +139,7 @@ def test_call_the_kernel_refuses_falls_back_with_its_reason(kernels: types.Modul
                                                             gen: torch.Generator) -> None:  # fmt: skip
     force("triton")
     args = make_args(op, 4, 64, torch.bfloat16, gen)
-    i = len(args) - 2 if op.name.startswith("gelu") else len(args) - 1
+    i = list(inspect.signature(op.reference).parameters).index("global_scale")
     args[i] = args[i].to(torch.bfloat16)  # a bf16 global scale
     got = getattr(torch.ops.fxr, op.name)(*args)
     same_bytes(got, op.reference(*args))

@@ -5,6 +5,7 @@ for byte. tests/runtime/test_quant_nvfp4_gpu.py runs the kernel compiled."""
 
 from __future__ import annotations
 
+import inspect
 import types
 import zlib
 
@@ -15,7 +16,7 @@ from fxrewrite.runtime.ops import quant_nvfp4 as nv
 from fxrewrite.runtime.ops.activation import gelu_and_mul_reference, silu_and_mul_reference
 from fxrewrite.runtime.ops.norm import rms_norm_reference
 from fxrewrite.runtime.providers import OpDef
-from samples import EPS, op_args, rand  # this folder
+from samples import EPS, op_args, rand, with_arg  # this folder
 
 ONE = torch.tensor([1.0])  # with a 6 in every block the scale is exactly 1: values land on the grid as they are
 GRID = torch.tensor(nv.E2M1)
@@ -167,16 +168,21 @@ def triton_check(op: OpDef) -> object:
     return op.kernels[0].check
 
 
+def arg(op: OpDef, args: list[object], name: str) -> object:
+    """The argument ``name`` of ``op`` (the norms end in ``cast_last``, the activations do not)."""
+    return args[list(inspect.signature(op.reference).parameters).index(name)]
+
+
 @pytest.mark.parametrize("op", nv.DEFS, ids=lambda op: op.name)
 def test_reference_is_the_unfused_code_then_the_quantizer(gen: torch.Generator, op: OpDef) -> None:
     args = op_args(op, (3, 64), gen)
     got = as_tuple(getattr(torch.ops.fxr, op.name)(*args))
-    x, g = args[0], args[-2] if op.name.startswith("gelu") else args[-1]
+    x, g = args[0], arg(op, args, "global_scale")
     if op.name == "rms_norm_quant_nvfp4":
-        want = nv.quant_nvfp4(rms_norm_reference(x, args[1], EPS), g)
+        want = nv.quant_nvfp4(rms_norm_reference(x, args[1], EPS, args[-1]), g)
     elif op.name.startswith("fused_add"):
         total = x + args[1]
-        want = (*nv.quant_nvfp4(rms_norm_reference(total, args[2], EPS), g), total)
+        want = (*nv.quant_nvfp4(rms_norm_reference(total, args[2], EPS, args[-1]), g), total)
     elif op.name.startswith("silu"):
         want = nv.quant_nvfp4(silu_and_mul_reference(x), g)
     else:
@@ -184,24 +190,28 @@ def test_reference_is_the_unfused_code_then_the_quantizer(gen: torch.Generator, 
     same_bytes(got, want)
 
 
+@pytest.mark.parametrize("cast_last", [False, True], ids=["round-then-scale", "scale-then-round"])
 @pytest.mark.parametrize("shape", [(1, 64), (5, 48), (2, 3, 128), (4, 1024)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("op", nv.DEFS, ids=lambda op: op.name)
 def test_kernel_gives_the_spec_bytes(triton_nvfp4: types.ModuleType, gen: torch.Generator, op: OpDef,
-                                     dtype: torch.dtype, shape: tuple[int, ...]) -> None:  # fmt: skip
+                                     dtype: torch.dtype, shape: tuple[int, ...], cast_last: bool) -> None:  # fmt: skip
     """The quantized bytes are the spec's of what the kernel quantized (``y_out``), always; that
     is the reference's own intermediate, so the outputs are the reference's bytes, except GELU's:
     the interpreter's erf / tanh and torch's differ in the last bit, which a 16-bit rounding
-    mostly but not always hides (2 bytes of 2048 at fp16)."""
+    mostly but not always hides (2 bytes of 2048 at fp16). The norms in either order of weight
+    and rounding (``cast_last``: torch.rms_norm's)."""
     if is_act(op):
+        if cast_last:
+            pytest.skip("no norm")
         shape = (*shape[:-1], 2 * shape[-1])
-    args = op_args(op, shape, gen, dtype)
+    args = with_arg(op, op_args(op, shape, gen, dtype), "cast_last", cast_last)
     args[0] = args[0] * 2  # some blocks past the global scale's top
     assert triton_check(op)(*args) is None  # type: ignore[operator]
     width = shape[-1] // 2 if is_act(op) else shape[-1]
     y = torch.empty((*shape[:-1], width), dtype=dtype)
     got = as_tuple(getattr(triton_nvfp4, op.name)(*args, y_out=y))
-    g = args[-2] if op.name.startswith("gelu") else args[-1]
+    g = arg(op, args, "global_scale")
     same_bytes(got[:2], nv.quant_nvfp4(y, g))
     if op.name.startswith("gelu"):
         torch.testing.assert_close(y, gelu_and_mul_reference(args[0], args[2]))

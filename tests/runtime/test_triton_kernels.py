@@ -16,7 +16,7 @@ import torch
 
 from fxrewrite.runtime.ops import activation, norm, norm_variants, quant
 from fxrewrite.runtime.providers import OpDef
-from samples import EPS, op_args, rand  # this folder
+from samples import EPS, op_args, rand, with_arg  # this folder
 
 TRITON_OPS = [op for op in quant.DEFS if any(k.provider == "triton" for k in op.kernels)]
 NORM_OPS = [op for op in TRITON_OPS if op.name.startswith(("rms", "fused"))]
@@ -42,15 +42,18 @@ def assert_same_bytes(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, .
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("cast_last", [False, True], ids=["round-then-scale", "scale-then-round"])
 @pytest.mark.parametrize("shape", [(1, 64), (5, 33), (2, 3, 128), (4, 1000)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("op", TRITON_OPS, ids=lambda op: op.name)
-def test_kernel_gives_the_spec_bytes(
-    triton_kernels: types.ModuleType, gen: torch.Generator, op: OpDef, dtype: torch.dtype, shape: tuple[int, ...]
-) -> None:
+def test_kernel_gives_the_spec_bytes(triton_kernels: types.ModuleType, gen: torch.Generator, op: OpDef,
+                                     dtype: torch.dtype, shape: tuple[int, ...], cast_last: bool) -> None:  # fmt: skip
+    """The norms in either order of weight and rounding (``cast_last``: torch.rms_norm's)."""
     if op not in NORM_OPS:
+        if cast_last:
+            pytest.skip("no norm")
         shape = (*shape[:-1], 2 * shape[-1])  # [..., 2d]
-    args = op_args(op, shape, gen, dtype)
+    args = with_arg(op, op_args(op, shape, gen, dtype), "cast_last", cast_last)
     assert check_of(op)(*args) is None  # type: ignore[operator]
     assert_same_bytes(as_tuple(getattr(triton_kernels, op.name)(*args)), as_tuple(op.reference(*args)))
 
