@@ -126,9 +126,12 @@ class Identity:
     devices: list[str]
 
     @classmethod
-    def of(cls, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Identity:
-        graph, _ = fingerprint.graph_fingerprint(gm)  # Uncacheable: the artifact cannot be keyed
-        return cls(fingerprint.digest(graph), sorted(str(d) for d in fingerprint.devices(example_inputs)))
+    def of(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], graph_digest: str | None = None) -> Identity:
+        """``graph_digest``: :func:`fingerprint.graph_digest` of ``gm`` when the compile cache
+        made it already (one fingerprint of the graph, not two)."""
+        if graph_digest is None:
+            graph_digest, _ = fingerprint.graph_digest(gm)  # Uncacheable: the artifact cannot be keyed
+        return cls(graph_digest, sorted(str(d) for d in fingerprint.devices(example_inputs)))
 
     def header(self, config: Any) -> dict[str, Any]:
         """The artifact's header: the key and its parts' digests (to say which part differs)."""
