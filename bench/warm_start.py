@@ -71,7 +71,9 @@ STAGES = (("construct", "fxrewrite.Backend() (ours)", None, None),
           ("guard_pickle", "  of which pickled for the artifact", "torch._dynamo.guards:CheckFunctionManager",
            "serialize_guards"),
           ("sources", "traced sources hashed (torch)", "torch._dynamo.package:SourceInfo", "add_code"),
-          ("run", "the step (runner built, capture)", None, None))  # fmt: skip
+          ("run", "the step (runner built, capture)", None, None),
+          ("gc", "Python's garbage collector, in all of the above", None, None),
+          ("gc_full", "  of which full collections (their count: the last row)", None, None))  # fmt: skip
 
 
 def _time_stages(seconds: dict[str, float], clock: Any) -> None:
@@ -97,6 +99,27 @@ def _time_stages(seconds: dict[str, float], clock: Any) -> None:
                 seconds[_key] = seconds.get(_key, 0.0) + clock() - t
 
         setattr(target, attr, functools.wraps(fn)(timed))
+
+
+def _time_collector(seconds: dict[str, float], clock: Any) -> None:
+    """Add the collector's time to ``seconds["gc"]`` (full collections also to ``"gc_full"``,
+    counted in ``"gc_fulls"``): a full collection walks the whole heap, and where one falls
+    moves with what every stage allocates."""
+    import gc
+
+    began = [0.0]
+
+    def collected(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = clock()
+            return
+        took = clock() - began[0]
+        seconds["gc"] = seconds.get("gc", 0.0) + took
+        if info["generation"] == 2:
+            seconds["gc_full"] = seconds.get("gc_full", 0.0) + took
+            seconds["gc_fulls"] = seconds.get("gc_fulls", 0) + 1
+
+    gc.callbacks.append(collected)
 
 
 def child(args: argparse.Namespace) -> dict[str, float]:
@@ -125,6 +148,8 @@ def child(args: argparse.Namespace) -> dict[str, float]:
         model(**batch)  # the attention kernels built, as an engine builds them at start-up
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
+        if split:
+            _time_collector(stages, clock)
         start, start_clock = time.perf_counter(), clock()
         backend_s = 0.0
         if args.row in ("cold", "cold-triton", "warm"):  # in the time: a restart builds its backend
@@ -144,6 +169,10 @@ def child(args: argparse.Namespace) -> dict[str, float]:
         step(**batch)
         sync()
         seconds, end = time.perf_counter() - start, clock()
+        if split:
+            import gc
+
+            gc.callbacks.pop()  # what save() collects is not in the time
     if split:
         stages.update(verify=verify.stats().seconds, run=end - compiled)
     if args.row == "cold":
@@ -182,7 +211,7 @@ def run(row: str, args: argparse.Namespace, work: Path, i: int) -> dict[str, flo
 
 def table(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> str:
     """The medians, each row's ratio to Dynamo alone, and the goal lines."""
-    med = {row: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for row, rs in runs.items() if rs}
+    med = {row: {k: statistics.median(r.get(k, 0.0) for r in rs) for k in set().union(*rs)} for row, rs in runs.items() if rs}
     dynamo = med["dynamo"]["first_call_s"]
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     cpu = not args.device.startswith("cuda")
@@ -210,6 +239,7 @@ def table(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> 
                   "| stage (s) | " + " | ".join(split_rows) + " |", "|---|" + "---|" * len(split_rows)]
         lines += [f"| {label} | " + " | ".join(f"{med[k].get('stage_' + key, 0.0):.3f}" for k in split_rows) + " |"
                   for key, label, _, _ in STAGES]  # fmt: skip
+        lines.append("| full collections (count) | " + " | ".join(f"{med[k].get('stage_gc_fulls', 0):g}" for k in split_rows) + " |")
     return "\n".join(lines + [""] + goals)
 
 
