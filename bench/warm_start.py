@@ -26,7 +26,9 @@ times its first call of a decode step of ``--batch`` sequences, to the device's 
 
 The goal lines (issue 33), against Dynamo alone's first call: warm <= 0.5x, cold with Triton's
 cache warm <= 1.25x, cold with every cache empty <= 1.6x. The table is printed last, then the
-``cold`` rows' first call split by stage (:data:`STAGES`, medians; nested stages indented).
+first call of Dynamo alone and of the ``cold`` rows split by stage (:data:`STAGES`, medians;
+nested stages indented; Python's garbage collector apart), then the goal lines. On the CPU the
+table also gives each row's CPU time (the machine may be shared), and the split is in CPU time.
 """
 
 from __future__ import annotations
