@@ -317,7 +317,7 @@ class Runner:
                     args = [size if i in self._sym_idx else self._buffer(i, size) if i in self._managed
                             else self._examples[i] for i in range(len(self._examples))]
                     self._size, self._capturing = size, True
-                    self.module.forward(*args)
+                    self._forward(*args)  # as a call runs: a lone piece directly
                     self._capturing = False
                     for p in self._pieces if self.on_cuda else ():
                         p.release(size)

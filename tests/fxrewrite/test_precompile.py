@@ -156,7 +156,8 @@ def test_the_header_holds_the_compile_caches_key(tmp_path: Path, monkeypatch: py
 def test_aot_compile_generates_the_graphs_code_when_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """As under torch.compile (lazy GraphModules): no pass that edits the graph, nor the split,
     generates the Python code of the graph or of the runner's modules; what the first call runs
-    generates its code then, once, and the graph's code read later is the rewritten graph's."""
+    generates its code then, once (in mode full the lone piece alone: capture calls it directly,
+    as the calls after do), and the graph's code read later is the rewritten graph's."""
     made: list[torch.fx.Graph] = []
     in_backend: list[bool] = [False]
     compiled: list[bool] = []
@@ -191,6 +192,7 @@ def test_aot_compile_generates_the_graphs_code_when_run(tmp_path: Path, monkeypa
     assert any(g is piece.submodule.graph for g in generated)  # it ran
     assert len({id(g) for g in generated}) == len(generated)  # once each
     assert not any(g is b.graphs[0].graph for g in generated)  # the runner calls the pieces, not the graph
+    assert not any(g is split.module.graph for g in generated)  # nor, for a lone piece, the split module
     assert "torch.ops.fxr.rotary_embedding" in b.graphs[0].code
     assert_close(out, models.hidden_states(model(*x)))
 
