@@ -245,8 +245,10 @@ class Backend:
                 node.meta["fxr_buffer"] = value  # module state (a buffer): tables may fold from it
             elif _lifted(node):  # a Python scalar, not a one-element input such as one token's positions
                 node.meta["fxr_real"] = value.detach().clone()  # its compile-time value (see meta.constant)
-        identity = precompile.Identity.of(gm, example_inputs) if self._precompiling is not None else None
         cached = self._cache.graph(gm, example_inputs, self.config) if self._cache is not None else None
+        identity = None  # aot_compile: the graph's part of the key, for the artifact's header
+        if self._precompiling is not None:
+            identity = precompile.Identity.of(gm, example_inputs, cached.graph_digest if cached is not None else None)
         graph_report = cached.load() if cached is not None and not self.config.dump_dir else None
         hit = graph_report is not None  # the rewritten graph is in gm, no pass ran
         if graph_report is None:

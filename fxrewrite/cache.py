@@ -96,11 +96,12 @@ class CompileCache:
         """The cache's handle on ``gm`` (call before the passes run), or None when it cannot
         be keyed (logged)."""
         try:
-            key, records = fingerprint.key(gm, example_inputs, config)
+            graph, records = fingerprint.graph_digest(gm)
         except Uncacheable as e:
             self._not_stored(f"not keyed: {e}")
             return None
-        return CachedGraph(self, key, records, gm, example_inputs)
+        key = fingerprint.key_of(graph, config, fingerprint.devices(example_inputs))
+        return CachedGraph(self, key, records, gm, example_inputs, graph)
 
     def rules_mark(self, rules: list[Any]) -> str | None:
         """The name of the mark that ``rules`` (library rules) traced without error in this
@@ -134,11 +135,12 @@ class CompileCache:
 
 
 class CachedGraph:
-    """One Dynamo graph's entry: :meth:`load` before the passes, :meth:`store` after them."""
+    """One Dynamo graph's entry: :meth:`load` before the passes, :meth:`store` after them.
+    ``graph_digest``: the graph's part of the key (what a precompiled artifact keeps of it)."""
 
     def __init__(self, cache: CompileCache, key: str, records: dict[str, tuple[Any, ...]], gm: fx.GraphModule,
-                 example_inputs: list[Any]) -> None:  # fmt: skip
-        self.cache, self.key, self.records, self.gm = cache, key, records, gm
+                 example_inputs: list[Any], graph_digest: str | None = None) -> None:  # fmt: skip
+        self.cache, self.key, self.records, self.gm, self.graph_digest = cache, key, records, gm, graph_digest
         self.inputs = {n.name: v for n, v in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)}
         self.attrs = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
         self.guards = _shape_guards(gm)

@@ -461,11 +461,18 @@ def devices(values: Iterable[Any]) -> set[torch.device]:
     return {v.device for v in values if isinstance(v, torch.Tensor)}
 
 
+def graph_digest(gm: fx.GraphModule) -> tuple[str, dict[str, tuple[Any, ...]]]:
+    """The digest of :func:`graph_fingerprint`'s first value (the key's part of the graph, which
+    a precompiled artifact keeps too), and the node records. Raises Uncacheable."""
+    graph, records = graph_fingerprint(gm)
+    return digest(graph), records
+
+
 def key(gm: fx.GraphModule, example_inputs: list[Any], config: Any) -> tuple[str, dict[str, tuple[Any, ...]]]:
     """The cache key of rewriting ``gm`` under ``config`` here, and the graph's node records
     (:func:`graph_fingerprint`). Raises Uncacheable."""
-    graph, records = graph_fingerprint(gm)
-    return key_of(digest(graph), config, devices(example_inputs)), records
+    graph, records = graph_digest(gm)
+    return key_of(graph, config, devices(example_inputs)), records
 
 
 def key_of(graph_digest: str, config: Any, on: Iterable[torch.device]) -> str:

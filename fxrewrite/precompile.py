@@ -126,9 +126,12 @@ class Identity:
     devices: list[str]
 
     @classmethod
-    def of(cls, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Identity:
-        graph, _ = fingerprint.graph_fingerprint(gm)  # Uncacheable: the artifact cannot be keyed
-        return cls(fingerprint.digest(graph), sorted(str(d) for d in fingerprint.devices(example_inputs)))
+    def of(cls, gm: fx.GraphModule, example_inputs: Sequence[Any], graph_digest: str | None = None) -> Identity:
+        """``graph_digest``: :func:`fingerprint.graph_digest` of ``gm`` when the compile cache
+        made it already (one fingerprint of the graph, not two)."""
+        if graph_digest is None:
+            graph_digest, _ = fingerprint.graph_digest(gm)  # Uncacheable: the artifact cannot be keyed
+        return cls(graph_digest, sorted(str(d) for d in fingerprint.devices(example_inputs)))
 
     def header(self, config: Any) -> dict[str, Any]:
         """The artifact's header: the key and its parts' digests (to say which part differs)."""
@@ -391,7 +394,7 @@ def aot_compile(backend: Backend, model: Any, args: Sequence[Any] = (), kwargs: 
     backend._precompiling = FusedGraph
     traced = _traced()
     try:
-        with _SpecializeFloats() if backend.config.specialize_floats else _nothing(), _keeping_dim_marks():
+        with _SpecializeFloats() if backend.config.specialize_floats else _nothing(), _keeping_dim_marks(), _lazy_code():
             fn = aot_compile_fullgraph(traced, ((model, *args), dict(kwargs or {})),
                                        hooks=Hooks(guard_filter_fn=serializable_guards), backend=backend,
                                        dynamic=dynamic)  # fmt: skip
@@ -403,6 +406,19 @@ def aot_compile(backend: Backend, model: Any, args: Sequence[Any] = (), kwargs: 
     out = Precompiled(fn, model, backend, graph.state["header"], dynamic=dynamic, recompile=recompile)
     out.traced_globals = traced.__globals__
     return out
+
+
+def _lazy_code() -> Any:
+    """GraphModules whose Python code is generated at their first call or read, not at each
+    ``recompile``, as under ``torch.compile``: Dynamo's compile of a frame sets this (its
+    ``use_lazy_graph_module``), its AOT precompile (2.11 to 2.13) does not. The graph given to
+    the backend, the split's modules and the pieces then generate their code once, when run
+    (in mode full: the lone piece's; the graph's own and the split module's, never), not at
+    each pass that edits them (on the 32-layer CPU model about 5 generations of the whole
+    graph's code, 0.2 s)."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    return _use_lazy_graph_module(torch._dynamo.config.use_lazy_graph_module)
 
 
 # torch.compiler's dimension marks (mark_static, mark_dynamic, ...) on an input tensor: guarded

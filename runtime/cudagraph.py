@@ -98,6 +98,7 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule
+from torch.fx._lazy_graph_module import _make_graph_module
 
 from fxrewrite.config import Config
 from fxrewrite.runtime.dispatch import (
@@ -155,7 +156,9 @@ def _with_stand_ins(split: GraphModule, stand_ins: dict[str, Any]) -> GraphModul
     and constants. The stand-ins are plain attributes: the generated forward finds them without
     going through ``nn.Module.__getattr__`` and ``__call__`` (about 5 us a piece). Built from a
     root that holds no captured piece's GraphModule: a GraphModule generates the code of all its
-    GraphModule children again when it is made (65 on the 8B model's piecewise split)."""
+    GraphModule children again when it is made (65 on the 8B model's piecewise split). Its
+    code is generated when it is first called where GraphModules are lazy (under ``torch.compile``
+    and ``aot_compile``): never when the runner calls a lone piece directly."""
     root = torch.nn.Module()
     for node in split.graph.nodes:
         if node.op not in ("call_module", "get_attr") or node.target in root.__dict__:
@@ -171,7 +174,7 @@ def _with_stand_ins(split: GraphModule, stand_ins: dict[str, Any]) -> GraphModul
             setattr(owner, name, value)
         else:
             owner.__dict__[name] = value
-    return GraphModule(root, split.graph)
+    return _make_graph_module(root, split.graph)
 
 
 class Runner:
@@ -314,7 +317,7 @@ class Runner:
                     args = [size if i in self._sym_idx else self._buffer(i, size) if i in self._managed
                             else self._examples[i] for i in range(len(self._examples))]
                     self._size, self._capturing = size, True
-                    self.module.forward(*args)
+                    self._forward(*args)  # as a call runs: a lone piece directly
                     self._capturing = False
                     for p in self._pieces if self.on_cuda else ():
                         p.release(size)

@@ -19,19 +19,28 @@ def test_rows_table_and_goal_lines() -> None:
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     text = done.stdout
-    table = text[text.index("| row |") :]
+    table = text[text.index("| row |") :].split("\n\n")[0]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()
             if line.startswith("| ") and not line.startswith("| row")}  # fmt: skip
     assert list(rows) == ["Dynamo alone", "fxrewrite cold, every cache empty", "fxrewrite cold, Triton's cache warm",
                           "fxrewrite warm (precompiled)"]  # Inductor + CUDA graphs: CUDA only
-    assert rows["Dynamo alone"][1:] == ["-", "1.00", "-"]
+    assert rows["Dynamo alone"][1:4] == ["-", "1.00", "-"] and rows["Dynamo alone"][5] == "1.00"  # on the CPU: its CPU time too
     for label, goal in (("fxrewrite cold, every cache empty", "1.6"), ("fxrewrite cold, Triton's cache warm", "1.25"),
                         ("fxrewrite warm (precompiled)", "0.5")):  # fmt: skip
-        first, backend, ratio, line = rows[label]
+        first, backend, ratio, line, cpu, cpu_ratio = rows[label]
+        assert re.fullmatch(r"\d+\.\d\d", cpu) and re.fullmatch(r"\d+\.\d\d", cpu_ratio)
         assert re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d-\d+\.\d\d\)", first) and re.fullmatch(r"\d+\.\d\d", backend)
         assert line == f"<= {goal}" and re.fullmatch(r"\d+\.\d\d", ratio)
         assert re.search(rf"^- {re.escape(label)} / Dynamo alone: \d+\.\d\d \(goal <= {goal}\): (met|NOT met)$", text, re.M)
     assert text.rstrip().splitlines()[-1].startswith("- fxrewrite warm (precompiled) / Dynamo alone")  # the table last
+    # the first call by stage: a column per split row, a line per stage, the times add up
+    split = text[text.index("| stage (s) |") :].split("\n\n")[0].splitlines()
+    assert split[0] == "| stage (s) | dynamo | cold | cold-triton |"
+    stages = {line.split("|")[1].strip(): [float(c) for c in line.split("|")[2:-1]] for line in split[2:]}
+    assert len(stages) == len(warm_start.STAGES) + 1 and "full collections (count)" in stages
+    ours = stages["Backend.__call__ (ours)"]
+    assert ours[0] == 0 and all(v > 0 for v in ours[1:]) and stages["Dynamo's trace (torch)"][0] > 0
+    assert all(stages["the passes"][i] <= ours[i] for i in (1, 2))
 
 
 def test_cache_directories_of_a_round(tmp_path: Path) -> None:

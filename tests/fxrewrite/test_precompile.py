@@ -138,13 +138,63 @@ def test_merged_weights_are_made_from_the_loading_models_parameters(tmp_path: Pa
     assert all(getattr(step.graph.gm, n).untyped_storage().data_ptr() in ptrs for n in names)
 
 
-def test_the_header_holds_the_compile_caches_key(tmp_path: Path) -> None:
-    """One key: the artifact's is the key under which the compile cache stores the same graph."""
+@pytest.mark.parametrize("cache", [True, False])
+def test_the_header_holds_the_compile_caches_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache: bool) -> None:
+    """One key: the artifact's is the key under which the compile cache stores the same graph,
+    from one fingerprint of the graph (the cache's, when it is on)."""
+    fingerprints: list[int] = []
+    original = fingerprint.graph_fingerprint
+    monkeypatch.setattr(fingerprint, "graph_fingerprint", lambda gm: fingerprints.append(1) or original(gm))
     model, x = llama()
-    path, _ = saved(tmp_path, model, x, cache=True)
+    path, _ = saved(tmp_path, model, x, cache=cache)
+    assert len(fingerprints) == 1
     header, _ = precompile.read_header(path)
-    [entry] = (tmp_path / "cache" / "graphs").glob("*/*.json")
-    assert entry.stem == header["key"]
+    entries = list((tmp_path / "cache" / "graphs").glob("*/*.json"))
+    assert [e.stem for e in entries] == ([header["key"]] if cache else [])
+
+
+def test_aot_compile_generates_the_graphs_code_when_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As under torch.compile (lazy GraphModules): no pass that edits the graph, nor the split,
+    generates the Python code of the graph or of the runner's modules; what the first call runs
+    generates its code then, once (in mode full the lone piece alone: capture calls it directly,
+    as the calls after do), and the graph's code read later is the rewritten graph's."""
+    made: list[torch.fx.Graph] = []
+    in_backend: list[bool] = [False]
+    compiled: list[bool] = []
+    python_code, call = torch.fx.Graph.python_code, fxrewrite.Backend.__call__
+
+    def counted(self: torch.fx.Graph, *a: Any, **k: Any) -> Any:
+        if in_backend[0] or compiled:  # Dynamo generates the code of the graph it hands us: not ours
+            made.append(self)
+        return python_code(self, *a, **k)
+
+    def compiling(self: Any, gm: Any, inputs: Any) -> Any:
+        in_backend[0] = True
+        try:
+            return call(self, gm, inputs)
+        finally:
+            in_backend[0] = False
+
+    monkeypatch.setattr(torch.fx.Graph, "python_code", counted)
+    monkeypatch.setattr(fxrewrite.Backend, "__call__", compiling)
+    model, x = llama()
+    b = backend(tmp_path, mode="full", capture_sizes=(8,))
+    with torch.no_grad():
+        step = b.aot_compile(model, x)
+        split = b.runners[0].split
+        ours = [b.graphs[0].graph, split.module.graph, *(p.submodule.graph for p in split.pieces)]
+        assert not [g for g in made if any(g is o for o in ours)]
+        compiled.append(True)
+        out = models.hidden_states(step(*x))
+        assert torch.equal(models.hidden_states(step(*x)), out)
+    [piece] = split.pieces
+    generated = [g for g in made if any(g is o for o in ours)]
+    assert any(g is piece.submodule.graph for g in generated)  # it ran
+    assert len({id(g) for g in generated}) == len(generated)  # once each
+    assert not any(g is b.graphs[0].graph for g in generated)  # the runner calls the pieces, not the graph
+    assert not any(g is split.module.graph for g in generated)  # nor, for a lone piece, the split module
+    assert "torch.ops.fxr.rotary_embedding" in b.graphs[0].code
+    assert_close(out, models.hidden_states(model(*x)))
 
 
 # --------------------------------------------------------------------------- misses
