@@ -103,28 +103,6 @@ class CompileCache:
         key = fingerprint.key_of(graph, config, fingerprint.devices(example_inputs))
         return CachedGraph(self, key, records, gm, example_inputs, graph)
 
-    def rules_mark(self, rules: list[Any]) -> str | None:
-        """The name of the mark that ``rules`` (library rules) traced without error in this
-        environment (Python, torch, fxrewrite's source, the rules' fingerprints); None when a
-        rule cannot be keyed."""
-        try:
-            fps = [fingerprint.rule_fingerprint(r) for r in rules]
-        except Uncacheable:
-            return None
-        return fingerprint.digest([sys.version, torch.__version__, fingerprint.source_digest(), fps])
-
-    def rules_traced(self, mark: str) -> bool:
-        """Whether a process left ``mark`` (:meth:`mark_rules_traced`)."""
-        return (self.dir / "rules" / mark).exists()
-
-    def mark_rules_traced(self, mark: str) -> None:
-        """Leave ``mark``: its rules traced. Best effort (a read-only cache traces them each time)."""
-        try:
-            (self.dir / "rules").mkdir(exist_ok=True)
-            (self.dir / "rules" / mark).touch()
-        except OSError as e:
-            log.info("fxrewrite compile cache: cannot mark the rules traced: %s", e)
-
     def path(self, key: str) -> Path:
         """The entry's files, without their suffix: ``.json`` (the graph), ``.pt`` (its tensors)."""
         return self.dir / "graphs" / key[:2] / key
