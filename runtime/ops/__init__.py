@@ -7,20 +7,22 @@ twins), ``layernorm`` (LayerNorm, add + LayerNorm, in-place twin), ``norm_varian
 ``rotary`` (RoPE: the rotation with the model's tables, and the cache-indexed kernels' op),
 ``collective`` (all-reduce + add + RMSNorm, + FP8, for tensor parallelism), ``sequence_parallel``
 (its reduce-scatter / all-gather form by the row count), ``linear``
-(``F.linear`` with a decode-size GEMM), ``moe`` (a mixture-of-experts block: routing, experts,
+(``F.linear`` with a decode-size GEMM), ``linear_fused`` (that GEMM with an RMSNorm before it or
+a residual add after it), ``moe`` (a mixture-of-experts block: routing, experts,
 weighted sum), ``moe_route`` (its router alone: scores, biased and group-limited top-k).
 ``DEFS`` holds every definition, ``OPS`` every op name.
 """
 
-from fxrewrite.runtime.ops import (activation, collective, layernorm, linear, moe, moe_route, norm, norm_variants, quant,
-                                   quant_block, quant_nvfp4, rotary, sequence_parallel)
+from fxrewrite.runtime.ops import (activation, collective, layernorm, linear, linear_fused, moe, moe_route, norm,
+                                   norm_variants, quant, quant_block, quant_nvfp4, rotary, sequence_parallel)
 from fxrewrite.runtime.providers import OpDef
 
 DEFS: tuple[OpDef, ...] = (
     norm.DEFS + norm_variants.DEFS + layernorm.DEFS + activation.DEFS + quant.DEFS + quant_block.DEFS + quant_nvfp4.DEFS
-    + rotary.DEFS + collective.DEFS + sequence_parallel.DEFS + linear.DEFS + moe.DEFS + moe_route.DEFS
+    + rotary.DEFS + collective.DEFS + sequence_parallel.DEFS + linear.DEFS + linear_fused.DEFS + moe.DEFS
+    + moe_route.DEFS
 )
 OPS: tuple[str, ...] = tuple(op.name for op in DEFS)
 
-__all__ = ["DEFS", "OPS", "activation", "collective", "layernorm", "linear", "moe", "moe_route", "norm", "norm_variants",
+__all__ = ["DEFS", "OPS", "activation", "collective", "layernorm", "linear", "linear_fused", "moe", "moe_route", "norm", "norm_variants",
            "quant", "quant_block", "quant_nvfp4", "rotary", "sequence_parallel"]
