@@ -6,8 +6,8 @@ last rule group, cleanup last). Nothing registers itself at import time.
 """
 
 from fxrewrite.passes import GraphPass, RuleGroup, Step
-from fxrewrite.rewrites import (activation, attention_quant, collective, layernorm, linear, merge, moe, norm,
-                                norm_variants, quant, quant_block, quant_nvfp4, rotary, rotary_tables,
+from fxrewrite.rewrites import (activation, attention_quant, collective, layernorm, linear, linear_fused, merge, moe,
+                                norm, norm_variants, quant, quant_block, quant_nvfp4, rotary, rotary_tables,
                                 sequence_parallel)
 
 PIPELINE: tuple[Step, ...] = (
@@ -37,6 +37,12 @@ PIPELINE: tuple[Step, ...] = (
     RuleGroup("fuse_activation", activation.RULES),
     # FP8, block FP8 and NVFP4 quantization of fused activations
     RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES + quant_block.ACTIVATION_RULES + quant_nvfp4.ACTIVATION_RULES),
+    # the GEMMs take in the small ops around them (graphs replayed as CUDA graphs, as select_gemm):
+    # first the residual add of an add + norm into the GEMM that produces the addend (epilogue),
+    # then every norm read only by a GEMM into that GEMM (prologue); before select_gemm, which
+    # takes the linears left
+    RuleGroup("fuse_gemm_residual", linear_fused.RESIDUAL_RULES, modes=("piecewise", "full")),
+    RuleGroup("fuse_gemm_norm", linear_fused.NORM_RULES, modes=("piecewise", "full")),
     # fxr.linear picks a decode-size GEMM by the rows of each call. Run eagerly (mode "none"),
     # each linear would pay the custom op's Python dispatch on the host, which replays do not
     # pay (not measured: extra_rules=linear.RULES opts in). Last: after every rule whose
@@ -46,5 +52,5 @@ PIPELINE: tuple[Step, ...] = (
     GraphPass("fold_rotary", rotary_tables.fold_rotary_tables, options=("max_positions",)),
 )
 
-__all__ = ["PIPELINE", "activation", "attention_quant", "collective", "layernorm", "linear", "merge", "moe", "norm",
+__all__ = ["PIPELINE", "activation", "attention_quant", "collective", "layernorm", "linear", "linear_fused", "merge", "moe", "norm",
            "norm_variants", "quant", "quant_block", "quant_nvfp4", "rotary", "rotary_tables", "sequence_parallel"]
