@@ -56,3 +56,9 @@ def triton_nvfp4() -> Iterator[types.ModuleType]:
 def triton_quant_block() -> Iterator[types.ModuleType]:
     """``fxrewrite.runtime.triton_quant_block`` interpreted (tests/runtime/test_quant_block_ops.py's GPU tests run it compiled)."""
     yield from _interpreted("fxrewrite.runtime.triton_quant_block", "_block_quant_kernel")
+
+
+@pytest.fixture(scope="module")
+def triton_gemm() -> Iterator[types.ModuleType]:
+    """``fxrewrite.runtime.triton_gemm`` interpreted (tests/runtime/test_ops_gpu.py runs it compiled)."""
+    yield from _interpreted("fxrewrite.runtime.triton_gemm", "_skinny_linear_kernel")
