@@ -6,8 +6,8 @@ last rule group, cleanup last). Nothing registers itself at import time.
 """
 
 from fxrewrite.passes import GraphPass, RuleGroup, Step
-from fxrewrite.rewrites import (activation, attention_quant, collective, layernorm, linear, linear_fused, merge, moe,
-                                norm, norm_variants, quant, quant_block, quant_nvfp4, rotary, rotary_tables,
+from fxrewrite.rewrites import (activation, attention_quant, collective, layernorm, linear, linear_fused, linear_rotary,
+                                merge, moe, norm, norm_variants, quant, quant_block, quant_nvfp4, rotary, rotary_tables,
                                 sequence_parallel)
 
 PIPELINE: tuple[Step, ...] = (
@@ -50,7 +50,10 @@ PIPELINE: tuple[Step, ...] = (
     RuleGroup("select_gemm", linear.RULES, modes=("piecewise", "full")),
     # the cos/sin tables of the rotations fuse_rotary found, evaluated once (a no-op without them)
     GraphPass("fold_rotary", rotary_tables.fold_rotary_tables, options=("max_positions",)),
+    # a folded rotation of q and k read straight from a qkv GEMM that took its norm -> that GEMM's
+    # epilogue (a no-op outside the CUDA-graph modes: fuse_gemm_norm made no such GEMM)
+    GraphPass("fuse_gemm_rotary", linear_rotary.fuse_gemm_rotary, fusion=True),
 )
 
-__all__ = ["PIPELINE", "activation", "attention_quant", "collective", "layernorm", "linear", "linear_fused", "merge", "moe", "norm",
+__all__ = ["PIPELINE", "activation", "attention_quant", "collective", "layernorm", "linear", "linear_fused", "linear_rotary", "merge", "moe", "norm",
            "norm_variants", "quant", "quant_block", "quant_nvfp4", "rotary", "rotary_tables", "sequence_parallel"]

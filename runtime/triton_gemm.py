@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -51,21 +52,31 @@ SKINNY_ROWS: tl.constexpr = tl.constexpr(linear_ops.SKINNY_ROWS)
 
 
 @triton.jit(do_not_specialize=["rows", "eps"])  # one build per launch configuration serves 1 to 16 rows
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, rows, n, k, x_stride, w_stride, y_stride,
-                          r_stride, eps, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr,
-                          RESIDUAL: tl.constexpr):  # fmt: skip
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_ptr, rows, n, k, x_stride, w_stride,
+                          y_stride, r_stride, eps, rotated, BN: tl.constexpr, BK: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+                          NORM_WEIGHT: tl.constexpr, RESIDUAL: tl.constexpr, HALF: tl.constexpr = 0):  # fmt: skip
     """Program p: ``y[:, p*BN : (p+1)*BN] = x @ w[p*BN : (p+1)*BN].T (+ bias)`` for all (at most
     16) rows at once, walking k in blocks of ``BK``: every weight element is read once.
 
     ``GATED``: ``w`` holds 2n rows, gate then up; the program also computes the up columns and
     stores ``silu(gate) * up``. ``NORM``: ``x`` is RMS-normalized first (with ``NORM_WEIGHT``,
-    scaled by ``g``); ``RESIDUAL``: ``r`` is added before the store (``y`` may be ``r``)."""
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    scaled by ``g``); ``RESIDUAL``: ``r`` is added before the store (``y`` may be ``r``).
+    ``HALF`` > 0 (rotary, heads of ``2 * HALF`` columns): program p computes ``BN`` columns of a
+    head's first half and the ``BN`` columns ``HALF`` further (the pairs RoPE's NeoX layout
+    rotates together) and, in the first ``rotated`` columns, rotates each pair by the angles of
+    its row's position: ``cos_sin = cs[pos[row]]`` (``HALF`` cosines, then ``HALF`` sines)."""
+    pid = tl.program_id(0)
+    if HALF > 0:
+        first = (pid // (HALF // BN)) * (2 * HALF) + (pid % (HALF // BN)) * BN
+        cols = first + tl.arange(0, BN)
+    else:
+        cols = pid * BN + tl.arange(0, BN)
     r = tl.arange(0, SKINNY_ROWS)
     acc = tl.zeros([SKINNY_ROWS, BN], tl.float32)
-    if GATED:
+    if GATED or HALF > 0:  # a second block of columns: the up half, or the rotation's partners
         acc_up = tl.zeros([SKINNY_ROWS, BN], tl.float32)
+        partner = n + cols if GATED else cols + HALF
     if NORM:
         squares = tl.zeros([SKINNY_ROWS], tl.float32)
     for k0 in range(0, k, BK):
@@ -82,24 +93,35 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, rows, n, k, 
                 x = (xf * g[None, :]).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * w_stride + ks[None, :], mask=w_mask, other=0.0)
         acc += tl.dot(x, tl.trans(w))
-        if GATED:
-            u = tl.load(w_ptr + (n + cols[:, None]).to(tl.int64) * w_stride + ks[None, :], mask=w_mask, other=0.0)
+        if GATED or HALF > 0:
+            u = tl.load(w_ptr + partner[:, None].to(tl.int64) * w_stride + ks[None, :], mask=w_mask, other=0.0)
             acc_up += tl.dot(x, tl.trans(u))
     dtype = y_ptr.dtype.element_ty
     if NORM:
         scale = tl.math.rsqrt(squares / k + eps)[:, None]
         acc = acc * scale
-        if GATED:
+        if GATED or HALF > 0:
             acc_up = acc_up * scale
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(b_ptr + n + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+        if GATED or HALF > 0:
+            acc_up += tl.load(b_ptr + partner, mask=cols < n, other=0.0).to(tl.float32)[None, :]
     if GATED:
         gate = acc.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu, approximate division
         acc = act * acc_up.to(dtype).to(tl.float32)
     mask = (r < rows)[:, None] & (cols < n)[None, :]
+    if HALF > 0:
+        # the GEMM's outputs rounded to the dtype, rotated in float32, as the unfused ops compute
+        a, b = acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32)
+        angle = (first % (2 * HALF)) + tl.arange(0, BN)
+        turn = mask & (cols < rotated)[None, :]
+        pos = tl.load(pos_ptr + r, mask=r < rows, other=0).to(tl.int64)
+        base = cs_ptr + pos[:, None] * (2 * HALF) + angle[None, :]
+        cos = tl.load(base, mask=turn, other=1.0)
+        sin = tl.load(base + HALF, mask=turn, other=0.0)
+        acc, acc_up = a * cos - b * sin, b * cos + a * sin
+        tl.store(y_ptr + r[:, None] * y_stride + partner[None, :], acc_up.to(dtype), mask=mask)
     if RESIDUAL:
         acc += tl.load(r_ptr + r[:, None] * r_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + r[:, None] * y_stride + cols[None, :], acc.to(dtype), mask=mask)
@@ -140,7 +162,8 @@ def _sms(device: torch.device) -> int:
 class Fusion:
     """What a launch fuses around the GEMM: ``gated`` (SiLU-and-mul), ``norm`` (RMSNorm of ``x``
     first, by ``norm_weight`` unless None, with ``eps``), ``residual`` (added before the store;
-    ``inplace``: stored into it)."""
+    ``inplace``: stored into it), rotary (``cos_sin_cache`` [P, D] indexed by ``positions``, the
+    first ``rotated`` columns in heads of D rotated, NeoX halves)."""
 
     gated: bool = False
     norm: bool = False
@@ -148,6 +171,14 @@ class Fusion:
     eps: float = 0.0
     residual: Tensor | None = None
     inplace: bool = False
+    positions: Tensor | None = None
+    cos_sin_cache: Tensor | None = None
+    rotated: int = 0
+
+    @property
+    def half(self) -> int:
+        """Half a head (rotary: the cache's width over two), 0 without rotary."""
+        return self.cos_sin_cache.shape[-1] // 2 if self.cos_sin_cache is not None else 0
 
 
 PLAIN = Fusion()
@@ -162,6 +193,7 @@ class _Launch:
     x_stride: int
     y_stride: int
     r_stride: int
+    grid: int
     meta: dict[str, int | bool]
 
 
@@ -176,11 +208,16 @@ def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion,
     rows = _rows(x, k)
     x_stride = rows.stride(0) if rows.stride(-1) == 1 else k  # the launcher makes them contiguous
     r_stride = _rows(f.residual, n).stride(0) if f.residual is not None else n
-    bn, bk, warps, stages = config or (gated_config if f.gated else skinny_config)(n, _sms(x.device))
+    paired = f.gated or f.half > 0  # programs of two column blocks (gate and up, rotation pairs)
+    bn, bk, warps, stages = config or (gated_config(n // (1 if f.gated else 2), _sms(x.device)) if paired
+                                       else skinny_config(n, _sms(x.device)))  # fmt: skip
+    if f.half:
+        bn = bn if f.half % bn == 0 else math.gcd(bn, f.half)  # a program's block inside half a head
     meta = {"BN": bn, "BK": bk, "HAS_BIAS": bias is not None, "EVEN_K": k % bk == 0, "GATED": f.gated,
             "NORM": f.norm, "NORM_WEIGHT": f.norm_weight is not None, "RESIDUAL": f.residual is not None,
-            "num_warps": warps, "num_stages": stages}  # fmt: skip
-    return _Launch(n, k, x_stride, r_stride if f.inplace else n, r_stride, meta)
+            "HALF": f.half, "num_warps": warps, "num_stages": stages}  # fmt: skip
+    grid = n // (2 * bn) if f.half else triton.cdiv(n, bn)
+    return _Launch(n, k, x_stride, r_stride if f.inplace else n, r_stride, grid, meta)
 
 
 def skinny(x: Tensor, weight: Tensor, bias: Tensor | None = None, f: Fusion = PLAIN,
@@ -199,9 +236,10 @@ def skinny(x: Tensor, weight: Tensor, bias: Tensor | None = None, f: Fusion = PL
     else:
         out = torch.empty((rows.shape[0], p.n), dtype=x.dtype, device=x.device)
     with device_of(x):
-        _skinny_linear_kernel[(triton.cdiv(p.n, p.meta["BN"]),)](
-            rows, weight, _or(bias, weight), out, _or(f.norm_weight, weight), _or(residual, weight), rows.shape[0],
-            p.n, p.k, rows.stride(0), weight.stride(0), p.y_stride, p.r_stride, f.eps, **p.meta,
+        _skinny_linear_kernel[(p.grid,)](
+            rows, weight, _or(bias, weight), out, _or(f.norm_weight, weight), _or(residual, weight),
+            _or(f.positions, weight), _or(f.cos_sin_cache, weight), rows.shape[0], p.n, p.k, rows.stride(0),
+            weight.stride(0), p.y_stride, p.r_stride, f.eps, f.rotated, **p.meta,
         )  # fmt: skip
     return f.residual if f.inplace else out.view(*x.shape[:-1], p.n)  # type: ignore[return-value]
 
@@ -216,10 +254,10 @@ def _prepare(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion) -> tuple
     dtypes (Triton's ``warmup`` takes them so, as 16-byte aligned addresses: a torch allocation
     is)."""
     p = _plan(x, weight, bias, f)
-    pointers = (x, weight, _or(bias, weight), _or(f.residual, x) if f.inplace else x, _or(f.norm_weight, weight),
-                _or(f.residual, weight))  # fmt: skip
+    pointers = (x, weight, _or(bias, weight), x, _or(f.norm_weight, weight), _or(f.residual, weight),
+                _or(f.positions, weight), _or(f.cos_sin_cache, weight))  # fmt: skip
     args = (*(t.dtype for t in pointers), linear_ops.SKINNY_ROWS, p.n, p.k, p.x_stride, weight.stride(0), p.y_stride,
-            p.r_stride, f.eps)  # fmt: skip
+            p.r_stride, f.eps, f.rotated)  # fmt: skip
     _bind_device(_skinny_linear_kernel, x.device)
 
     def build() -> Any:
@@ -228,7 +266,7 @@ def _prepare(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion) -> tuple
             _load(kernel)
         return kernel
 
-    return ("skinny_linear", x.device, args[:-1], tuple(p.meta.items())), build
+    return ("skinny_linear", x.device, args[:-2] + args[-1:], tuple(p.meta.items())), build  # eps: not built in
 
 
 def _norm(norm_weight: Tensor | None, eps: float, **kw: Any) -> Fusion:
@@ -242,6 +280,8 @@ _LAUNCH: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor | None, Fusion]]] 
     "rms_norm_linear": lambda x, g, eps, w, bias=None, cast_last=False: (x, w, bias, _norm(g, eps)),
     "rms_norm_linear_silu_and_mul": lambda x, g, eps, w, bias=None, cast_last=False: (
         x, w, bias, _norm(g, eps, gated=True)),
+    "rms_norm_linear_rotary": lambda x, g, eps, w, bias, cast_last, positions, cos_sin_cache, rotated: (
+        x, w, bias, _norm(g, eps, positions=positions, cos_sin_cache=cos_sin_cache, rotated=rotated)),
     "linear_add": lambda x, w, residual: (x, w, None, Fusion(residual=residual)),
     "linear_add_": lambda x, w, residual: (x, w, None, Fusion(residual=residual, inplace=True)),
 }
@@ -294,6 +334,12 @@ def rms_norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, weight: T
 def rms_norm_linear_silu_and_mul(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor,
                                  bias: Tensor | None = None, cast_last: bool = False) -> Tensor:  # fmt: skip
     return skinny(*_LAUNCH["rms_norm_linear_silu_and_mul"](x, norm_weight, eps, weight, bias, cast_last))
+
+
+def rms_norm_linear_rotary(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
+                           cast_last: bool, positions: Tensor, cos_sin_cache: Tensor, rotated: int) -> Tensor:  # fmt: skip
+    return skinny(*_LAUNCH["rms_norm_linear_rotary"](x, norm_weight, eps, weight, bias, cast_last, positions,
+                                                     cos_sin_cache, rotated))  # fmt: skip
 
 
 def linear_add(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:

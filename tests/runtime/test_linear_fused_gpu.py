@@ -19,14 +19,24 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 BF16 = torch.bfloat16
 EPS = 1e-5
-# (op, output columns n, weight rows, k): the 8B layer's qkv, gate_up, o and down projections
-CASES = [("rms_norm_linear", 6144, 6144, 4096), ("rms_norm_linear_silu_and_mul", 14336, 28672, 4096),
-         ("linear_add", 4096, 4096, 4096), ("linear_add_", 4096, 4096, 14336)]  # fmt: skip
+# (op, output columns n, weight rows, k): the 8B layer's qkv (with its norm, and rotating q and k),
+# gate_up, o and down projections
+CASES = [("rms_norm_linear", 6144, 6144, 4096), ("rms_norm_linear_rotary", 6144, 6144, 4096),
+         ("rms_norm_linear_silu_and_mul", 14336, 28672, 4096), ("linear_add", 4096, 4096, 4096),
+         ("linear_add_", 4096, 4096, 14336)]  # fmt: skip
+HEAD, KV = 128, 1024  # the 8B layer's head size and k (and v) columns
 
 
 def args_of(op: str, rows: int, n: int, w_rows: int, k: int, gen: torch.Generator, dtype: torch.dtype) -> list[Any]:
     x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
     w = (torch.randn(w_rows, k, device="cuda", generator=gen) * k**-0.5).to(dtype)
+    if op == "rms_norm_linear_rotary":  # heads of 128, positions up to 4096 (the 8B model's rope_theta)
+        g = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(dtype)
+        freqs = 500000.0 ** (-torch.arange(HEAD // 2, device="cuda") / (HEAD // 2))
+        angles = torch.arange(4096, device="cuda")[:, None] * freqs[None, :]
+        cache = torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+        positions = torch.randint(0, 4096, (rows,), device="cuda", generator=gen)
+        return [x, g, EPS, w, None, False, positions, cache, n - KV]
     if op.startswith("rms_norm"):
         g = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(dtype)
         return [x, g, EPS, w]
@@ -51,10 +61,10 @@ def test_triton_at_decode_sizes_then_what_the_op_replaces(op: str, n: int, w_row
     definition = next(d for d in linear_fused.DEFS if d.name == op)
     spec_of = linear_fused.linear_add_reference if op == "linear_add_" else definition.reference  # its value
     args = args_of(op, rows, n, w_rows, k, gen, BF16)
-    exact = spec_of(*[a.float() if isinstance(a, torch.Tensor) else a for a in args])
+    exact = spec_of(*[a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args])
     spec = spec_of(*args)
     got = run(op, args)
-    label = "triton" if rows <= 16 else next(k.name for k in definition.kernels if k.provider == "torch")
+    label = "triton" if rows <= 16 else next(k.name for k in definition.kernels if k.provider != "triton")
     assert providers.served()[op] == {"fallbacks": {}, label: 1}
     # the fused kernel rounds fewer intermediates than the unfused code: no further from float32
     assert rel_err(got, exact) <= 1.05 * rel_err(spec, exact) + 1e-3, (rel_err(got, exact), rel_err(spec, exact))
@@ -74,7 +84,7 @@ def test_fused_kernels_built_ahead_are_the_ones_launched(gen: torch.Generator) -
     with FakeTensorMode() as mode:
         fake = {op: [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args] for op, args in real.items()}
     note = providers.prebuild([(getattr(torch.ops.fxr, op).default, tuple(args), {}) for op, args in fake.items()])
-    assert note is not None and note.startswith("3 kernels built ahead"), note  # linear_add(_): one build
+    assert note is not None and note.startswith("4 kernels built ahead"), note  # linear_add(_): one build
     cache = triton_gemm._skinny_linear_kernel.device_caches[torch.cuda.current_device()][0]
     built = len(cache)
     for op, args in real.items():

@@ -166,3 +166,55 @@ def test_prepare_keys_one_build_per_fusion(triton_gemm: types.ModuleType) -> Non
     assert triton_gemm.prepare("rms_norm_linear", x, g, 1e-5, w)[0] == keys["rms_norm_linear"]  # eps: an argument
     assert dict(keys["linear_add_"][3])["RESIDUAL"] and dict(keys["rms_norm_linear"][3])["NORM"]
     assert triton_gemm.prepare("rms_norm", x, g, EPS) is None
+
+
+# --------------------------------------------------------------------------- rotary in the epilogue
+
+
+def rope_operands(gen: torch.Generator, rows: int, k: int, d: int, dtype: torch.dtype) -> dict[str, object]:
+    """A qkv projection of 4 q heads, 1 k head and 1 v head of ``d``; a cos|sin cache of 100 positions."""
+    t: dict[str, object] = operands(gen, (rows,), k, 6 * d, dtype)
+    angles = torch.arange(100)[:, None] * 10000.0 ** (-torch.arange(d // 2) / (d // 2))[None, :]
+    t["cache"] = torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+    t["pos"] = torch.randint(0, 100, (rows,), generator=gen)
+    t["rotated"] = 5 * d
+    return t
+
+
+def test_rotary_reference_is_the_rotation_of_q_and_k(gen: torch.Generator) -> None:
+    """``fxr.rms_norm_linear_rotary`` is ``fxr.rotary_embedding`` of the q and k views of
+    ``fxr.rms_norm_linear``, v as it was."""
+    t = rope_operands(gen, 7, 64, 32, BF16)
+    x, g, w, b, pos, cache = t["x"], t["g"], t["w"], t["b"], t["pos"], t["cache"]
+    y = torch.ops.fxr.rms_norm_linear(x, g, EPS, w, b)
+    q, k = torch.ops.fxr.rotary_embedding(pos, y[:, :128].view(7, 4, 32), y[:, 128:160].view(7, 1, 32), cache, True)
+    got = torch.ops.fxr.rms_norm_linear_rotary(x, g, EPS, w, b, False, pos, cache, 160)
+    torch.testing.assert_close(got, torch.cat((q.reshape(7, -1), k.reshape(7, -1), y[:, 160:]), dim=-1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("rows", "k", "d"), [(1, 256, 64), (5, 200, 128), (16, 128, 32)])
+def test_kernel_rotary_epilogue(triton_gemm: types.ModuleType, gen: torch.Generator, rows: int, k: int, d: int) -> None:
+    """Heads of 32 (blocks of 16 columns), 64 and 128: no further from float32 than the spec in
+    float16; the v columns are the plain GEMM's."""
+    t = rope_operands(gen, rows, k, d, F16)
+    args = (t["x"], t["g"], EPS, t["w"], t["b"], False, t["pos"], t["cache"], t["rotated"])
+    assert lf._norm_rotary_check(*args) is None
+    exact = lf.rms_norm_linear_rotary_reference(*(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                                  and a is not t["cache"] else a for a in args))  # fmt: skip
+    got = triton_gemm.rms_norm_linear_rotary(*args)
+    assert rel_err(got, exact) <= rel_err(lf.rms_norm_linear_rotary_reference(*args), exact) + 2e-3
+    torch.testing.assert_close(got[:, 5 * d :], triton_gemm.rms_norm_linear(*args[:5])[:, 5 * d :], rtol=0, atol=0)
+
+
+def test_rotary_checks_refuse_what_the_kernels_cannot_serve(gen: torch.Generator) -> None:
+    t = rope_operands(gen, 4, 64, 64, BF16)
+    x, g, w, pos, cache = t["x"], t["g"], t["w"], t["pos"], t["cache"]
+    assert lf._norm_rotary_check(x, g, EPS, w, None, False, pos, cache, 320) is None
+    assert lf._norm_rotary_check(x, g, EPS, w, None, False, pos[:3], cache, 320) == (
+        "positions torch.int64(3,) for input (4, 64)")
+    assert lf._norm_rotary_check(x, g, EPS, w, None, False, pos, cache[:, :48].contiguous(), 288) == (
+        "cos_sin_cache torch.float32(100, 48): needs contiguous float32 [P, 32 m]")
+    assert lf._norm_rotary_check(x, g, EPS, w, None, False, pos, cache, 300) == "300 rotated of 384 columns in heads of 64"
+    assert lf._rope_check(x, g, EPS, w, None, False, pos, cache, 64) == "64 rotated columns in heads of 64 (input (4, 64))"
+    assert lf._rope_check(x, g, EPS, w, None, False, pos, cache, 320) is None
+    assert lf._rope_check(x.float(), g, EPS, w.float(), None, False, pos, cache, 320) == "dtype float32 not bf16/fp16"
