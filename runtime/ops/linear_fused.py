@@ -185,20 +185,20 @@ def _norm_cublas_rope(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tens
     """The norm, cuBLAS, then flashinfer's rotation in place on the output's q and k columns (as
     two [N, heads * D] strided views: all heads but the last, and the last)."""
     y = _norm_cublas(x, norm_weight, eps, w, bias, cast_last)
-    d = cos_sin_cache.shape[-1]
+    rows, d = y.view(-1, y.shape[-1]), cos_sin_cache.shape[-1]
     rope = providers.library("flashinfer.rope")
-    rope.apply_rope_with_cos_sin_cache_inplace(positions, y[:, : rotated - d], y[:, rotated - d : rotated], d,
+    rope.apply_rope_with_cos_sin_cache_inplace(positions, rows[:, : rotated - d], rows[:, rotated - d : rotated], d,
                                                cos_sin_cache, True)  # fmt: skip
     return y
 
 
 def _rope_check(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None,
                 cast_last: bool, positions: Tensor, cos_sin_cache: Tensor, rotated: int) -> str | None:  # fmt: skip
-    """flashinfer's in-place rotation on the GEMM's output: its head sizes, half dtypes, at
-    least two heads to rotate (it takes them as q and k)."""
+    """flashinfer's in-place rotation on the GEMM's output rows: its head sizes, half dtypes, a
+    position per row, at least two heads to rotate (it takes them as q and k)."""
     d = cos_sin_cache.shape[-1]
-    if x.dim() != 2 or rotated < 2 * d or rotated % d:
-        return f"{rotated} rotated columns in heads of {d} (input {tuple(x.shape)})"
+    if rotated < 2 * d or rotated % d or positions.numel() * x.shape[-1] != x.numel():
+        return f"{rotated} rotated columns in heads of {d} (input {tuple(x.shape)}, {positions.numel()} positions)"
     if d not in HEAD_DIMS:
         return f"head size {d} not in {HEAD_DIMS}"
     if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():

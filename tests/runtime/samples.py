@@ -58,7 +58,9 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
     for name in moe_samples.NAMES:
         values[name] = functools.partial(moe_samples.moe_arg, name, shape, dtype, gen)
     names = inspect.signature(op.reference).parameters
-    if "rotated" in names:  # a GEMM rotating its output: a position per row of x, the [hidden] output one head
+    if "rotated" in names:  # a GEMM rotating its output: a position per row of x, two heads of [hidden] rotated
         values["positions"] = lambda: torch.randint(0, rotary_samples.POSITIONS, (math.prod(shape[:-1]),), generator=gen)
-        values["rotated"] = lambda: shape[-1]
+        values["w"] = lambda: rand(gen, 2 * shape[-1], shape[-1], dtype=dtype) * shape[-1] ** -0.5
+        values["bias"] = lambda: rand(gen, 2 * shape[-1], dtype=dtype)
+        values["rotated"] = lambda: 2 * shape[-1]
     return [rand(gen, *shape, dtype=dtype) if name in ("x", "residual", "a", "b") else values[name]() for name in names]

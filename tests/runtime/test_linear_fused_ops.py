@@ -215,6 +215,7 @@ def test_rotary_checks_refuse_what_the_kernels_cannot_serve(gen: torch.Generator
     assert lf._norm_rotary_check(x, g, EPS, w, None, False, pos, cache[:, :48].contiguous(), 288) == (
         "cos_sin_cache torch.float32(100, 48): needs contiguous float32 [P, 32 m]")
     assert lf._norm_rotary_check(x, g, EPS, w, None, False, pos, cache, 300) == "300 rotated of 384 columns in heads of 64"
-    assert lf._rope_check(x, g, EPS, w, None, False, pos, cache, 64) == "64 rotated columns in heads of 64 (input (4, 64))"
+    assert lf._rope_check(x, g, EPS, w, None, False, pos, cache, 64) == (
+        "64 rotated columns in heads of 64 (input (4, 64), 4 positions)")
     assert lf._rope_check(x, g, EPS, w, None, False, pos, cache, 320) is None
     assert lf._rope_check(x.float(), g, EPS, w.float(), None, False, pos, cache, 320) == "dtype float32 not bf16/fp16"
