@@ -49,9 +49,12 @@ SIZE_QUERIES = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, "
 
 
 class _Miss(Exception):
-    def __init__(self, reason: str, at: fx.Node) -> None:
+    """Why a rotation does not fuse; ``near``: it reads a GEMM that took its norm (a near miss
+    worth reporting), not any other tensor (every rotation in a graph without such GEMMs)."""
+
+    def __init__(self, reason: str, at: fx.Node, near: bool = True) -> None:
         super().__init__(reason)
-        self.reason, self.at = reason, at
+        self.reason, self.at, self.near = reason, at, near
 
 
 def _is(n: Any, targets: set[Any]) -> bool:
@@ -67,11 +70,11 @@ def _columns(x: fx.Node) -> tuple[fx.Node, int, int, list[fx.Node]]:
         chain.append(n)
         n = n.args[0]
     if not _is(n, {SLICE}):
-        raise _Miss(f"`{x.name}` is not a view of a column slice", x)
+        raise _Miss(f"`{x.name}` is not a view of a column slice", x, near=False)
     base, dim, start, end, step = n.args
     out = meta.tensor(base) if isinstance(base, fx.Node) else None
     if not (isinstance(base, fx.Node) and base.target is GEMM):
-        raise _Miss(f"`{n.name}` slices `{getattr(base, 'name', base)}`, not an fxr.rms_norm_linear", n)
+        raise _Miss(f"`{n.name}` slices `{getattr(base, 'name', base)}`, not an fxr.rms_norm_linear", n, near=False)
     if out is None or out.dim() != 2 or dim not in (-1, 1) or step != 1 or not isinstance(start, int):
         raise _Miss(f"`{n.name}` is not a column slice of a 2-D output", n)
     end = min(end, out.shape[-1]) if isinstance(end, int) else None
@@ -92,10 +95,10 @@ def _only_shape_readers(chain: list[fx.Node], rot: fx.Node) -> None:
 def _site(rot: fx.Node, order: dict[fx.Node, int]) -> tuple[fx.Node, int]:
     """(the GEMM, the number of rotated columns) of a rotation that fuses, else :class:`_Miss`."""
     positions, q, k, cache, neox = rot.args
-    if neox is not True:
-        raise _Miss("interleaved (GPT-J) rotation: the epilogue rotates NeoX halves", rot)
     gemm, q0, q1, q_chain = _columns(q)
     gemm_k, k0, k1, k_chain = _columns(k)
+    if neox is not True:
+        raise _Miss("interleaved (GPT-J) rotation: the epilogue rotates NeoX halves", rot)
     (a0, a1), (b0, b1) = sorted(((q0, q1), (k0, k1)))
     if gemm_k is not gemm or a0 != 0 or b0 != a1:
         raise _Miss(f"q [{q0}:{q1}] and k [{k0}:{k1}] are not adjacent columns from 0 of one GEMM", rot)
@@ -157,7 +160,7 @@ def fuse_gemm_rotary(gm: fx.GraphModule, site_filter: SiteFilter | None = None) 
         try:
             gemm, rotated = _site(rot, order)
         except _Miss as e:
-            if any(_is(a, {SLICE}) or _is(a, VIEWS) for a in rot.args[1:3]):  # a GEMM's output nearby: worth a word
+            if e.near:
                 result.near_misses.append(NearMiss(RULE, rot.name, meta.source_line(rot), e.at.name, e.reason,
                                                    meta.module_path(rot)))  # fmt: skip
             continue
