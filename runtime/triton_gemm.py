@@ -15,6 +15,11 @@ the end: what an elementwise op after it needs. Its constexpr switches:
   accumulator in the epilogue (it distributes over the dot product).
 - ``RESIDUAL``: ``linear(x, w) + residual`` stored (into ``residual`` itself for the in-place op):
   the residual stream's add, in the epilogue of the GEMM that produces the addend.
+- ``HALF`` (rotary, NeoX halves of heads of ``2 * HALF`` columns): a program computes a block of
+  a head's first half and the partner block ``HALF`` columns further (a second accumulator, as
+  ``GATED`` has: each weight row is still read once), rounds both and rotates them by the angles
+  of each row's position in the first ``rotated`` columns (q's and k's heads), as
+  ``fxr.rotary_embedding`` would after the GEMM.
 
     # before: three launches at decode                  # after: one each
     n = rms_norm(x, g, eps); y = linear(n, w)            y = rms_norm_linear(x, g, eps, w)
@@ -24,8 +29,9 @@ Rounding: the accumulator is float32 and is rounded once at the store (with ``GA
 the SiLU and the product are each rounded to the dtype as ``silu_and_mul(linear(...))`` rounds
 them). With ``NORM`` the A tile is ``x * g`` rounded to the dtype (the spec rounds ``x * r``,
 then ``g * that``: one rounding where it has two, the per-row scale exact in float32); with
-``RESIDUAL`` the sum is rounded once (the spec rounds the product, then the sum, as cuBLAS's
-``addmm`` does not either). Launches are built ahead of their first call (:func:`prepare`).
+``RESIDUAL`` the sum is rounded once (the spec rounds the product, then the sum; cuBLAS's
+``addmm``, above 16 rows, rounds once too). Launches are built ahead of their first call
+(:func:`prepare`).
 
 Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (the tests use float16: the
 interpreter multiplies bfloat16 ``tl.dot`` operands wrongly).
