@@ -96,6 +96,28 @@ def add_norm_cast_last_inplace(x, w, residual, weight, eps):
     return torch.ops.fxr.rms_norm(s, weight, eps, True), s
 
 
+# the sum commutes: the GEMM's output may be the op's second operand (``residual + o_proj(a)``, as
+# transformers writes it) -> the same; the in-place op overwrote both operands, the first now takes the sum
+def add_norm_swapped_pattern(x, w, residual, weight, eps):
+    out = torch.ops.fxr.fused_add_rms_norm(residual, F.linear(x, w), weight, eps)
+    return out[0], out[1]
+
+
+def add_norm_swapped_inplace_pattern(x, w, residual, weight, eps):
+    out = torch.ops.fxr.fused_add_rms_norm_(residual, F.linear(x, w), weight, eps)
+    return out[0], out[1]
+
+
+def add_norm_cast_last_swapped_pattern(x, w, residual, weight, eps):
+    out = torch.ops.fxr.fused_add_rms_norm(residual, F.linear(x, w), weight, eps, True)
+    return out[0], out[1]
+
+
+def add_norm_cast_last_swapped_inplace_pattern(x, w, residual, weight, eps):
+    out = torch.ops.fxr.fused_add_rms_norm_(residual, F.linear(x, w), weight, eps, True)
+    return out[0], out[1]
+
+
 # linear(rms_norm(x, g, eps), w, b) -> fxr.rms_norm_linear(x, g, eps, w, b)  (g, b: tensors or None)
 def norm_linear_pattern(x, weight, eps, w, b):
     return F.linear(torch.ops.fxr.rms_norm(x, weight, eps), w, b)
@@ -149,6 +171,13 @@ RESIDUAL_RULES: list[Rule] = [
     _add_rule("linear_add_rms_norm_cast_last", add_norm_cast_last_pattern, add_norm_cast_last_replacement,
               add_norm_cast_last_inplace),
     _add_rule("linear_add_rms_norm_cast_last_inplace", add_norm_cast_last_inplace_pattern,
+              add_norm_cast_last_replacement, add_norm_cast_last_inplace),
+    _add_rule("linear_add_rms_norm_swapped", add_norm_swapped_pattern, add_norm_replacement, add_norm_inplace),
+    _add_rule("linear_add_rms_norm_swapped_inplace", add_norm_swapped_inplace_pattern, add_norm_replacement,
+              add_norm_inplace),
+    _add_rule("linear_add_rms_norm_cast_last_swapped", add_norm_cast_last_swapped_pattern,
+              add_norm_cast_last_replacement, add_norm_cast_last_inplace),
+    _add_rule("linear_add_rms_norm_cast_last_swapped_inplace", add_norm_cast_last_swapped_inplace_pattern,
               add_norm_cast_last_replacement, add_norm_cast_last_inplace),
 ]  # fmt: skip
 """``fuse_gemm_residual``: the residual add of an add + RMSNorm into the GEMM that produces its addend."""

@@ -24,14 +24,14 @@ class Norm(torch.nn.Module):
     """RMSNorm as Llama writes it (``w * h.to(dtype)``), OLMo2's order (``(w * h).to(dtype)``:
     ``cast_last``) or without weight; with ``residual``, adds it first and returns both."""
 
-    def __init__(self, order: str = "llama") -> None:
+    def __init__(self, order: str = "llama", residual_first: bool = False) -> None:
         super().__init__()
-        self.order = order
+        self.order, self.residual_first = order, residual_first
         self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(HIDDEN)) if order != "none" else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
-            x = x + residual
+            x = residual + x if self.residual_first else x + residual
         residual = x
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -48,9 +48,9 @@ class Layer(torch.nn.Module):
     """norm -> qkv -> (a stand-in for attention) -> o -> add + norm -> gate_up -> SiLU-and-mul
     -> down; the residual carried to the next layer's norm, as serving engines write it."""
 
-    def __init__(self, order: str, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, order: str, qkv_bias: bool, o_bias: bool, residual_first: bool = False) -> None:
         super().__init__()
-        self.input_norm, self.post_norm = Norm(order), Norm(order)
+        self.input_norm, self.post_norm = Norm(order, residual_first), Norm(order, residual_first)
         self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN, bias=qkv_bias)
         self.o = torch.nn.Linear(HIDDEN, HIDDEN, bias=o_bias)
         self.gate_up = torch.nn.Linear(HIDDEN, 2 * INTER, bias=False)
@@ -70,12 +70,12 @@ class Decoder(torch.nn.Module):
     ``embed=False``: the model's input is the hidden state (the first residual a graph input)."""
 
     def __init__(self, order: str = "llama", qkv_bias: bool = False, o_bias: bool = False, leak: bool = False,
-                 embed: bool = True, dtype: torch.dtype = F32) -> None:  # fmt: skip
+                 embed: bool = True, residual_first: bool = False, dtype: torch.dtype = F32) -> None:  # fmt: skip
         super().__init__()
         self.leak = leak
         self.embed = torch.nn.Embedding(32, HIDDEN) if embed else None
-        self.layers = torch.nn.ModuleList(Layer(order, qkv_bias, o_bias) for _ in range(2))
-        self.norm = Norm(order)
+        self.layers = torch.nn.ModuleList(Layer(order, qkv_bias, o_bias, residual_first) for _ in range(2))
+        self.norm = Norm(order, residual_first)
         self.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +116,27 @@ def test_the_other_norm_orders_fuse_too(order: str) -> None:
                 "linear_add_rms_norm_cast_last_inplace"} <= names  # fmt: skip
     else:
         assert {"rms_norm_linear", "rms_norm_linear_silu_and_mul", "linear_add_rms_norm_inplace"} <= names
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_the_residual_may_be_the_first_operand_of_the_add(dtype: torch.dtype) -> None:
+    """``residual + o_proj(a)``, as transformers writes it: the GEMM's output is the add + norm's
+    second operand; the same GEMMs."""
+    r = check(Decoder(residual_first=True, dtype=dtype), IDS, expect=FUSED, **FULL)
+    assert len(sites(r, "linear_add_rms_norm_swapped_inplace")) == 4
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_transformers_decoders_get_four_fused_gemms_per_layer(family: str) -> None:
+    """transformers' Llama and Qwen2 (separate q, k, v and gate, up projections, merged by
+    merge_siblings; Qwen2's qkv with a bias), two layers: the rotation stays its own op there
+    (its q and k are transposed views, rewrites/linear_rotary.py)."""
+    from fxrewrite import models
+
+    model = models.build(family, layers=2)
+    expect = {"rms_norm_linear": 2, "rms_norm_linear_silu_and_mul": 2, "linear_add_": 4, "rms_norm": 1,
+              "rotary_embedding": 2}  # fmt: skip
+    check(model, *models.example_inputs(model), expect=expect, capture_sizes=(8,), **FULL)
 
 
 def test_a_biased_qkv_takes_its_norm_with_the_bias() -> None:
