@@ -15,7 +15,7 @@ and becomes::
 
 A graph pass, not a rule: the site is a GEMM and the views of its output that lead to the
 rotation, and what it proves is about every reader of that output. It takes a site where q and
-k are adjacent column slices from column 0 of the GEMM's 2-D output (in either order), viewed as heads of the
+k are adjacent column slices from column 0 of the GEMM's output (in either order), viewed as heads of the
 cache's width (the whole head rotates, NeoX halves), read only through those views by the
 rotation (and by size queries), and every other reader of the output reads columns after k
 (v): they see the same values after the fusion, and the rotation's readers read views of the
@@ -45,6 +45,7 @@ FUSED = torch.ops.fxr.rms_norm_linear_rotary.default
 ROTARY = torch.ops.fxr.rotary_embedding.default
 SLICE = torch.ops.aten.slice.Tensor
 VIEWS = {torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten.unflatten.int, "view", "reshape"}
+PERMUTES = {torch.ops.aten.permute.default, torch.ops.aten.transpose.int, "permute", "transpose"}
 SIZE_QUERIES = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, "size", "dim"}
 
 
@@ -61,22 +62,59 @@ def _is(n: Any, targets: set[Any]) -> bool:
     return isinstance(n, fx.Node) and n.op in ("call_function", "call_method") and n.target in targets
 
 
+def _dims(n: fx.Node) -> list[int] | None:
+    """The permutation a permute or transpose node applies (None where its rank is unknown)."""
+    t = meta.tensor(n.args[0])
+    if t is None:
+        return None
+    rank = t.dim()
+    if n.target in ("transpose", torch.ops.aten.transpose.int):
+        a, b = (d % rank for d in n.args[1:3])
+        dims = list(range(rank))
+        dims[a], dims[b] = b, a
+        return dims
+    dims = n.args[1:] if n.target == "permute" and not isinstance(n.args[1], (list, tuple)) else n.args[1]
+    return [d % rank for d in dims]
+
+
+def _identity(permutes: list[fx.Node]) -> bool:
+    """Adjacent permutes (``permutes``: the last applied first) that move nothing together (a
+    transpose a rotation's folding undid: its q ``[B, H, S, D]`` back to ``[B, S, H, D]``)."""
+    order: list[int] | None = None
+    for n in reversed(permutes):
+        dims = _dims(n)
+        if dims is None:
+            return False
+        order = dims if order is None else [order[d] for d in dims]
+    return order is None or order == sorted(order)
+
+
 def _columns(x: fx.Node) -> tuple[fx.Node, int, int, list[fx.Node]]:
-    """``x`` as reshapes of a column slice ``y[:, start:end]`` of a GEMM's 2-D output ``y``:
-    (the GEMM node, start, end, the slice and reshape nodes from the slice on)."""
+    """``x`` as reshapes of a column slice ``y[..., start:end]`` of a GEMM's output ``y`` (and
+    permutes that undo one another): (the GEMM node, start, end, the slice and the nodes from
+    the slice on)."""
     chain: list[fx.Node] = []
+    run: list[fx.Node] = []  # adjacent permutes
     n = x
-    while _is(n, VIEWS):
+    while _is(n, VIEWS | PERMUTES):
+        if _is(n, PERMUTES):
+            run.append(n)
+        elif run:
+            if not _identity(run):
+                raise _Miss(f"`{run[0].name}` moves dims of q or k", run[0], near=False)
+            run = []
         chain.append(n)
         n = n.args[0]
+    if run and not _identity(run):
+        raise _Miss(f"`{run[0].name}` moves dims of q or k", run[0], near=False)
     if not _is(n, {SLICE}):
         raise _Miss(f"`{x.name}` is not a view of a column slice", x, near=False)
     base, dim, start, end, step = n.args
     out = meta.tensor(base) if isinstance(base, fx.Node) else None
     if not (isinstance(base, fx.Node) and base.target is GEMM):
         raise _Miss(f"`{n.name}` slices `{getattr(base, 'name', base)}`, not an fxr.rms_norm_linear", n, near=False)
-    if out is None or out.dim() != 2 or dim not in (-1, 1) or step != 1 or not isinstance(start, int):
-        raise _Miss(f"`{n.name}` is not a column slice of a 2-D output", n)
+    if out is None or dim not in (-1, out.dim() - 1) or step != 1 or not isinstance(start, int):
+        raise _Miss(f"`{n.name}` is not a column slice of the GEMM's output", n)
     end = min(end, out.shape[-1]) if isinstance(end, int) else None
     if end is None:
         raise _Miss(f"`{n.name}` ends at a symbolic column", n)
@@ -108,9 +146,10 @@ def _site(rot: fx.Node, order: dict[fx.Node, int]) -> tuple[fx.Node, int]:
         raise _Miss("the rotation covers part of each head (partial rotary) or its shapes are unknown", rot)
     for chain in (q_chain, k_chain):
         _only_shape_readers(chain, rot)
+    last = (-1, meta.tensor(gemm).dim() - 1)
     for u in gemm.users:
         if u not in (q_chain[0], k_chain[0]) and not _is(u, SIZE_QUERIES):
-            if not (_is(u, {SLICE}) and isinstance(u.args[2], int) and u.args[1] in (-1, 1) and u.args[2] >= rotated):
+            if not (_is(u, {SLICE}) and isinstance(u.args[2], int) and u.args[1] in last and u.args[2] >= rotated):
                 raise _Miss(f"`{u.name}` reads the GEMM's output other than past its q and k columns", u)
     late = [a for a in (positions, cache) if order[a] > order[gemm]]
     if late:

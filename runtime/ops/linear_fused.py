@@ -131,11 +131,12 @@ def _norm_gated_check(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tens
 
 
 def rotary_layout_check(x: Tensor, w: Tensor, positions: Tensor, cos_sin_cache: Tensor, rotated: int) -> str | None:
-    """Rotation in the GEMM's epilogue: 2-D ``x`` with one position each, a contiguous float32
+    """Rotation in the GEMM's epilogue: a position per row of ``x``, a contiguous float32
     ``[P, D]`` cache, heads of D (a multiple of 32: a program's block of at least 16 columns
     inside half a head) tiling the ``rotated`` columns and the output."""
     d = cos_sin_cache.shape[-1] if cos_sin_cache.dim() == 2 else 0
-    if x.dim() != 2 or positions.shape != x.shape[:1] or positions.dtype not in (torch.int32, torch.int64):
+    rows = x.numel() // max(x.shape[-1], 1)
+    if positions.dim() != 1 or positions.shape[0] != rows or positions.dtype not in (torch.int32, torch.int64):
         return f"positions {positions.dtype}{tuple(positions.shape)} for input {tuple(x.shape)}"
     if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous() or d % 32:
         return f"cos_sin_cache {cos_sin_cache.dtype}{tuple(cos_sin_cache.shape)}: needs contiguous float32 [P, 32 m]"

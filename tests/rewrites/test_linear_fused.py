@@ -129,13 +129,13 @@ def test_the_residual_may_be_the_first_operand_of_the_add(dtype: torch.dtype) ->
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_transformers_decoders_get_four_fused_gemms_per_layer(family: str) -> None:
     """transformers' Llama and Qwen2 (separate q, k, v and gate, up projections, merged by
-    merge_siblings; Qwen2's qkv with a bias), two layers: the rotation stays its own op there
-    (its q and k are transposed views, rewrites/linear_rotary.py)."""
+    merge_siblings; Qwen2's qkv with a bias), two layers: qkv with its norm and the rotation of
+    q and k (through the transposes the rotation's folding undid, rewrites/linear_rotary.py),
+    o with its add, gate_up with its norm and activation, down with its add."""
     from fxrewrite import models
 
     model = models.build(family, layers=2)
-    expect = {"rms_norm_linear": 2, "rms_norm_linear_silu_and_mul": 2, "linear_add_": 4, "rms_norm": 1,
-              "rotary_embedding": 2}  # fmt: skip
+    expect = {"rms_norm_linear_rotary": 2, "rms_norm_linear_silu_and_mul": 2, "linear_add_": 4, "rms_norm": 1}
     check(model, *models.example_inputs(model), expect=expect, capture_sizes=(8,), **FULL)
 
 
