@@ -84,3 +84,20 @@ def test_float32_matches_eager_bit_for_bit() -> None:
     """On CPU the op's reference rotates what the GEMM's reference computed, as the unfused ops."""
     torch.manual_seed(0)
     check(NormRope(), *tokens()[:2], expect={RULE: 1}, exact=True, dynamic=False, **FULL)
+
+
+def test_only_permutes_that_undo_one_another_are_seen_through() -> None:
+    """The q a rotation reads may sit behind a transpose and the permute that undoes it
+    ([B, S, H, D] -> [B, H, S, D] -> back); a pair that leaves the dims moved is no view of the
+    GEMM's columns (negative twin)."""
+    from fxrewrite.rewrites import linear_rotary
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(2, 3, 4, 5)
+    t = g.call_method("transpose", (x, 1, 2))
+    t.meta["val"] = torch.empty(2, 4, 3, 5)
+    back = g.call_function(torch.ops.aten.permute.default, (t, [0, 2, 1, 3]))
+    moved = g.call_function(torch.ops.aten.permute.default, (t, [0, 1, 3, 2]))
+    assert linear_rotary._identity([back, t])  # the last applied first
+    assert not linear_rotary._identity([moved, t]) and not linear_rotary._identity([t])
