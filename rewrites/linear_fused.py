@@ -21,7 +21,7 @@ linears left are its. Above ``SKINNY_ROWS`` rows each op runs the kernels it rep
 (:mod:`fxrewrite.runtime.ops.linear_fused`). The norm patterns name the spellings the norm rules
 produce: ``fxr.rms_norm(x, g, eps)`` (``g`` may be None) and its ``cast_last`` form
 ``fxr.rms_norm(x, g, eps, True)``; the add + norm patterns read the functional and the in-place
-op. A norm whose output has other readers, a GEMM with a bias before the add, a sum of other
+op, the GEMM's output as either operand of the sum. A norm whose output has other readers, a GEMM with a bias before the add, a sum of other
 dtypes or shapes stay as they are.
 """
 
