@@ -193,8 +193,8 @@ def main() -> None:
     p.add_argument("--no-lifted", action="store_true", help="skip the plain torch.compile row")
     p.add_argument("--twin", action="store_true", help="add the hand-fused twin's row (same mode, no rules)")
     p.add_argument("--unfused-gemms", action="store_true",
-                   help="add a row without fuse_gemm_residual / fuse_gemm_norm (the library's other rules: "
-                        "the GEMMs before issue 30), profiled too with --profile")
+                   help="add a row without fuse_gemm_residual / fuse_gemm_norm / fuse_gemm_rotary (the library's "
+                        "other rules: the GEMMs before issue 30), profiled too with --profile")
     p.add_argument("--capture-sizes", default=None, help="comma-separated (default: --seqs); bench_e2e uses 1,8,64,512")
     args = p.parse_args()
     providers.preload()
@@ -246,7 +246,7 @@ def main() -> None:
         library = [r for g, rules in default_rule_groups(args.mode) if g not in ("fuse_gemm_residual", "fuse_gemm_norm")
                    for r in rules]  # fmt: skip
         plain = fx(library)
-        rows[f"{label}, GEMMs without norms and adds"] = measure(f"{label}, unfused GEMMs", plain.compile(model), batch,
+        rows[f"{label}, GEMMs without norms, adds, RoPE"] = measure(f"{label}, unfused GEMMs", plain.compile(model), batch,
                                                                 args.profile, layers=cfg.num_layers)  # fmt: skip
         print(f"{label}, unfused GEMMs: fused {plain.report.fused_ops()}")
     if args.twin:
