@@ -11,7 +11,7 @@ GEMMs. ``floor``: the weights' bytes over the device-to-device copy bandwidth (r
 measured in this run, as bench_e2e's HBM floor. ``err``: ``max|y - ref| / max|ref|`` of the
 Triton kernel against float32 on fresh inputs (cuBLAS's beside it). ``--sweep`` times every
 launch configuration of the Triton kernel too and prints the best per shape, the tables
-``triton_kernels.skinny_config`` and ``gated_config`` are set from.
+``triton_gemm.skinny_config`` and ``gated_config`` are set from.
 
 A second table takes the MLP's activation in: gate_up then SiLU-and-mul as cuBLAS +
 ``fxr.silu_and_mul``, as ``fxr.linear`` + ``fxr.silu_and_mul``, and as one
@@ -38,6 +38,7 @@ from engine_model import llama_8b  # noqa: E402
 
 import fxrewrite.runtime.ops  # noqa: E402, F401  (registers torch.ops.fxr.*)
 from fxrewrite.runtime import providers  # noqa: E402
+from fxrewrite.runtime.ops import linear as linear_ops  # noqa: E402
 
 LAYERS = 32
 SWEEP = list(itertools.product((16, 32, 64), (128, 256, 512), ((4, 3), (4, 4), (8, 3))))
@@ -116,7 +117,7 @@ def gated_table(args: argparse.Namespace, kernels: Any, shapes: dict[str, tuple[
             for bn, bk, (warps, stages) in SWEEP:
                 cfg = (bn, bk, warps, stages)  # a gated program takes bn gate and bn up rows
                 try:
-                    ms = graph_ms(lambda cfg=cfg: [kernels._skinny_linear(x, w, None, cfg, gated=True) for w in ws])
+                    ms = graph_ms(lambda cfg=cfg: [kernels.skinny(x, w, None, kernels.Fusion(gated=True), cfg) for w in ws])
                 except Exception as e:  # noqa: BLE001 - too much shared memory: not a candidate
                     print(f"{rows} gated {cfg}: {type(e).__name__}", file=sys.stderr)
                     continue
@@ -133,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_gemm needs CUDA", file=sys.stderr)
         return 2
-    kernels = providers.library(providers.TRITON_MODULE)
+    kernels = providers.library(linear_ops.TRITON_GEMM)
     if kernels is None:
         print(f"bench_gemm needs Triton: {providers._REGISTRY.import_errors}", file=sys.stderr)
         return 2
@@ -169,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for bn, bk, (warps, stages) in SWEEP:
                     cfg = (bn, bk, warps, stages)
                     try:
-                        ms = graph_ms(lambda cfg=cfg: [kernels._skinny_linear(x, w, None, cfg) for w in ws])
+                        ms = graph_ms(lambda cfg=cfg: [kernels.skinny(x, w, None, kernels.PLAIN, cfg) for w in ws])
                     except Exception as e:  # noqa: BLE001 - too much shared memory: not a candidate
                         print(f"{rows} {name} {cfg}: {type(e).__name__}", file=sys.stderr)
                         continue

@@ -10,10 +10,11 @@ the same with the attention op's torch path instead of its Triton kernels (piece
 ``engine_model.KERNELS`` switched between calls; the op runs eagerly), the same through
 plain ``torch.compile`` (Dynamo lifts the 65 eps floats to tensors built every call), and
 Inductor + CUDA graphs (``mode="reduce-overhead"``; ``--no-inductor`` skips it). ``--profile``
-adds the kernels and the host-side CUDA calls of 5 steps of the first row; ``--pyprofile`` the
+adds the kernels and the host-side CUDA calls of 5 steps of the first row and its kernels per layer (:func:`kernels_per_layer`; ``--unfused-gemms``
+adds and profiles a row without the GEMM prologue/epilogue passes, the step before issue 30); ``--pyprofile`` the
 Python functions of the unguarded row's host time (:func:`python_profile`).
 
-    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host] [--pyprofile]
+    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host] [--pyprofile] [--unfused-gemms]
 """
 
 from __future__ import annotations
@@ -35,11 +36,14 @@ import engine_model  # noqa: E402
 from engine_model import SPLITTING_OPS, build_model, fused_twin, llama_8b, make_batch, mark_static_metadata  # noqa: E402
 
 import fxrewrite  # noqa: E402
+from fxrewrite.backend import default_rule_groups  # noqa: E402
 from fxrewrite.runtime import providers  # noqa: E402
 
 
-def measure(label: str, step: Any, batch: dict[str, torch.Tensor], profile: bool, reps: int = 50) -> tuple[float, float]:
-    """(back-to-back ms per step, median ms of single steps from an idle device)."""
+def measure(label: str, step: Any, batch: dict[str, torch.Tensor], profile: bool, reps: int = 50,
+            layers: int = 32) -> tuple[float, float]:  # fmt: skip
+    """(back-to-back ms per step, median ms of single steps from an idle device); ``profile``:
+    the kernels of 5 steps, by time and per layer of the ``layers``."""
     with torch.no_grad():
         t = time.perf_counter()
         for _ in range(3):
@@ -73,7 +77,27 @@ def measure(label: str, step: Any, batch: dict[str, torch.Tensor], profile: bool
             table = prof.key_averages()
             print(table.table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
             print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+            print(kernels_per_layer(prof.events(), steps=5, layers=layers))
     return b2b, idle
+
+
+def kernels_per_layer(events: Any, steps: int, layers: int) -> str:
+    """The device's work per step from profiler ``events``: every kernel launch, memcpy and
+    memset (device-side events, CUDA-graph replays included), by name, with launches and time
+    per step; the total over ``layers`` is the step's kernels per layer (the per-step work
+    outside the layers, embedding and final norm, counted in)."""
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            launches, us = by_name.setdefault(e.name, [0, 0.0])
+            by_name[e.name] = [launches + 1, us + e.time_range.elapsed_us()]
+    total = sum(n for n, _ in by_name.values()) / steps
+    lines = [f"\nkernels per step: {total:.0f} ({total / layers:.2f} per layer over {layers} layers), "
+             f"{sum(us for _, us in by_name.values()) / steps / 1e3:.3f} ms of kernel time",
+             "| kernel | launches per step | per layer | us per step |", "|---|---|---|---|"]  # fmt: skip
+    for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| {name[:70]} | {n / steps:.0f} | {n / steps / layers:.2f} | {us / steps:.1f} |")
+    return "\n".join(lines)
 
 
 @contextlib.contextmanager
@@ -168,6 +192,9 @@ def main() -> None:
     p.add_argument("--no-inductor", action="store_true")
     p.add_argument("--no-lifted", action="store_true", help="skip the plain torch.compile row")
     p.add_argument("--twin", action="store_true", help="add the hand-fused twin's row (same mode, no rules)")
+    p.add_argument("--unfused-gemms", action="store_true",
+                   help="add a row without fuse_gemm_residual / fuse_gemm_norm / fuse_gemm_rotary (the library's "
+                        "other rules: the GEMMs before issue 30), profiled too with --profile")
     p.add_argument("--capture-sizes", default=None, help="comma-separated (default: --seqs); bench_e2e uses 1,8,64,512")
     args = p.parse_args()
     providers.preload()
@@ -190,7 +217,8 @@ def main() -> None:
     torch._dynamo.reset()
     backend = fx()
     step = backend.compile(model)
-    rows[f"{label} (Backend.compile)"] = measure(label, step, batch, args.profile)
+    rows[f"{label} (Backend.compile)"] = measure(label, step, batch, args.profile, layers=cfg.num_layers)
+    print(f"{label}: fused {backend.report.fused_ops()}")
     with torch.no_grad():
         fast = backend.unguarded(step, **batch)
     rows[f"{label}, Backend.unguarded"] = measure(f"{label}, unguarded", fast, batch, False)
@@ -213,6 +241,14 @@ def main() -> None:
         torch._dynamo.reset()
         lifted = torch.compile(model, backend=fx(), fullgraph=True, dynamic=True)
         rows[f"{label} (torch.compile, floats lifted)"] = measure(f"{label}, floats lifted", lifted, batch, False)
+    if args.unfused_gemms:
+        torch._dynamo.reset()
+        library = [r for g, rules in default_rule_groups(args.mode) if g not in ("fuse_gemm_residual", "fuse_gemm_norm")
+                   for r in rules]  # fmt: skip
+        plain = fx(library)
+        rows[f"{label}, GEMMs without norms, adds, RoPE"] = measure(f"{label}, unfused GEMMs", plain.compile(model), batch,
+                                                                args.profile, layers=cfg.num_layers)  # fmt: skip
+        print(f"{label}, unfused GEMMs: fused {plain.report.fused_ops()}")
     if args.twin:
         torch._dynamo.reset()
         twin = fused_twin(model)

@@ -6,8 +6,9 @@ last rule group, cleanup last). Nothing registers itself at import time.
 """
 
 from fxrewrite.passes import GraphPass, RuleGroup, Step
-from fxrewrite.rewrites import (activation, async_tp, attention_quant, collective, layernorm, linear, merge, moe,
-                                norm, norm_variants, quant, quant_block, quant_nvfp4, rotary, rotary_tables,
+from fxrewrite.rewrites import (activation, async_tp, attention_quant, collective, layernorm, linear, linear_fused,
+                                linear_rotary, merge, moe, norm, norm_variants, quant, quant_block, quant_nvfp4, rotary,
+                                rotary_tables,
                                 sequence_parallel)
 
 PIPELINE: tuple[Step, ...] = (
@@ -37,6 +38,12 @@ PIPELINE: tuple[Step, ...] = (
     RuleGroup("fuse_activation", activation.RULES),
     # FP8, block FP8 and NVFP4 quantization of fused activations
     RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES + quant_block.ACTIVATION_RULES + quant_nvfp4.ACTIVATION_RULES),
+    # the GEMMs take in the small ops around them (graphs replayed as CUDA graphs, as select_gemm):
+    # first the residual add of an add + norm into the GEMM that produces the addend (epilogue),
+    # then every norm read only by a GEMM into that GEMM (prologue); before select_gemm, which
+    # takes the linears left
+    RuleGroup("fuse_gemm_residual", linear_fused.RESIDUAL_RULES, modes=("piecewise", "full")),
+    RuleGroup("fuse_gemm_norm", linear_fused.NORM_RULES, modes=("piecewise", "full")),
     # fxr.linear picks a decode-size GEMM by the rows of each call. Run eagerly (mode "none"),
     # each linear would pay the custom op's Python dispatch on the host, which replays do not
     # pay (not measured: extra_rules=linear.RULES opts in). Last: after every rule whose
@@ -47,7 +54,11 @@ PIPELINE: tuple[Step, ...] = (
     GraphPass("async_tp", async_tp.fuse_async_tp, switch="async_tp", options=("capture_sizes", "mode")),
     # the cos/sin tables of the rotations fuse_rotary found, evaluated once (a no-op without them)
     GraphPass("fold_rotary", rotary_tables.fold_rotary_tables, options=("max_positions",)),
+    # a folded rotation of q and k read straight from a qkv GEMM that took its norm -> that GEMM's
+    # epilogue (a no-op outside the CUDA-graph modes: fuse_gemm_norm made no such GEMM)
+    GraphPass("fuse_gemm_rotary", linear_rotary.fuse_gemm_rotary, fusion=True),
 )
 
-__all__ = ["PIPELINE", "activation", "async_tp", "attention_quant", "collective", "layernorm", "linear", "merge", "moe",
-           "norm", "norm_variants", "quant", "quant_block", "quant_nvfp4", "rotary", "rotary_tables", "sequence_parallel"]
+__all__ = ["PIPELINE", "activation", "async_tp", "attention_quant", "collective", "layernorm", "linear", "linear_fused",
+           "linear_rotary", "merge", "moe", "norm", "norm_variants", "quant", "quant_block", "quant_nvfp4", "rotary",
+           "rotary_tables", "sequence_parallel"]

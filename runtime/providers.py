@@ -336,16 +336,20 @@ def _define_inplace(op: OpDef) -> Any:
     tags = [schema.split(", ")[i].split()[0].removeprefix("(") for i in index]  # Tensor(a0!) ...
     _LIB.define(op.name + schema.rsplit("->", 1)[0] + "-> (" + ", ".join(tags) + ")")
 
+    def overwritten(args: tuple[Any, ...]) -> Any:
+        """What the op returns: the tensor it overwrites, or a tuple of them (the schema's form)."""
+        return args[index[0]] if len(index) == 1 else tuple(args[i] for i in index)
+
     def returning(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any) -> tuple[Any, ...]:
+        def run(*args: Any) -> Any:
             fn(*args)
-            return tuple(args[i] for i in index)
+            return overwritten(args)
 
         return run
 
     _LIB.impl(op.name, returning(op.reference), "CompositeExplicitAutograd")
     _LIB.impl(op.name, returning(op.cuda), "CUDA")
-    torch.library.register_fake(qualname, lambda *args: tuple(args[i] for i in index), lib=_LIB)
+    torch.library.register_fake(qualname, lambda *args: overwritten(args), lib=_LIB)
     return getattr(torch.ops.fxr, op.name)
 
 
@@ -357,17 +361,17 @@ def _triton(module: str, op: str, *args: Any) -> Any:
     return getattr(library(module), op)(*args)
 
 
-def _triton_prepare(op: str, *args: Any) -> tuple[Any, Callable[[], Any]] | None:
-    return library(TRITON_MODULE).prepare(op, *args)
+def _triton_prepare(module: str, op: str, *args: Any) -> tuple[Any, Callable[[], Any]] | None:
+    return library(module).prepare(op, *args)
 
 
 def triton_kernel(op: str, check: Callable[..., str | None], min_capability: tuple[int, int] = (8, 0),
                   prepare: bool = False, module: str = TRITON_MODULE) -> Kernel:  # fmt: skip
     """The ``triton`` provider's :class:`Kernel` for ``op``: ``<module>.<op>(*args)``
     (``triton_kernels`` unless another module of ours holds it); with ``prepare``, built ahead
-    by ``triton_kernels.prepare(op, *args)`` (:func:`prebuild`)."""
+    by ``<module>.prepare(op, *args)`` (:func:`prebuild`)."""
     return Kernel("triton", functools.partial(_triton, module, op), check, min_capability, module=module,
-                  prepare=functools.partial(_triton_prepare, op) if prepare else None)  # fmt: skip
+                  prepare=functools.partial(_triton_prepare, module, op) if prepare else None)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- building ahead

@@ -9,10 +9,8 @@ the others.
 - The FP8 ops that sgl-kernel and flashinfer serve as two kernels (or not at all): RMSNorm,
   add + RMSNorm, SiLU-and-mul, each fused with static or dynamic per-token FP8 (float8_e4m3fn)
   quantization, in one kernel.
-- ``linear`` at decode sizes (at most ``SKINNY_ROWS`` rows): the weight streamed once, one
-  launch, no split-K reduction kernel (cuBLAS takes two launches for some of these shapes);
-  ``linear_silu_and_mul``, the same GEMM with SiLU-and-mul applied before the store (an MLP's
-  merged gate and up projection and its activation: one launch, not two).
+- The decode-size GEMM and what it fuses (``linear``, ``linear_silu_and_mul``, the norm
+  prologue, the residual epilogue) live in :mod:`fxrewrite.runtime.triton_gemm`.
 
 This module imports ``triton`` at the top, so the op modules never import it; they reach it
 through ``providers.library("fxrewrite.runtime.triton_kernels")``, which turns a missing or
@@ -28,8 +26,7 @@ modules before a launcher is called. Rounding follows the reference (the spec) s
 the sum, the normed value, the weighted value, SiLU and its product are rounded to the input
 dtype where the unfused torch code rounds them; the per-token scale ``max(amax, 1e-12) / 448``
 and ``y / s`` are IEEE divisions. What differs is summation order and the approximate ``rsqrt``,
-``exp`` and SiLU division: at most one FP8 step, rarely. ``linear`` accumulates in float32 and
-rounds once, as cuBLAS does; the summation order differs.
+``exp`` and SiLU division: at most one FP8 step, rarely.
 
 Under ``TRITON_INTERPRET=1`` (read when this module is imported) the kernels run on CPU tensors;
 the CPU tests use that.
@@ -38,10 +35,6 @@ the CPU tests use that.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import triton
@@ -49,7 +42,6 @@ import triton.language as tl
 from torch import Tensor
 
 from fxrewrite.runtime import constraints
-from fxrewrite.runtime.ops import linear as linear_ops
 from fxrewrite.runtime.ops import quant
 
 FP8_MAX: tl.constexpr = tl.constexpr(quant.FP8_MAX)
@@ -58,9 +50,6 @@ AMAX_FLOOR: tl.constexpr = tl.constexpr(quant.AMAX_FLOOR)
 # Everything else holds a row in one program: at most quant.TRITON_MAX_ROW values (the op
 # module's check), 32 warps of 32 values per thread.
 STATIC_BLOCK = 1024
-# ``linear``: rows held by one program (tl.dot's smallest tile), and launch parameters by weight
-# shape (bench/bench_gemm.py --sweep measures the others).
-SKINNY_ROWS: tl.constexpr = tl.constexpr(linear_ops.SKINNY_ROWS)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -221,45 +210,6 @@ def _act_and_mul_kernel(x_ptr, y_ptr, n_rows, d, d1, d2, xs0, xs1, xs2,
     tl.store(y_ptr + rows[:, None] * d + cols[None, :], y.to(dtype), mask=mask)
 
 
-@triton.jit(do_not_specialize=["rows"])  # one build per launch configuration serves 1 to 16 rows
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rows, n, k, x_stride, w_stride,
-                          BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                          GATED: tl.constexpr):  # fmt: skip
-    """Program p: ``y[:, p*BN : (p+1)*BN] = x @ w[p*BN : (p+1)*BN].T (+ bias)`` for all (at most
-    16) rows at once, walking k in blocks of ``BK``: every weight element is read once.
-
-    ``GATED``: ``w`` holds 2n rows, gate then up; the program also computes the up columns
-    ``x @ w[n + p*BN : n + (p+1)*BN].T`` and stores ``silu(gate) * up``, each step rounded to
-    the dtype as ``silu_and_mul(linear(x, w))`` rounds it."""
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)
-    r = tl.arange(0, SKINNY_ROWS)
-    acc = tl.zeros([SKINNY_ROWS, BN], tl.float32)
-    if GATED:
-        acc_up = tl.zeros([SKINNY_ROWS, BN], tl.float32)
-    for k0 in range(0, k, BK):
-        ks = k0 + tl.arange(0, BK)
-        x_mask, w_mask = (r < rows)[:, None], (cols < n)[:, None]
-        if not EVEN_K:
-            x_mask, w_mask = x_mask & (ks < k)[None, :], w_mask & (ks < k)[None, :]
-        x = tl.load(x_ptr + r[:, None] * x_stride + ks[None, :], mask=x_mask, other=0.0)
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * w_stride + ks[None, :], mask=w_mask, other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-        if GATED:
-            u = tl.load(w_ptr + (n + cols[:, None]).to(tl.int64) * w_stride + ks[None, :], mask=w_mask, other=0.0)
-            acc_up += tl.dot(x, tl.trans(u))
-    dtype = y_ptr.dtype.element_ty
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(b_ptr + n + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        gate = acc.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu, approximate division
-        acc = act * acc_up.to(dtype).to(tl.float32)
-    y = y_ptr + r[:, None] * n + cols[None, :]
-    tl.store(y, acc.to(dtype), mask=(r < rows)[:, None] & (cols < n)[None, :])
-
-
 # --------------------------------------------------------------------------- launchers
 
 
@@ -375,118 +325,6 @@ def columns_launch(n_rows: int, n: int) -> tuple[tuple[int, int], dict[str, int]
     return (triton.cdiv(n_rows, per), triton.cdiv(n, block)), {"BLOCK": block, "ROWS": per, "num_warps": _warps(block * per)}
 
 
-def skinny_config(n: int, sms: int) -> tuple[int, int, int, int]:
-    """(BN output columns per program, BK, warps, stages) for a weight of ``n`` rows on a device
-    of ``sms`` SMs. Where ``BN`` = 32 or 64 columns give at most one program per SM, the
-    smallest such ``BN`` in one wave, with deep k blocks; else many small programs, several per
-    SM. Set from ``bench/bench_gemm.py --sweep`` on the 8B layer's four weights (bench/RESULTS.md)."""
-    for bn, bk in ((32, 512), (64, 256)):
-        if triton.cdiv(n, bn) <= sms:
-            return bn, bk, 4, 4
-    return 32, 128, 4, 3
-
-
-def gated_config(n: int, sms: int) -> tuple[int, int, int, int]:
-    """The same for ``linear_silu_and_mul`` with ``n`` output columns (2n weight rows): a program
-    streams ``BN`` gate and ``BN`` up rows, so in one wave ``BK`` is halved (a stage holds what
-    the plain kernel's holds); with many programs, (32, 256, 4, 3), the best on the 8B gate_up
-    weight in the H100 sweep (bench/RESULTS.md)."""
-    for bn, bk in ((32, 256), (64, 128)):
-        if triton.cdiv(n, bn) <= sms:
-            return bn, bk, 4, 4
-    return 32, 256, 4, 3
-
-
-@functools.cache
-def _sms(device: torch.device) -> int:
-    # CPU tensors run only under the interpreter: any count serves, take an H100's
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
-def _skinny_meta(n: int, k: int, has_bias: bool, gated: bool, device: torch.device,
-                 config: tuple[int, int, int, int] | None = None) -> dict[str, int | bool]:  # fmt: skip
-    """The constexprs and launch options of ``_skinny_linear_kernel`` for ``n`` output columns."""
-    bn, bk, warps, stages = config or (gated_config if gated else skinny_config)(n, _sms(device))
-    return {"BN": bn, "BK": bk, "HAS_BIAS": has_bias, "EVEN_K": k % bk == 0, "GATED": gated,
-            "num_warps": warps, "num_stages": stages}  # fmt: skip
-
-
-def _skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, config: tuple[int, int, int, int] | None,
-                   gated: bool = False) -> Tensor:  # fmt: skip
-    """``linear(x, weight, bias)``, or with ``gated`` ``silu_and_mul`` of it in the same kernel
-    (a program computes ``BN`` gate and the matching ``BN`` up columns). ``config``: (BN, BK,
-    warps, stages), by default :func:`skinny_config` / :func:`gated_config`."""
-    rows_w, k = weight.shape
-    n = rows_w // 2 if gated else rows_w
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
-    meta = _skinny_meta(n, k, bias is not None, gated, x.device, config)
-    with device_of(x):
-        _skinny_linear_kernel[(triton.cdiv(n, meta["BN"]),)](
-            rows, weight, bias if bias is not None else weight, out, rows.shape[0], n, k, rows.stride(0),
-            weight.stride(0), **meta,
-        )  # fmt: skip
-    return out.view(*x.shape[:-1], n)
-
-
-def _prepare_skinny(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool) -> tuple[Any, Callable[[], Any]]:
-    """What :func:`_skinny_linear` will build for such a call: the same arguments, pointers as
-    their dtypes (Triton's ``warmup`` takes them so, as 16-byte aligned addresses: a torch
-    allocation is)."""
-    rows_w, k = weight.shape
-    n = rows_w // 2 if gated else rows_w
-    rows = x.reshape(-1, k)
-    x_stride = rows.stride(0) if rows.stride(-1) == 1 else k  # the launcher makes them contiguous
-    meta = _skinny_meta(n, k, bias is not None, gated, x.device)
-    args = (x.dtype, weight.dtype, (bias if bias is not None else weight).dtype, x.dtype, linear_ops.SKINNY_ROWS, n,
-            k, x_stride, weight.stride(0))  # fmt: skip
-    _bind_device(_skinny_linear_kernel, x.device)
-
-    def build() -> Any:
-        with device_of(x):
-            kernel = _skinny_linear_kernel.warmup(*args, grid=(1,), **meta)
-            _load(kernel)
-        return kernel
-
-    return ("skinny_linear", x.device, args, tuple(meta.items())), build
-
-
-_PREPARE: dict[str, Callable[..., tuple[Any, Callable[[], Any]]]] = {
-    "linear": lambda x, w, bias=None: _prepare_skinny(x, w, bias, gated=False),
-    "linear_silu_and_mul": lambda x, w, bias=None: _prepare_skinny(x, w, bias, gated=True),
-}
-
-
-def prepare(op: str, *args: Any) -> tuple[Any, Callable[[], Any]] | None:
-    """``(key, build)`` for what ``op``'s launcher would build at its first call with ``args``
-    (shapes, dtypes and devices are read: fake tensors will do), ``build`` compiling it into the
-    kernel's cache and loading it (:func:`_load`) without launching it; None for an op that
-    builds nothing ahead. Builds of different keys may run in parallel threads
-    (:func:`fxrewrite.runtime.providers.prebuild`)."""
-    planner = _PREPARE.get(op)
-    return planner(*args) if planner is not None else None
-
-
-def _load(kernel: Any) -> None:
-    """Load a built kernel onto its device and build Triton's launcher for it (a C stub that
-    ``gcc`` compiles, 0.3 s at a cold start on the H100 machine), which Triton otherwise does at
-    the first launch. ``_init_handles`` is Triton's, not an API: skipped where absent."""
-    init = getattr(kernel, "_init_handles", None)
-    if init is not None:
-        init()
-
-
-def _bind_device(kernel: Any, device: torch.device) -> None:
-    """Create the JIT function's per-device cache here, in the calling thread: Triton creates it
-    on first use, and two threads doing that at once would each make one and lose a build."""
-    caches = getattr(kernel, "device_caches", None)  # Triton's, not an API: skipped where absent
-    if caches is not None and device.type == "cuda":
-        with torch.cuda.device(device):
-            caches[torch.cuda.current_device()]  # noqa: B018 - a defaultdict: the lookup creates it
-
-
 # --------------------------------------------------------------------------- the ops' signatures
 
 
@@ -555,11 +393,3 @@ def silu_and_mul_quant_fp8(x: Tensor, scale: Tensor) -> Tensor:
 
 def silu_and_mul_dynamic_quant_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
     return _silu_and_mul_quant(x, None)  # type: ignore[return-value]
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    return _skinny_linear(x, weight, bias, None)
-
-
-def linear_silu_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    return _skinny_linear(x, weight, bias, None, gated=True)

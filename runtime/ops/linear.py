@@ -37,7 +37,7 @@ def linear_reference(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor
     return F.linear(x, w, bias)
 
 
-def _gate_up_rows(w: Tensor) -> int:
+def gate_up_rows(w: Tensor) -> int:
     if w.dim() != 2 or w.shape[0] % 2:
         raise ValueError(f"linear_silu_and_mul: the weight must be [2d, k] (gate rows, then up rows), got {tuple(w.shape)}")
     return w.shape[0] // 2
@@ -45,7 +45,7 @@ def _gate_up_rows(w: Tensor) -> int:
 
 def linear_silu_and_mul_reference(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """``silu_and_mul(F.linear(x, w, bias))``: w [2d, k] (gate rows, then up rows) -> [..., d]."""
-    _gate_up_rows(w)
+    gate_up_rows(w)
     return silu_and_mul_reference(F.linear(x, w, bias))
 
 
@@ -54,7 +54,7 @@ def _linear_fake(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def _linear_silu_and_mul_fake(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    return x.new_empty((*x.shape[:-1], _gate_up_rows(w)))
+    return x.new_empty((*x.shape[:-1], gate_up_rows(w)))
 
 
 def skinny_check(x: Tensor, w: Tensor, bias: Tensor | None = None) -> str | None:
@@ -95,12 +95,15 @@ def _always(*args: object) -> None:
     return None
 
 
+TRITON_GEMM = "fxrewrite.runtime.triton_gemm"
+"""The ``triton`` provider's decode-size GEMM and its fusions (imports Triton at the top)."""
+
 KERNELS = (
-    providers.triton_kernel("linear", skinny_check, prepare=True),
+    providers.triton_kernel("linear", skinny_check, prepare=True, module=TRITON_GEMM),
     Kernel("torch", _cublas, _always, label="cublas"),
 )
 GATED_KERNELS = (
-    providers.triton_kernel("linear_silu_and_mul", gated_check, prepare=True),
+    providers.triton_kernel("linear_silu_and_mul", gated_check, prepare=True, module=TRITON_GEMM),
     Kernel("torch", _cublas_silu_and_mul, _always, label="cublas+silu_and_mul"),
 )
 

@@ -109,4 +109,4 @@ def test_rules_traced_at_their_first_match_give_the_same_graph_and_outputs(tmp_p
     assert lazy.report.cache["misses"] == 1 and lazy.report.cache["stored"] == 1  # the passes ran
     assert traced(rules)  # the rules it matched with
     assert code == before_code and torch.equal(out, before)
-    assert lazy.report.fused_ops()["rms_norm"] >= 1
+    assert any(op.startswith("rms_norm") for op in lazy.report.fused_ops())  # alone, or in a GEMM (mode full)

@@ -38,9 +38,10 @@ def names(config: Config, **kw: object) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["none", "piecewise", "full"])
 def test_the_library_in_its_order_with_gemms_selected_for_replayed_graphs_only(mode: str) -> None:
-    gemm = ["select_gemm"] if mode != "none" else []
+    gemm = ["fuse_gemm_residual", "fuse_gemm_norm", "select_gemm"] if mode != "none" else []
     groups = [*LIBRARY_GROUPS[:2], "fuse_attention_quant", *LIBRARY_GROUPS[2:]]  # a graph pass among the groups
-    want = ["canonicalize", "merge_siblings", "fuse_moe", *groups, *gemm, "fold_rotary", "fold_constants", "cleanup"]
+    want = ["canonicalize", "merge_siblings", "fuse_moe", *groups, *gemm, "fold_rotary", "fuse_gemm_rotary", "fold_constants",
+            "cleanup"]  # fmt: skip
     assert names(Config(mode=mode)) == want
     assert [name for name, _ in default_rule_groups(mode)] == LIBRARY_GROUPS + gemm
 

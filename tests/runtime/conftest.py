@@ -62,3 +62,9 @@ def triton_quant_block() -> Iterator[types.ModuleType]:
 def triton_linear_block_fp8() -> Iterator[types.ModuleType]:
     """``fxrewrite.runtime.triton_linear_block_fp8`` interpreted (its GPU tests run it compiled)."""
     yield from _interpreted("fxrewrite.runtime.triton_linear_block_fp8", "_linear_block_fp8_kernel")
+
+
+@pytest.fixture(scope="module")
+def triton_gemm() -> Iterator[types.ModuleType]:
+    """``fxrewrite.runtime.triton_gemm`` interpreted (tests/runtime/test_ops_gpu.py runs it compiled)."""
+    yield from _interpreted("fxrewrite.runtime.triton_gemm", "_skinny_linear_kernel")

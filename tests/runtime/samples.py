@@ -26,9 +26,10 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
     ``cast_last`` order, a
     gated norm's gate (grouped, gate first, SiLU), act_mul's ``a`` and ``b`` of ``shape``, the
     default process group's name, rotary arguments from :mod:`rotary_samples`, MoE arguments from
-    :mod:`moe_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias, block FP8's group (32 where the row allows)."""
+    :mod:`moe_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias, a fused norm's ``norm_weight`` near 1, block FP8's group (32 where the row allows)."""
     values = {
         "weight": lambda: rand(gen, shape[-1], dtype=dtype) * 0.5,
+        "norm_weight": lambda: 1.0 + rand(gen, shape[-1], dtype=dtype) * 0.1,
         "w": lambda: rand(gen, shape[-1], shape[-1], dtype=dtype) * shape[-1] ** -0.5,
         "bias": lambda: rand(gen, shape[-1], dtype=dtype),
         "eps": lambda: EPS,
@@ -61,6 +62,11 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
     for name in moe_samples.NAMES:
         values[name] = functools.partial(moe_samples.moe_arg, name, shape, dtype, gen)
     names = inspect.signature(op.reference).parameters
+    if "rotated" in names:  # a GEMM rotating its output: a position per row of x, two heads of [hidden] rotated
+        values["positions"] = lambda: torch.randint(0, rotary_samples.POSITIONS, (math.prod(shape[:-1]),), generator=gen)
+        values["w"] = lambda: rand(gen, 2 * shape[-1], shape[-1], dtype=dtype) * shape[-1] ** -0.5
+        values["bias"] = lambda: rand(gen, 2 * shape[-1], dtype=dtype)
+        values["rotated"] = lambda: 2 * shape[-1]
     return [rand(gen, *shape, dtype=dtype) if name in ("x", "residual", "a", "b") else values[name]() for name in names]
 
 

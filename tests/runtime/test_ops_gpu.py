@@ -23,8 +23,8 @@ from helpers.gpu import force, fresh_counts, gen  # noqa: F401  (fresh_counts, g
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import (activation, async_tp, collective, linear_block_fp8, moe, moe_route, norm, norm_variants,
-                                   quant, quant_block, quant_nvfp4, rotary, sequence_parallel)
+from fxrewrite.runtime.ops import (activation, async_tp, collective, linear, linear_block_fp8, moe, moe_route, norm,
+                                   norm_variants, quant, quant_block, quant_nvfp4, rotary, sequence_parallel)
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -44,10 +44,11 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 # experts] with no two equal in a row, the router's kind; its ids compared exactly)
 # test_moe_route_gpu.py; the NVFP4 ops (packed values, block scales) test_quant_nvfp4_gpu.py; the
 # block FP8 ops (a group argument, per-group scales) test_quant_block_ops.py, the block-FP8 GEMM
-# (FP8 operands and scales) test_linear_block_fp8_ops.py.
+# (FP8 operands and scales) test_linear_block_fp8_ops.py; the qkv GEMM that rotates its output
+# (positions, a cache) test_linear_fused_gpu.py.
 GENERIC = [op for op in ops.DEFS
            if op not in rotary.DEFS + collective.DEFS + sequence_parallel.DEFS + async_tp.DEFS + moe.DEFS + moe_route.DEFS
-           + quant_nvfp4.DEFS + quant_block.DEFS + linear_block_fp8.DEFS]
+           + quant_nvfp4.DEFS + quant_block.DEFS + linear_block_fp8.DEFS and op.name != "rms_norm_linear_rotary"]
 SHAPES = [(1, 4096), (7, 4096), (64, 4096), (513, 4096), (4096, 4096), (3, 33), (5, 3420), (2, 5120)]
 
 
@@ -60,7 +61,7 @@ def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torc
     hidden, hidden] for the gated linear. Row 0 of
     ``x`` (and ``residual``) is zero when tokens > 1: the padding rows of a CUDA graph."""
     x_shape = (tokens, 2 * hidden if is_activation(op) else hidden)
-    rows = 2 * hidden if op.name == "linear_silu_and_mul" else hidden  # a linear's w: gate and up halves
+    rows = 2 * hidden if op.name.endswith("linear_silu_and_mul") else hidden  # a linear's w: gate and up halves
 
     def activation() -> torch.Tensor:
         t = torch.randn(x_shape, device="cuda", generator=gen).to(dtype)
@@ -75,6 +76,7 @@ def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torc
         "b": activation,
         "act_first": lambda: False,
         "weight": lambda: (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(dtype),
+        "norm_weight": lambda: (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(dtype),
         "w": lambda: (torch.randn(rows, hidden, device="cuda", generator=gen) * hidden**-0.5).to(dtype),
         "bias": lambda: torch.randn(rows, device="cuda", generator=gen).to(dtype),
         "eps": lambda: EPS,
@@ -98,10 +100,12 @@ def clone(args: list[Any]) -> list[Any]:
 def outputs(op: OpDef, result: Any, args: list[Any]) -> tuple[torch.Tensor, ...]:
     """What to compare: the returned tensors, or for in-place ops the overwritten arguments."""
     if op.mutates_args:
-        # the registered op returns the overwritten tensors (aliased); kernels and references
-        # called directly return nothing
-        assert result is None or (result[0] is args[0] and result[1] is args[1])
-        return tuple(args[:2])
+        # the registered op returns the overwritten tensors (aliased: one, or a tuple); kernels
+        # and references called directly return nothing
+        names = list(inspect.signature(op.reference).parameters)
+        written = tuple(args[names.index(m)] for m in op.mutates_args)
+        assert result is None or all(r is a for r, a in zip(result if isinstance(result, tuple) else (result,), written))
+        return written
     return result if isinstance(result, tuple) else (result,)
 
 
@@ -201,11 +205,11 @@ def test_linear_kernels_built_ahead_are_the_ones_launched(gen: torch.Generator) 
     """``providers.prebuild`` on fake tensors builds the Triton kernels the calls then launch:
     after the real calls the kernel's cache holds no new build, and the outputs are right.
     Negative twin: a call above 16 rows (cuBLAS) has nothing to build."""
-    if providers.library(providers.TRITON_MODULE) is None:
+    if providers.library(linear.TRITON_GEMM) is None:
         pytest.skip("triton is not importable here")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fxrewrite.runtime import triton_kernels
+    from fxrewrite.runtime import triton_gemm
 
     k = 4112  # not a multiple of any BK: a build no other test makes
     x = torch.randn(8, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -217,7 +221,7 @@ def test_linear_kernels_built_ahead_are_the_ones_launched(gen: torch.Generator) 
                                (torch.ops.fxr.linear_silu_and_mul.default, (fx, fw), {}),
                                (torch.ops.fxr.linear.default, (fx[:1], fw), {})])  # fmt: skip
     assert note is not None and note.startswith("2 kernels built ahead"), note
-    cache = triton_kernels._skinny_linear_kernel.device_caches[torch.cuda.current_device()][0]
+    cache = triton_gemm._skinny_linear_kernel.device_caches[torch.cuda.current_device()][0]
     built = len(cache)
     assert [k for k in cache.values() if getattr(k, "module", 0) is None] == []  # loaded, launcher built
     plain, gated = torch.ops.fxr.linear(x, w), torch.ops.fxr.linear_silu_and_mul(x, w)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import activation, layernorm, linear_block_fp8, norm, quant, quant_block, quant_nvfp4, rotary
+from fxrewrite.runtime.ops import activation, layernorm, linear, linear_block_fp8, norm, quant, quant_block, quant_nvfp4, rotary
 from fxrewrite.runtime.providers import Kernel, OpDef
 from samples import op_args  # this folder
 
@@ -380,10 +380,18 @@ def _fi_rope(
     return tuple(rotary.rotary_embedding_q_reference(positions, t, cos_sin_cache, is_neox) for t in (q, k))  # type: ignore[return-value]
 
 
+def _fi_rope_inplace(positions: Tensor, query: Tensor, key: Tensor, head_size: int, cos_sin_cache: Tensor,
+                    is_neox: bool = True) -> None:  # fmt: skip
+    """0.7.2's ``apply_rope_with_cos_sin_cache_inplace``: ``[nnz, heads * head_size]`` views rotated in place."""
+    for t, turned in zip((query, key), _fi_rope(positions, query, key, head_size, cos_sin_cache, is_neox)):
+        t.copy_(turned.reshape(t.shape))
+
+
 def flashinfer_modules() -> dict[str, types.ModuleType]:
     """``flashinfer.norm``, ``.activation`` and ``.rope`` with 0.7.2's signatures."""
     fi_norm, fi_act, fi_rope = lib("flashinfer.norm"), lib("flashinfer.activation"), lib("flashinfer.rope")
     fi_rope.apply_rope_with_cos_sin_cache = _fi_rope  # type: ignore[attr-defined]
+    fi_rope.apply_rope_with_cos_sin_cache_inplace = _fi_rope_inplace  # type: ignore[attr-defined]
     fi_norm.rmsnorm = lambda *a, **k: _fi_norm(0.0, *a, **k)  # type: ignore[attr-defined]
     fi_norm.gemma_rmsnorm = lambda *a, **k: _fi_norm(1.0, *a, **k)  # type: ignore[attr-defined]
     fi_norm.fused_add_rmsnorm = lambda *a, **k: _fi_add_norm(0.0, *a, **k)  # type: ignore[attr-defined]
@@ -416,7 +424,9 @@ def assert_served_close(got: Any, want: Any) -> None:
         torch.testing.assert_close(got[i].float(), want[i].float(), rtol=2e-2, atol=2e-2)
 
 
-INTERPRETER_BF16_DOT = ("linear", "linear_silu_and_mul", "moe")  # Triton kernels built on tl.dot
+# Triton kernels built on tl.dot (the fused GEMMs' kernel in float16: tests/runtime/test_linear_fused_ops.py)
+INTERPRETER_BF16_DOT = ("linear", "linear_silu_and_mul", "rms_norm_linear", "rms_norm_linear_silu_and_mul",
+                        "rms_norm_linear_rotary", "linear_add", "linear_add_", "moe")  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 256), (2, 3, 128)])
@@ -451,7 +461,8 @@ def test_every_op_through_each_emulated_provider(
     got, want = op.cuda(*args), op.reference(*ref_args)
     if op.mutates_args:
         assert got is None and want is None
-        got, want = (args[0], args[1]), (ref_args[0], ref_args[1])
+        names = list(inspect.signature(op.reference).parameters)
+        got, want = (tuple(a[names.index(m)] for m in op.mutates_args) for a in (args, ref_args))
     assert_served_close(got, want)
     entry = providers.served()[op.name]
     if any(k.provider == provider for k in op.kernels):
@@ -497,7 +508,7 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
                          layernorm.TRITON_LAYER_NORM: None, "fxrewrite.runtime.triton_route": None,
                          "fxrewrite.runtime.triton_norms": None, quant_nvfp4.TRITON_MODULE: None,
                          quant_block.TRITON_MODULE: None, activation.TRITON_ACT_MUL: None,
-                         linear_block_fp8.TRITON_MODULE: None})  # fmt: skip
+                         linear_block_fp8.TRITON_MODULE: None, linear.TRITON_GEMM: None})  # fmt: skip
     assert providers.preload() == {
         "flashinfer": False,
         "flashinfer.activation": False,
@@ -505,6 +516,7 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
         "flashinfer.norm": False,
         "flashinfer.rope": False,
         "fxrewrite.runtime.triton_act_mul": False,
+        "fxrewrite.runtime.triton_gemm": False,
         "fxrewrite.runtime.triton_kernels": False,
         "fxrewrite.runtime.triton_layernorm": False,
         "fxrewrite.runtime.triton_linear_block_fp8": False,

@@ -1,0 +1,356 @@
+"""The decode-size GEMM of the ``triton`` provider, and what it fuses into its prologue and epilogue.
+
+At decode sizes (at most ``SKINNY_ROWS`` rows) a linear reads its whole weight to produce a few
+rows: one launch that streams the weight once is the floor, and the small ops around it cost
+launches and round trips through memory, not arithmetic. ``_skinny_linear_kernel`` gives each
+program ``BN`` output columns and walks the whole k dimension for every row, so a program sees
+whole rows of ``x``: what a row-wise op before the GEMM needs, and each output element once at
+the end: what an elementwise op after it needs. Its constexpr switches:
+
+- ``GATED``: ``silu_and_mul`` of the output (an MLP's merged gate and up projection): the program
+  also computes the up columns ``n`` rows further down the weight and stores ``silu(gate) * up``.
+- ``NORM``: RMSNorm of ``x`` before the GEMM (``linear(rms_norm(x, g, eps), w)``): the sum of
+  squares of each row is accumulated in the k loop from the tiles it loads anyway, the norm
+  weight ``g`` multiplies the A tiles, and the per-row ``rsqrt(mean(x^2) + eps)`` scales the
+  accumulator in the epilogue (it distributes over the dot product).
+- ``RESIDUAL``: ``linear(x, w) + residual`` stored (into ``residual`` itself for the in-place op):
+  the residual stream's add, in the epilogue of the GEMM that produces the addend.
+- ``HALF`` (rotary, NeoX halves of heads of ``2 * HALF`` columns): a program computes a block of
+  a head's first half and the partner block ``HALF`` columns further (a second accumulator, as
+  ``GATED`` has: each weight row is still read once), rounds both and rotates them by the angles
+  of each row's position in the first ``rotated`` columns (q's and k's heads), as
+  ``fxr.rotary_embedding`` would after the GEMM.
+
+    # before: three launches at decode                  # after: one each
+    n = rms_norm(x, g, eps); y = linear(n, w)            y = rms_norm_linear(x, g, eps, w)
+    s = linear(a, w_o); s += r (and a norm, in place)    r = linear_add_(a, w_o, r)
+
+Rounding: the accumulator is float32 and is rounded once at the store (with ``GATED``, the gate,
+the SiLU and the product are each rounded to the dtype as ``silu_and_mul(linear(...))`` rounds
+them). With ``NORM`` the A tile is ``x * g`` rounded to the dtype (the spec rounds ``x * r``,
+then ``g * that``: one rounding where it has two, the per-row scale exact in float32); with
+``RESIDUAL`` the sum is rounded once (the spec rounds the product, then the sum; cuBLAS's
+``addmm``, above 16 rows, rounds once too). Launches are built ahead of their first call
+(:func:`prepare`).
+
+Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (the tests use float16: the
+interpreter multiplies bfloat16 ``tl.dot`` operands wrongly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fxrewrite.runtime.ops import linear as linear_ops
+from fxrewrite.runtime.triton_kernels import device_of
+
+# Rows held by one program (tl.dot's smallest tile).
+SKINNY_ROWS: tl.constexpr = tl.constexpr(linear_ops.SKINNY_ROWS)
+
+
+@triton.jit(do_not_specialize=["rows", "eps"])  # one build per launch configuration serves 1 to 16 rows
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_ptr, rows, n, k, x_stride, w_stride,
+                          y_stride, r_stride, eps, rotated, BN: tl.constexpr, BK: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+                          NORM_WEIGHT: tl.constexpr, RESIDUAL: tl.constexpr, HALF: tl.constexpr = 0):  # fmt: skip
+    """Program p: ``y[:, p*BN : (p+1)*BN] = x @ w[p*BN : (p+1)*BN].T (+ bias)`` for all (at most
+    16) rows at once, walking k in blocks of ``BK``: every weight element is read once.
+
+    ``GATED``: ``w`` holds 2n rows, gate then up; the program also computes the up columns and
+    stores ``silu(gate) * up``. ``NORM``: ``x`` is RMS-normalized first (with ``NORM_WEIGHT``,
+    scaled by ``g``); ``RESIDUAL``: ``r`` is added before the store (``y`` may be ``r``).
+    ``HALF`` > 0 (rotary, heads of ``2 * HALF`` columns): program p computes ``BN`` columns of a
+    head's first half and the ``BN`` columns ``HALF`` further (the pairs RoPE's NeoX layout
+    rotates together) and, in the first ``rotated`` columns, rotates each pair by the angles of
+    its row's position: ``cos_sin = cs[pos[row]]`` (``HALF`` cosines, then ``HALF`` sines)."""
+    pid = tl.program_id(0)
+    if HALF > 0:
+        first = (pid // (HALF // BN)) * (2 * HALF) + (pid % (HALF // BN)) * BN
+        cols = first + tl.arange(0, BN)
+    else:
+        cols = pid * BN + tl.arange(0, BN)
+    r = tl.arange(0, SKINNY_ROWS)
+    acc = tl.zeros([SKINNY_ROWS, BN], tl.float32)
+    if GATED or HALF > 0:  # a second block of columns: the up half, or the rotation's partners
+        acc_up = tl.zeros([SKINNY_ROWS, BN], tl.float32)
+        partner = n + cols if GATED else cols + HALF
+    if NORM:
+        squares = tl.zeros([SKINNY_ROWS], tl.float32)
+    for k0 in range(0, k, BK):
+        ks = k0 + tl.arange(0, BK)
+        x_mask, w_mask = (r < rows)[:, None], (cols < n)[:, None]
+        if not EVEN_K:
+            x_mask, w_mask = x_mask & (ks < k)[None, :], w_mask & (ks < k)[None, :]
+        x = tl.load(x_ptr + r[:, None] * x_stride + ks[None, :], mask=x_mask, other=0.0)
+        if NORM:
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+            if NORM_WEIGHT:
+                g = tl.load(g_ptr + ks, mask=ks < k, other=0.0).to(tl.float32)
+                x = (xf * g[None, :]).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * w_stride + ks[None, :], mask=w_mask, other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+        if GATED or HALF > 0:
+            u = tl.load(w_ptr + partner[:, None].to(tl.int64) * w_stride + ks[None, :], mask=w_mask, other=0.0)
+            acc_up += tl.dot(x, tl.trans(u))
+    dtype = y_ptr.dtype.element_ty
+    if NORM:
+        scale = tl.math.rsqrt(squares / k + eps)[:, None]
+        acc = acc * scale
+        if GATED or HALF > 0:
+            acc_up = acc_up * scale
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+        if GATED or HALF > 0:
+            acc_up += tl.load(b_ptr + partner, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        gate = acc.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu, approximate division
+        acc = act * acc_up.to(dtype).to(tl.float32)
+    mask = (r < rows)[:, None] & (cols < n)[None, :]
+    if HALF > 0:
+        # the GEMM's outputs rounded to the dtype, rotated in float32, as the unfused ops compute
+        a, b = acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32)
+        angle = (first % (2 * HALF)) + tl.arange(0, BN)
+        turn = mask & (cols < rotated)[None, :]
+        pos = tl.load(pos_ptr + r, mask=r < rows, other=0).to(tl.int64)
+        base = cs_ptr + pos[:, None] * (2 * HALF) + angle[None, :]
+        cos = tl.load(base, mask=turn, other=1.0)
+        sin = tl.load(base + HALF, mask=turn, other=0.0)
+        acc, acc_up = a * cos - b * sin, b * cos + a * sin
+        tl.store(y_ptr + r[:, None] * y_stride + partner[None, :], acc_up.to(dtype), mask=mask)
+    if RESIDUAL:
+        acc += tl.load(r_ptr + r[:, None] * r_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + r[:, None] * y_stride + cols[None, :], acc.to(dtype), mask=mask)
+
+
+# --------------------------------------------------------------------------- launch configuration
+
+
+def skinny_config(n: int, sms: int) -> tuple[int, int, int, int]:
+    """(BN output columns per program, BK, warps, stages) for a weight of ``n`` rows on a device
+    of ``sms`` SMs. Where ``BN`` = 32 or 64 columns give at most one program per SM, the
+    smallest such ``BN`` in one wave, with deep k blocks; else many small programs, several per
+    SM. Set from ``bench/bench_gemm.py --sweep`` on the 8B layer's four weights (bench/RESULTS.md)."""
+    for bn, bk in ((32, 512), (64, 256)):
+        if triton.cdiv(n, bn) <= sms:
+            return bn, bk, 4, 4
+    return 32, 128, 4, 3
+
+
+def gated_config(n: int, sms: int) -> tuple[int, int, int, int]:
+    """The same for ``linear_silu_and_mul`` with ``n`` output columns (2n weight rows): a program
+    streams ``BN`` gate and ``BN`` up rows, so in one wave ``BK`` is halved (a stage holds what
+    the plain kernel's holds); with many programs, (32, 256, 4, 3), the best on the 8B gate_up
+    weight in the H100 sweep (bench/RESULTS.md)."""
+    for bn, bk in ((32, 256), (64, 128)):
+        if triton.cdiv(n, bn) <= sms:
+            return bn, bk, 4, 4
+    return 32, 256, 4, 3
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    # CPU tensors run only under the interpreter: any count serves, take an H100's
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """What a launch fuses around the GEMM: ``gated`` (SiLU-and-mul), ``norm`` (RMSNorm of ``x``
+    first, by ``norm_weight`` unless None, with ``eps``), ``residual`` (added before the store;
+    ``inplace``: stored into it), rotary (``cos_sin_cache`` [P, D] indexed by ``positions``, the
+    first ``rotated`` columns in heads of D rotated, NeoX halves)."""
+
+    gated: bool = False
+    norm: bool = False
+    norm_weight: Tensor | None = None
+    eps: float = 0.0
+    residual: Tensor | None = None
+    inplace: bool = False
+    positions: Tensor | None = None
+    cos_sin_cache: Tensor | None = None
+    rotated: int = 0
+
+    @property
+    def half(self) -> int:
+        """Half a head (rotary: the cache's width over two), 0 without rotary."""
+        return self.cos_sin_cache.shape[-1] // 2 if self.cos_sin_cache is not None else 0
+
+
+PLAIN = Fusion()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """One launch's sizes, strides and constexprs (read from shapes alone: fake tensors do)."""
+
+    n: int
+    k: int
+    x_stride: int
+    y_stride: int
+    r_stride: int
+    grid: int
+    meta: dict[str, int | bool]
+
+
+def _rows(t: Tensor, width: int) -> Tensor:
+    return t.reshape(-1, width)
+
+
+def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion,
+          config: tuple[int, int, int, int] | None = None) -> _Launch:  # fmt: skip
+    rows_w, k = weight.shape
+    n = rows_w // 2 if f.gated else rows_w
+    rows = _rows(x, k)
+    x_stride = rows.stride(0) if rows.stride(-1) == 1 else k  # the launcher makes them contiguous
+    r_stride = _rows(f.residual, n).stride(0) if f.residual is not None else n
+    paired = f.gated or f.half > 0  # programs of two column blocks (gate and up, rotation pairs)
+    bn, bk, warps, stages = config or (gated_config(n // (1 if f.gated else 2), _sms(x.device)) if paired
+                                       else skinny_config(n, _sms(x.device)))  # fmt: skip
+    if f.half:
+        bn = bn if f.half % bn == 0 else math.gcd(bn, f.half)  # a program's block inside half a head
+    meta = {"BN": bn, "BK": bk, "HAS_BIAS": bias is not None, "EVEN_K": k % bk == 0, "GATED": f.gated,
+            "NORM": f.norm, "NORM_WEIGHT": f.norm_weight is not None, "RESIDUAL": f.residual is not None,
+            "HALF": f.half, "num_warps": warps, "num_stages": stages}  # fmt: skip
+    grid = n // (2 * bn) if f.half else triton.cdiv(n, bn)
+    return _Launch(n, k, x_stride, r_stride if f.inplace else n, r_stride, grid, meta)
+
+
+def skinny(x: Tensor, weight: Tensor, bias: Tensor | None = None, f: Fusion = PLAIN,
+           config: tuple[int, int, int, int] | None = None) -> Tensor:  # fmt: skip
+    """``linear(x, weight, bias)`` with the fusions ``f`` in one launch; ``config``: (BN, BK,
+    warps, stages), by default :func:`skinny_config` / :func:`gated_config`. The residual's rows
+    must have unit stride (the op modules check it); the in-place form returns the residual."""
+    p = _plan(x, weight, bias, f, config)
+    rows = _rows(x, p.k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    residual = _rows(f.residual, p.n) if f.residual is not None else None
+    if f.inplace:
+        assert residual is not None
+        out = residual
+    else:
+        out = torch.empty((rows.shape[0], p.n), dtype=x.dtype, device=x.device)
+    with device_of(x):
+        _skinny_linear_kernel[(p.grid,)](
+            rows, weight, _or(bias, weight), out, _or(f.norm_weight, weight), _or(residual, weight),
+            _or(f.positions, weight), _or(f.cos_sin_cache, weight), rows.shape[0], p.n, p.k, rows.stride(0),
+            weight.stride(0), p.y_stride, p.r_stride, f.eps, f.rotated, **p.meta,
+        )  # fmt: skip
+    return f.residual if f.inplace else out.view(*x.shape[:-1], p.n)  # type: ignore[return-value]
+
+
+def _or(t: Tensor | None, other: Tensor) -> Tensor:
+    """A pointer argument the kernel does not read when ``t`` is None (its constexpr is off)."""
+    return t if t is not None else other
+
+
+def _prepare(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion) -> tuple[Any, Callable[[], Any]]:
+    """What :func:`skinny` will build for such a call: the same arguments, pointers as their
+    dtypes (Triton's ``warmup`` takes them so, as 16-byte aligned addresses: a torch allocation
+    is)."""
+    p = _plan(x, weight, bias, f)
+    pointers = (x, weight, _or(bias, weight), x, _or(f.norm_weight, weight), _or(f.residual, weight),
+                _or(f.positions, weight), _or(f.cos_sin_cache, weight))  # fmt: skip
+    args = (*(t.dtype for t in pointers), linear_ops.SKINNY_ROWS, p.n, p.k, p.x_stride, weight.stride(0), p.y_stride,
+            p.r_stride, f.eps, f.rotated)  # fmt: skip
+    _bind_device(_skinny_linear_kernel, x.device)
+
+    def build() -> Any:
+        with device_of(x):
+            kernel = _skinny_linear_kernel.warmup(*args, grid=(1,), **p.meta)
+            _load(kernel)
+        return kernel
+
+    return ("skinny_linear", x.device, args[:-2] + args[-1:], tuple(p.meta.items())), build  # eps: not built in
+
+
+def _norm(norm_weight: Tensor | None, eps: float, **kw: Any) -> Fusion:
+    return Fusion(norm=True, norm_weight=norm_weight, eps=eps, **kw)
+
+
+# The ops' launchers and planners, by op name: each takes the op's arguments.
+_LAUNCH: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor | None, Fusion]]] = {
+    "linear": lambda x, w, bias=None: (x, w, bias, PLAIN),
+    "linear_silu_and_mul": lambda x, w, bias=None: (x, w, bias, Fusion(gated=True)),
+    "rms_norm_linear": lambda x, g, eps, w, bias=None, cast_last=False: (x, w, bias, _norm(g, eps)),
+    "rms_norm_linear_silu_and_mul": lambda x, g, eps, w, bias=None, cast_last=False: (
+        x, w, bias, _norm(g, eps, gated=True)),
+    "rms_norm_linear_rotary": lambda x, g, eps, w, bias, cast_last, positions, cos_sin_cache, rotated: (
+        x, w, bias, _norm(g, eps, positions=positions, cos_sin_cache=cos_sin_cache, rotated=rotated)),
+    "linear_add": lambda x, w, residual: (x, w, None, Fusion(residual=residual)),
+    "linear_add_": lambda x, w, residual: (x, w, None, Fusion(residual=residual, inplace=True)),
+}
+
+
+def prepare(op: str, *args: Any) -> tuple[Any, Callable[[], Any]] | None:
+    """``(key, build)`` for what ``op``'s launcher would build at its first call with ``args``
+    (shapes, dtypes and devices are read: fake tensors will do), ``build`` compiling it into the
+    kernel's cache and loading it (:func:`_load`) without launching it; None for an op that
+    builds nothing ahead. Builds of different keys may run in parallel threads
+    (:func:`fxrewrite.runtime.providers.prebuild`)."""
+    launch = _LAUNCH.get(op)
+    return _prepare(*launch(*args)) if launch is not None else None
+
+
+def _load(kernel: Any) -> None:
+    """Load a built kernel onto its device and build Triton's launcher for it (a C stub that
+    ``gcc`` compiles, 0.3 s at a cold start on the H100 machine), which Triton otherwise does at
+    the first launch. ``_init_handles`` is Triton's, not an API: skipped where absent."""
+    init = getattr(kernel, "_init_handles", None)
+    if init is not None:
+        init()
+
+
+def _bind_device(kernel: Any, device: torch.device) -> None:
+    """Create the JIT function's per-device cache here, in the calling thread: Triton creates it
+    on first use, and two threads doing that at once would each make one and lose a build."""
+    caches = getattr(kernel, "device_caches", None)  # Triton's, not an API: skipped where absent
+    if caches is not None and device.type == "cuda":
+        with torch.cuda.device(device):
+            caches[torch.cuda.current_device()]  # noqa: B018 - a defaultdict: the lookup creates it
+
+
+# --------------------------------------------------------------------------- the ops' signatures
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return skinny(*_LAUNCH["linear"](x, weight, bias))
+
+
+def linear_silu_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return skinny(*_LAUNCH["linear_silu_and_mul"](x, weight, bias))
+
+
+def rms_norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None = None,
+                    cast_last: bool = False) -> Tensor:  # fmt: skip
+    return skinny(*_LAUNCH["rms_norm_linear"](x, norm_weight, eps, weight, bias, cast_last))
+
+
+def rms_norm_linear_silu_and_mul(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor,
+                                 bias: Tensor | None = None, cast_last: bool = False) -> Tensor:  # fmt: skip
+    return skinny(*_LAUNCH["rms_norm_linear_silu_and_mul"](x, norm_weight, eps, weight, bias, cast_last))
+
+
+def rms_norm_linear_rotary(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
+                           cast_last: bool, positions: Tensor, cos_sin_cache: Tensor, rotated: int) -> Tensor:  # fmt: skip
+    return skinny(*_LAUNCH["rms_norm_linear_rotary"](x, norm_weight, eps, weight, bias, cast_last, positions,
+                                                     cos_sin_cache, rotated))  # fmt: skip
+
+
+def linear_add(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
+    return skinny(*_LAUNCH["linear_add"](x, weight, residual))
+
+
+def linear_add_(x: Tensor, weight: Tensor, residual: Tensor) -> None:
+    skinny(*_LAUNCH["linear_add_"](x, weight, residual))
