@@ -268,16 +268,6 @@ def _without_rope() -> list[Any]:
     return [r for _, rules in default_rule_groups("piecewise") for r in rules if r not in rotary.RULES]
 
 
-def _without_gemm_fusion() -> list[Any]:
-    """The default library of a full graph less the rules that put norms and residual adds into
-    the GEMMs (and, with ``rules=`` given, the fuse_gemm_rotary pass): the step before issue 30."""
-    from fxrewrite.backend import default_rule_groups
-    from fxrewrite.rewrites import linear_fused
-
-    fused = linear_fused.RESIDUAL_RULES + linear_fused.NORM_RULES
-    return [r for _, rules in default_rule_groups("full") for r in rules if r not in fused]
-
-
 class Unguarded:
     """A step through ``Backend.unguarded``, as an engine would hold it: the first call of each
     batch shape runs the compiled model (compile, capture), later calls run the graph it ran,
@@ -297,13 +287,14 @@ class Unguarded:
         return out
 
 
-def _fx(fused: bool, mode: str, rules: list[Any] | str | None, sizes: str, unguarded: bool = False) -> Build:
+def _fx(fused: bool, mode: str, rules: list[Any] | str | None, sizes: str, unguarded: bool = False,
+        gemm: bool = False) -> Build:  # fmt: skip
     def build(model: EngineLlama, twin: EngineLlama | str, capture: dict[str, tuple[int, ...]]) -> tuple[Step, Any]:
         import fxrewrite
 
         nonlocal rules
-        rules = {"no-rope": _without_rope, "no-gemm-fusion": _without_gemm_fusion}[rules]() if isinstance(rules, str) else rules
-        config = fxrewrite.Config(mode=mode, splitting_ops=SPLITTING_OPS, capture_sizes=capture[sizes])
+        rules = {"no-rope": _without_rope}[rules]() if isinstance(rules, str) else rules
+        config = fxrewrite.Config(mode=mode, splitting_ops=SPLITTING_OPS, capture_sizes=capture[sizes], gemm_fusion=gemm)
         backend = fxrewrite.Backend(config=config, rules=rules)
         step = backend.compile(_target(twin if fused else model))
         return (Unguarded(backend, step) if unguarded else step), backend
@@ -336,8 +327,8 @@ SYSTEMS = (
     System("fxrewrite-norope", "fxrewrite piecewise, RoPE rule off", _fx(False, "piecewise", "no-rope", "all")),
     System("fxrewrite-full-norope", "fxrewrite full, RoPE rule off", _fx(False, "full", "no-rope", "decode"),
            kinds=("decode",)),  # fmt: skip
-    System("fxrewrite-full-nogemm", "fxrewrite full, GEMMs without norms, adds, RoPE",
-           _fx(False, "full", "no-gemm-fusion", "all")),  # fmt: skip
+    System("fxrewrite-full-gemm", "fxrewrite full, norms, adds and RoPE in the GEMMs (Config.gemm_fusion)",
+           _fx(False, "full", None, "all", gemm=True)),  # fmt: skip
     System("inductor-cg", "inductor + CUDA graphs", _inductor("reduce-overhead"), needs_cuda=True, inductor=True),
     # Inductor's autotuned GEMMs and Triton configs, with CUDA graphs (issue 30's comparison)
     System("inductor-ma", "inductor max-autotune", _inductor("max-autotune"), needs_cuda=True, inductor=True),

@@ -10,11 +10,11 @@ the same with the attention op's torch path instead of its Triton kernels (piece
 ``engine_model.KERNELS`` switched between calls; the op runs eagerly), the same through
 plain ``torch.compile`` (Dynamo lifts the 65 eps floats to tensors built every call), and
 Inductor + CUDA graphs (``mode="reduce-overhead"``; ``--no-inductor`` skips it). ``--profile``
-adds the kernels and the host-side CUDA calls of 5 steps of the first row and its kernels per layer (:func:`kernels_per_layer`; ``--unfused-gemms``
-adds and profiles a row without the GEMM prologue/epilogue passes, the step before issue 30); ``--pyprofile`` the
+adds the kernels and the host-side CUDA calls of 5 steps of the first row and its kernels per layer (:func:`kernels_per_layer`; ``--gemm-fusion``
+adds and profiles a row with ``Config.gemm_fusion``: norms, residual adds and RoPE in the GEMMs, issue 30); ``--pyprofile`` the
 Python functions of the unguarded row's host time (:func:`python_profile`).
 
-    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host] [--pyprofile] [--unfused-gemms]
+    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host] [--pyprofile] [--gemm-fusion]
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import engine_model  # noqa: E402
 from engine_model import SPLITTING_OPS, build_model, fused_twin, llama_8b, make_batch, mark_static_metadata  # noqa: E402
 
 import fxrewrite  # noqa: E402
-from fxrewrite.backend import default_rule_groups  # noqa: E402
 from fxrewrite.runtime import providers  # noqa: E402
 
 
@@ -192,9 +191,9 @@ def main() -> None:
     p.add_argument("--no-inductor", action="store_true")
     p.add_argument("--no-lifted", action="store_true", help="skip the plain torch.compile row")
     p.add_argument("--twin", action="store_true", help="add the hand-fused twin's row (same mode, no rules)")
-    p.add_argument("--unfused-gemms", action="store_true",
-                   help="add a row without fuse_gemm_residual / fuse_gemm_norm / fuse_gemm_rotary (the library's "
-                        "other rules: the GEMMs before issue 30), profiled too with --profile")
+    p.add_argument("--gemm-fusion", action="store_true",
+                   help="add a row with Config.gemm_fusion (norms, residual adds and RoPE in the GEMMs: issue 30), "
+                        "profiled too with --profile")
     p.add_argument("--capture-sizes", default=None, help="comma-separated (default: --seqs); bench_e2e uses 1,8,64,512")
     args = p.parse_args()
     providers.preload()
@@ -209,9 +208,9 @@ def main() -> None:
 
     sizes = tuple(int(s) for s in args.capture_sizes.split(",")) if args.capture_sizes else (args.seqs,)
 
-    def fx(rules: list[Any] | None = None) -> fxrewrite.Backend:
+    def fx(rules: list[Any] | None = None, gemm_fusion: bool = False) -> fxrewrite.Backend:
         return fxrewrite.Backend(mode=args.mode, splitting_ops=SPLITTING_OPS, capture_sizes=sizes, progress=False,
-                                 rules=rules)  # fmt: skip
+                                 rules=rules, gemm_fusion=gemm_fusion)  # fmt: skip
 
     label = f"fxrewrite {args.mode}"
     torch._dynamo.reset()
@@ -241,14 +240,12 @@ def main() -> None:
         torch._dynamo.reset()
         lifted = torch.compile(model, backend=fx(), fullgraph=True, dynamic=True)
         rows[f"{label} (torch.compile, floats lifted)"] = measure(f"{label}, floats lifted", lifted, batch, False)
-    if args.unfused_gemms:
+    if args.gemm_fusion:
         torch._dynamo.reset()
-        library = [r for g, rules in default_rule_groups(args.mode) if g not in ("fuse_gemm_residual", "fuse_gemm_norm")
-                   for r in rules]  # fmt: skip
-        plain = fx(library)
-        rows[f"{label}, GEMMs without norms, adds, RoPE"] = measure(f"{label}, unfused GEMMs", plain.compile(model), batch,
-                                                                args.profile, layers=cfg.num_layers)  # fmt: skip
-        print(f"{label}, unfused GEMMs: fused {plain.report.fused_ops()}")
+        fused = fx(gemm_fusion=True)
+        rows[f"{label}, norms, adds and RoPE in the GEMMs"] = measure(f"{label}, gemm_fusion", fused.compile(model), batch,
+                                                                   args.profile, layers=cfg.num_layers)  # fmt: skip
+        print(f"{label}, gemm_fusion: fused {fused.report.fused_ops()}")
     if args.twin:
         torch._dynamo.reset()
         twin = fused_twin(model)

@@ -38,10 +38,13 @@ from fxrewrite.verify import verify_match
 log = logging.getLogger(__name__)
 
 
-def default_rule_groups(mode: str = "none") -> list[tuple[str, list[Rule]]]:
-    """The library's rule groups that run in ``mode``, in order, as ``(name, rules)``: the
-    ``RuleGroup`` entries of ``fxrewrite.rewrites.PIPELINE`` (its comments say why this order)."""
-    return [(s.name, list(s.rules)) for s in rewrites.PIPELINE if isinstance(s, RuleGroup) and s.runs_in(mode)]
+def default_rule_groups(mode: str = "none", config: Config | None = None) -> list[tuple[str, list[Rule]]]:
+    """The library's rule groups that run in ``mode`` with ``config``'s switches (default: the
+    defaults), in order, as ``(name, rules)``: the ``RuleGroup`` entries of
+    ``fxrewrite.rewrites.PIPELINE`` (its comments say why this order)."""
+    config = config or Config()
+    return [(s.name, list(s.rules)) for s in rewrites.PIPELINE if isinstance(s, RuleGroup) and s.runs_in(mode)
+            and (s.switch is None or getattr(config, s.switch))]  # fmt: skip
 
 
 def _canonicalize_pass(gm: fx.GraphModule) -> PassResult:
@@ -108,12 +111,14 @@ def pipeline_steps(config: Config, library: Sequence[Step] | None = None) -> lis
     if config.rules is None or config.rules:
         replaced = False
         for step in rewrites.PIPELINE if library is None else library:
+            switched_on = step.switch is None or getattr(config, step.switch)
             if isinstance(step, GraphPass):
-                switched_on = step.switch is None or getattr(config, step.switch)
                 if switched_on and not (step.fusion and config.rules is not None):
                     steps.append(step)
                 continue
             if config.rules is None and step.runs_in(config.mode):
+                if not switched_on:
+                    continue
                 steps.append(step)
             elif config.rules is not None and not replaced:
                 steps.append(RuleGroup("rules", tuple(config.rules)))

@@ -62,11 +62,12 @@ class Pass:
 @dataclasses.dataclass(frozen=True)
 class RuleGroup:
     """A library's named pass that applies ``rules``; ``modes``: the ``Config.mode`` values it
-    runs in (None: every mode)."""
+    runs in (None: every mode); ``switch``: a ``Config`` field whose false value turns it off."""
 
     name: str
     rules: Sequence[Rule]
     modes: tuple[str, ...] | None = None
+    switch: str | None = None
 
     def runs_in(self, mode: str) -> bool:
         return self.modes is None or mode in self.modes

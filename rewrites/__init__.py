@@ -42,8 +42,9 @@ PIPELINE: tuple[Step, ...] = (
     # first the residual add of an add + norm into the GEMM that produces the addend (epilogue),
     # then every norm read only by a GEMM into that GEMM (prologue); before select_gemm, which
     # takes the linears left
-    RuleGroup("fuse_gemm_residual", linear_fused.RESIDUAL_RULES, modes=("piecewise", "full")),
-    RuleGroup("fuse_gemm_norm", linear_fused.NORM_RULES, modes=("piecewise", "full")),
+    # (Config.gemm_fusion, off by default: slower on the H100 until tuned)
+    RuleGroup("fuse_gemm_residual", linear_fused.RESIDUAL_RULES, modes=("piecewise", "full"), switch="gemm_fusion"),
+    RuleGroup("fuse_gemm_norm", linear_fused.NORM_RULES, modes=("piecewise", "full"), switch="gemm_fusion"),
     # fxr.linear picks a decode-size GEMM by the rows of each call. Run eagerly (mode "none"),
     # each linear would pay the custom op's Python dispatch on the host, which replays do not
     # pay (not measured: extra_rules=linear.RULES opts in). Last: after every rule whose
@@ -56,7 +57,7 @@ PIPELINE: tuple[Step, ...] = (
     GraphPass("fold_rotary", rotary_tables.fold_rotary_tables, options=("max_positions",)),
     # a folded rotation of q and k read straight from a qkv GEMM that took its norm -> that GEMM's
     # epilogue (a no-op outside the CUDA-graph modes: fuse_gemm_norm made no such GEMM)
-    GraphPass("fuse_gemm_rotary", linear_rotary.fuse_gemm_rotary, fusion=True),
+    GraphPass("fuse_gemm_rotary", linear_rotary.fuse_gemm_rotary, switch="gemm_fusion", fusion=True),
 )
 
 __all__ = ["PIPELINE", "activation", "async_tp", "attention_quant", "collective", "layernorm", "linear", "linear_fused",

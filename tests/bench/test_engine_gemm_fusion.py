@@ -34,7 +34,8 @@ def test_fused_gemms_err_no_more_than_eager_bf16(kind: str, size: int, context: 
     model.fill_kv_cache_random(2)
     batch = mark_static_metadata(make_batch(CFG, kind, size, context, num_seqs=size if kind == "decode" else 1,
                                             max_len=512, device="cuda"))  # fmt: skip
-    backend = fxrewrite.Backend(mode="full", splitting_ops=SPLITTING_OPS, capture_sizes=(1, 8, 64), progress=False)
+    backend = fxrewrite.Backend(mode="full", splitting_ops=SPLITTING_OPS, capture_sizes=(1, 8, 64), progress=False,
+                                gemm_fusion=True)
     step = backend.compile(model)
     with torch.no_grad():
         got = step(**batch)

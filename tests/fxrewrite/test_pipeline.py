@@ -38,12 +38,24 @@ def names(config: Config, **kw: object) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["none", "piecewise", "full"])
 def test_the_library_in_its_order_with_gemms_selected_for_replayed_graphs_only(mode: str) -> None:
-    gemm = ["fuse_gemm_residual", "fuse_gemm_norm", "select_gemm"] if mode != "none" else []
+    gemm = ["select_gemm"] if mode != "none" else []
     groups = [*LIBRARY_GROUPS[:2], "fuse_attention_quant", *LIBRARY_GROUPS[2:]]  # a graph pass among the groups
-    want = ["canonicalize", "merge_siblings", "fuse_moe", *groups, *gemm, "fold_rotary", "fuse_gemm_rotary", "fold_constants",
-            "cleanup"]  # fmt: skip
+    want = ["canonicalize", "merge_siblings", "fuse_moe", *groups, *gemm, "fold_rotary", "fold_constants", "cleanup"]
     assert names(Config(mode=mode)) == want
     assert [name for name, _ in default_rule_groups(mode)] == LIBRARY_GROUPS + gemm
+
+
+def test_gemm_fusion_puts_its_passes_around_select_gemm_in_the_replayed_modes() -> None:
+    for mode in ("none", "piecewise", "full"):
+        got = names(Config(mode=mode, gemm_fusion=True))
+        if mode == "none":  # fuse_gemm_rotary listed, a no-op: no GEMM there took its norm
+            assert [n for n in got if n != "fuse_gemm_rotary"] == names(Config(mode=mode))
+            continue
+        at = got.index("select_gemm")
+        assert got[at - 2:at + 1] == ["fuse_gemm_residual", "fuse_gemm_norm", "select_gemm"]
+        assert got[got.index("fold_rotary") + 1] == "fuse_gemm_rotary"
+        groups = [n for n, _ in default_rule_groups(mode, Config(gemm_fusion=True))]
+        assert groups[-3:] == ["fuse_gemm_residual", "fuse_gemm_norm", "select_gemm"]
 
 
 def test_user_rules_follow_the_last_rule_group_in_every_mode() -> None:
@@ -88,4 +100,4 @@ def test_the_readme_lists_the_passes_in_order() -> None:
     assert paragraph is not None
     text = " ".join(paragraph.group(1).split()).replace("your rules", "`user_rules`")
     listed = [n for n in re.findall(r"`(\w+)`", text) if n not in ("piecewise", "full")]  # the modes named
-    assert listed == names(Config(mode="piecewise", extra_rules=(DOUBLE,)))
+    assert listed == names(Config(mode="piecewise", extra_rules=(DOUBLE,), gemm_fusion=True))

@@ -44,9 +44,7 @@ def test_models_called_in_turn_keep_their_own_graphs_and_reports() -> None:
         assert len(backend.graphs) == 1, f"{name} recompiled: {len(backend.graphs)} graphs"
     fused = {name: backend.report.fused_ops() for name, backend in backends.items()}
     assert "moe" in fused["moe"] and "moe" not in fused["draft"] and "moe" not in fused["target"]
-    rotations = {name: fused[name].get("rotary_embedding", 0) + fused[name].get("rms_norm_linear_rotary", 0)
-                 for name in ("draft", "target")}  # alone, or in the qkv GEMM (CUDA-graph modes)
-    assert rotations == {"draft": 2, "target": 2}
+    assert fused["draft"]["rotary_embedding"] == fused["target"]["rotary_embedding"] == 2
     backends["target"].refresh_runtime()
     [runtime] = [g.runtime for g in backends["target"].report.graphs]
     assert runtime["mode"] == "piecewise" and runtime["replays"] == runtime["calls"] == 6

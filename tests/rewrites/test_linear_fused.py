@@ -16,7 +16,7 @@ from helpers.rewrites import BF16, DYNAMIC, F32, check, reasons, sites
 from fxrewrite.rewrites import linear_fused
 
 HIDDEN, INTER = 64, 96
-FULL = {"mode": "full"}
+FULL = {"mode": "full", "gemm_fusion": True}  # Config.gemm_fusion: off by default
 IDS = torch.tensor([3, 1, 4, 1, 5])
 
 
@@ -149,6 +149,13 @@ def test_no_gemm_takes_anything_where_graphs_run_eagerly() -> None:
     """Negative twin: mode "none" (no CUDA graphs) runs neither these passes nor select_gemm."""
     check(Decoder(), IDS, expect={"rms_norm": 1, "fused_add_rms_norm_": 4, "silu_and_mul": 2},
           mode="none")  # fmt: skip
+
+
+def test_no_gemm_takes_anything_unless_switched_on() -> None:
+    """Negative twin: in mode "full" without ``Config.gemm_fusion`` (the default) the GEMMs are
+    select_gemm's plain ones and the norms and adds stay."""
+    check(Decoder(), IDS, expect={"rms_norm": 1, "fused_add_rms_norm_": 4, "linear": 6, "linear_silu_and_mul": 2},
+          mode="full")  # fmt: skip
 
 
 def test_a_biased_o_proj_keeps_its_add_and_norm() -> None:

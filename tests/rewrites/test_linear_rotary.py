@@ -9,7 +9,7 @@ import torch
 from helpers.engine import HEAD, HIDDEN, KV_HEADS, EngineDecoder, EngineRMSNorm, EngineRotary, stand_in_attention, tokens
 from helpers.rewrites import BF16, DYNAMIC, check, reasons, sites
 
-FULL = {"mode": "full"}
+FULL = {"mode": "full", "gemm_fusion": True}  # Config.gemm_fusion: off by default
 RULE = "rms_norm_linear_rotary"
 
 

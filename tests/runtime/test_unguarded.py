@@ -57,9 +57,8 @@ def test_runs_the_compiled_graph(mode: str) -> None:
     step(tokens(8))
     fast = backend.unguarded(step, tokens(8))
     assert fast.__qualname__.endswith("(unguarded)")
-    # fxr.linear, here with the norm before it: in graphs replayed as CUDA graphs only
-    fused = {"rms_norm_linear": 1} if mode == "full" else {"rms_norm": 1}
-    assert backend.report.graphs[0].fused_ops == fused
+    linears = {"linear": 1} if mode == "full" else {}  # fxr.linear: in graphs replayed as CUDA graphs only
+    assert backend.report.graphs[0].fused_ops == {"rms_norm": 1, **linears}
     for n in (3, 8):  # padded and exact sizes in mode full; any count in mode none
         x = tokens(n, seed=n)
         torch.testing.assert_close(fast(x), step(x))
