@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.ops.activation import silu_and_mul_reference
@@ -159,7 +160,8 @@ def residual_check(x: Tensor, w: Tensor, residual: Tensor) -> str | None:
     rows = as_rows(residual)
     if rows is None or rows.stride(-1) != 1:
         return "residual rows not viewable with unit stride"
-    if residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+    # fake tensors (a build ahead plans on them) have no memory: nothing to share
+    if not is_fake(x) and residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         return "residual and input share memory"
     return constraints.check_same_device(x, residual)
 

@@ -219,3 +219,20 @@ def test_rotary_checks_refuse_what_the_kernels_cannot_serve(gen: torch.Generator
         "64 rotated columns in heads of 64 (input (4, 64), 4 positions)")
     assert lf._rope_check(x, g, EPS, w, None, False, pos, cache, 320) is None
     assert lf._rope_check(x.float(), g, EPS, w.float(), None, False, pos, cache, 320) == "dtype float32 not bf16/fp16"
+
+
+def test_the_residual_check_passes_fake_tensors_and_refuses_shared_memory() -> None:
+    """A build ahead plans on fake tensors (no memory: every storage at address 0), so the
+    aliasing check must not refuse them (it did: linear_add was never built ahead); real
+    tensors sharing memory are still refused."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxrewrite.runtime.ops.linear_fused import residual_check
+
+    x, w, r = torch.randn(8, 64), torch.randn(32, 64), torch.randn(8, 32)
+    with FakeTensorMode() as mode:
+        fx, fw, fr = (mode.from_tensor(t) for t in (x, w, r))
+    assert residual_check(fx, fw, fr) is None
+    assert residual_check(x, w, r) is None
+    shared = torch.randn(8 * 64 + 8 * 32)
+    assert residual_check(shared[: 8 * 64].view(8, 64), w, shared[8 * 64 :].view(8, 32)) == "residual and input share memory"
