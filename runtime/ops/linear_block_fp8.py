@@ -113,7 +113,27 @@ def _cublaslt_check(a_q: Tensor, a_scale: Tensor, w_q: Tensor, w_scale: Tensor, 
     cap = providers.device_capability(a_q.device)
     if reason is None and cap is not None and cap[0] != 9:
         return f"sm{cap[0]}{cap[1]}: cuBLASLt's 1x128 x 128x128 block scaling is Hopper's"
+    if reason is None and a_q.device.type == "cuda":
+        if a_q.device not in _PROBED and torch.cuda.is_current_stream_capturing():
+            return "cuBLASLt's block scaling not probed before capture"
+        return _probe(a_q.device, out_dtype)
     return reason
+
+
+_PROBED: dict[torch.device, str | None] = {}
+
+
+def _probe(device: torch.device, out_dtype: torch.dtype) -> str | None:
+    """Whether this torch and cuBLAS run the block-scaled recipe at all (torch 2.11 with the H100
+    machine's cuBLAS answers CUBLAS_STATUS_NOT_SUPPORTED): one 128-cube product, once a device."""
+    if device not in _PROBED:
+        one = torch.ones(128, 128, device=device).to(torch.float8_e4m3fn)
+        try:
+            _cublaslt(one, torch.ones(128, 1, device=device), one, torch.ones(1, 1, device=device), out_dtype)
+            _PROBED[device] = None
+        except RuntimeError as e:
+            _PROBED[device] = f"this torch / cuBLAS lacks the block-scaled recipe: {str(e).splitlines()[0][:120]}"
+    return _PROBED[device]
 
 
 # --------------------------------------------------------------------------- kernels

@@ -181,5 +181,7 @@ def test_gpu_cublaslt_block_scaled_gemm(m: int, n: int, k: int) -> None:
     if torch.cuda.get_device_capability()[0] != 9:
         assert reason is not None and "Hopper" in reason
         pytest.skip(reason)
-    assert reason is None
+    if reason is not None:  # refused by the probe: said, and the op served by Triton
+        assert "lacks the block-scaled recipe" in reason
+        pytest.skip(reason)
     assert_gpu_result(lb._cublaslt(*args, BF16), args)
