@@ -32,6 +32,8 @@ block's products in less than float32): within a few float32 roundings of the ou
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -114,26 +116,31 @@ def _cublaslt_check(a_q: Tensor, a_scale: Tensor, w_q: Tensor, w_scale: Tensor, 
     if reason is None and cap is not None and cap[0] != 9:
         return f"sm{cap[0]}{cap[1]}: cuBLASLt's 1x128 x 128x128 block scaling is Hopper's"
     if reason is None and a_q.device.type == "cuda":
-        if a_q.device not in _PROBED and torch.cuda.is_current_stream_capturing():
-            return "cuBLASLt's block scaling not probed before capture"
-        return _probe(a_q.device, out_dtype)
+        key = (a_q.device, a_q.numel() // a_q.shape[-1], w_q.shape[0], a_q.shape[-1], out_dtype)
+        if key not in _PROBED and torch.cuda.is_current_stream_capturing():
+            return "cuBLASLt's block scaling not probed at this shape before capture"
+        return _probe(key)
     return reason
 
 
-_PROBED: dict[torch.device, str | None] = {}
+_PROBED: dict[tuple[Any, ...], str | None] = {}
 
 
-def _probe(device: torch.device, out_dtype: torch.dtype) -> str | None:
-    """Whether this torch and cuBLAS run the block-scaled recipe at all (torch 2.11 with the H100
-    machine's cuBLAS answers CUBLAS_STATUS_NOT_SUPPORTED): one 128-cube product, once a device."""
-    if device not in _PROBED:
-        one = torch.ones(128, 128, device=device).to(torch.float8_e4m3fn)
+def _probe(key: tuple[Any, ...]) -> str | None:
+    """Whether this torch and cuBLAS run the block-scaled recipe at these sizes (torch 2.11 with
+    the H100 machine's cuBLAS runs a 128-row product and answers CUBLAS_STATUS_NOT_SUPPORTED for
+    one row): one product of zeros of the call's sizes, once per sizes."""
+    if key not in _PROBED:
+        device, m, n, k, out_dtype = key
+        a = torch.zeros(m, k, device=device).to(torch.float8_e4m3fn)
+        w = torch.zeros(n, k, device=device).to(torch.float8_e4m3fn)
         try:
-            _cublaslt(one, torch.ones(128, 1, device=device), one, torch.ones(1, 1, device=device), out_dtype)
-            _PROBED[device] = None
+            _cublaslt(a, torch.ones(m, k // BLOCK, device=device), w, torch.ones(n // BLOCK, k // BLOCK, device=device),
+                      out_dtype)  # fmt: skip
+            _PROBED[key] = None
         except RuntimeError as e:
-            _PROBED[device] = f"this torch / cuBLAS lacks the block-scaled recipe: {str(e).splitlines()[0][:120]}"
-    return _PROBED[device]
+            _PROBED[key] = f"this torch / cuBLAS lacks the block-scaled recipe at {m} x {n} x {k}: {str(e).splitlines()[0][:100]}"
+    return _PROBED[key]
 
 
 # --------------------------------------------------------------------------- kernels
