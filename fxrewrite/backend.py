@@ -231,7 +231,7 @@ class Backend:
                 if not isinstance(r, Rule):
                     raise TypeError(f"rules must be fxrewrite.Rule objects, got {r!r} in pass {p.name!r}")
                 if not fingerprint.library_rule(r):
-                    _ = r.compiled
+                    r.compiled.traced()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self._check_floats(gm)

@@ -147,9 +147,10 @@ def prepare_dump_dir(path: str) -> Path:
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while the passes run, on again after (if it was).
-    The passes allocate many small objects (nodes, fake values), and every so many allocations
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while the passes run (and while an ahead-of-time
+    compile traces, rewrites and pickles its guards: :func:`fxrewrite.precompile.aot_compile`),
+    on again after (if it was). The passes allocate many small objects (nodes, fake values), and every so many allocations
     the collector walks the whole heap: Dynamo's, the model's and the graph's objects. On a
     128-layer Llama every second rewrite paid a full collection of 1.2-1.5 s, more than the
     rewrite itself (bench/RESULTS.md, issue 23). What the passes leave in cycles is collected
@@ -177,7 +178,7 @@ class PassManager:
         self.graph_id = graph_id
 
     def run(self, gm: fx.GraphModule) -> GraphReport:
-        with _collector_paused():
+        with collector_paused():
             return self._run(gm)
 
     def _run(self, gm: fx.GraphModule) -> GraphReport:

@@ -59,6 +59,7 @@ import torch
 import torch.fx as fx
 
 from fxrewrite import fingerprint, meta
+from fxrewrite.passes import collector_paused
 from fxrewrite.cache import _decode_report, _digest, _encode_report, _write_atomic
 from fxrewrite.report import GraphReport
 
@@ -394,7 +395,8 @@ def aot_compile(backend: Backend, model: Any, args: Sequence[Any] = (), kwargs: 
     backend._precompiling = FusedGraph
     traced = _traced()
     try:
-        with _SpecializeFloats() if backend.config.specialize_floats else _nothing(), _keeping_dim_marks(), _lazy_code():
+        with _SpecializeFloats() if backend.config.specialize_floats else _nothing(), _keeping_dim_marks(), _lazy_code(), \
+                collector_paused():
             fn = aot_compile_fullgraph(traced, ((model, *args), dict(kwargs or {})),
                                        hooks=Hooks(guard_filter_fn=serializable_guards), backend=backend,
                                        dynamic=dynamic)  # fmt: skip
@@ -440,7 +442,9 @@ def _keeping_dim_marks() -> Any:
 
     def reducer_override(self: Any, obj: Any) -> Any:
         out = original(self, obj)
-        if isinstance(out, tuple) and getattr(out[0], "__func__", None) is tensor_fn and isinstance(obj, torch.Tensor):
+        if not isinstance(obj, torch.Tensor):
+            return out
+        if isinstance(out, tuple) and getattr(out[0], "__func__", None) is tensor_fn:
             marks = {k: getattr(obj, k) for k in _DIM_MARKS if hasattr(obj, k)}
             if marks:
                 return _unpickle_marked, (marks, out[0], out[1])

@@ -168,14 +168,17 @@ def planned_calls(gm: fx.GraphModule, rules: Sequence[Rule], wants: Callable[[An
         if rule.via == "subgraph_rewriter":
             continue
         cr = rule.compiled
-        bodies = [b for b in (cr.replacement, cr.inplace) if b is not None]
-        if not any(n.op == "call_function" and wants(n.target) for b in bodies for n in b.graph.nodes):
-            continue
         index = index or Anchors(gm.graph)  # nothing is applied: one numbering serves every rule
+        builds: bool | None = None  # whether the replacements call a target to build: asked at a match
         for anchor in index.get(cr.anchor_targets):
             found = None if anchor in consumed else match_at(rule, anchor)
             if not isinstance(found, Match) or consumed.intersection(found.internal):
                 continue
+            if builds is None:
+                bodies = [b for b in (cr.replacement, cr.inplace) if b is not None]
+                builds = any(n.op == "call_function" and wants(n.target) for b in bodies for n in b.graph.nodes)
+            if not builds:
+                break
             consumed.update(found.internal)
             body = cr.inplace if inplace_blocker(found) is None else cr.replacement
             bound = {p: found.bindings[p.target] for p in body.graph.find_nodes(op="placeholder")}

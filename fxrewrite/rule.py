@@ -205,11 +205,13 @@ class Rule:
 
 @dataclasses.dataclass
 class CompiledRule:
-    """The traced, canonicalized form of a Rule."""
+    """The traced, canonicalized form of a Rule. The pattern is traced when the rule is first
+    tried (its anchor decides which nodes it is tried at); the replacements when one is first
+    needed (a match to apply, a call to plan, a key), so a rule that never matches costs one
+    trace, not two or three."""
 
+    rule: Rule
     pattern: fx.GraphModule
-    replacement: fx.GraphModule
-    inplace: fx.GraphModule | None
     params: list[str]
     anchor: fx.Node
     outputs: list[fx.Node]
@@ -229,6 +231,27 @@ class CompiledRule:
             targets |= pairs_with(inner.target)
         return targets
 
+    @functools.cached_property
+    def replacement(self) -> fx.GraphModule:
+        rule = self.rule
+        out = trace(rule.name, "replacement", rule.replacement, rule.scalars)
+        _check_outputs(rule.name, "replacement", out, len(self.outputs))
+        return out
+
+    @functools.cached_property
+    def inplace(self) -> fx.GraphModule | None:
+        rule = self.rule
+        if rule.inplace is None:
+            return None
+        out = trace(rule.name, "in-place replacement", rule.inplace.replacement, rule.scalars)
+        _check_outputs(rule.name, "in-place replacement", out, len(self.outputs))
+        return out
+
+    def traced(self) -> CompiledRule:
+        """Every function of the rule traced now (a user rule checked at construction)."""
+        _ = self.replacement, self.inplace
+        return self
+
     @classmethod
     def build(cls, rule: Rule) -> CompiledRule:
         params = _params(rule.name, "pattern", rule.pattern)
@@ -238,6 +261,12 @@ class CompiledRule:
         bad = set(rule.optional) - (set(params) - set(rule.scalars))
         if bad:
             raise RuleError(f"rule {rule.name!r}: optional {sorted(bad)} are not tensor arguments of the pattern")
+        if rule.inplace is not None:
+            bad = set(rule.inplace.overwrites) - (set(params) - set(rule.scalars))
+            if bad:
+                raise RuleError(f"rule {rule.name!r}: in-place overwrites {sorted(bad)}, which are not tensor arguments")
+        if rule.via == "subgraph_rewriter" and rule.scalars:
+            raise RuleError(f"rule {rule.name!r}: torch.fx.subgraph_rewriter rules cannot have scalar wildcards")
         pattern = trace(rule.name, "pattern", rule.pattern, rule.scalars)
         outputs = output_nodes(pattern)
         anchor = outputs[0]
@@ -252,30 +281,15 @@ class CompiledRule:
                     f"rule {rule.name!r}: pattern output {o} is not computed on the way to the first output "
                     f"{anchor}, nor by one operation on values that are"
                 )
-        replacement = trace(rule.name, "replacement", rule.replacement, rule.scalars, params)
-        _check_outputs(rule.name, "replacement", replacement, len(outputs))
-        inplace = None
-        if rule.inplace is not None:
-            bad = set(rule.inplace.overwrites) - (set(params) - set(rule.scalars))
-            if bad:
-                raise RuleError(f"rule {rule.name!r}: in-place overwrites {sorted(bad)}, which are not tensor arguments")
-            inplace = trace(rule.name, "in-place replacement", rule.inplace.replacement, rule.scalars, params)
-            _check_outputs(rule.name, "in-place replacement", inplace, len(outputs))
-        if rule.via == "subgraph_rewriter" and rule.scalars:
-            raise RuleError(f"rule {rule.name!r}: torch.fx.subgraph_rewriter rules cannot have scalar wildcards")
+        for what, fn in (("replacement", rule.replacement), ("in-place replacement", getattr(rule.inplace, "replacement", None))):
+            if fn is not None and set(names := _params(rule.name, what, fn)) - set(params):
+                raise RuleError(f"rule {rule.name!r}: {what} takes {sorted(set(names) - set(params))}, which the pattern does not bind")
         ops = sum(1 for n in pattern.graph.nodes if n.op == "call_function")
-        return cls(pattern, replacement, inplace, params, anchor, outputs, ops, side)
+        return cls(rule, pattern, params, anchor, outputs, ops, side)
 
 
-def trace(
-    rule: str, what: str, fn: Callable[..., Any], scalars: Mapping[str, Any], allowed: list[str] | None = None
-) -> fx.GraphModule:
+def trace(rule: str, what: str, fn: Callable[..., Any], scalars: Mapping[str, Any]) -> fx.GraphModule:
     """Trace ``fn`` symbolically and canonicalize it, with errors that name the rule."""
-    names = _params(rule, what, fn)
-    if allowed is not None and set(names) - set(allowed):
-        raise RuleError(
-            f"rule {rule!r}: {what} takes {sorted(set(names) - set(allowed))}, which the pattern does not bind"
-        )
     try:
         with _use_lazy_graph_module(True):  # code made once, if ever needed (a user rule's key, a call)
             gm = fx.symbolic_trace(fn)

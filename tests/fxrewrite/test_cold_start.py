@@ -86,8 +86,27 @@ def test_every_library_rule_traces() -> None:
 
     rules = list({id(r): r for g in PIPELINE if isinstance(g, RuleGroup) for r in g.rules}.values())
     untrace(rules)
-    assert all(r.compiled is not None for r in rules)
+    assert all(r.compiled.traced() is r.compiled for r in rules)  # the replacements too
     assert len(traced(rules)) == len(rules)
+    assert all(r.compiled.replacement is not None and (r.inplace is None) == (r.compiled.inplace is None) for r in rules)
+
+
+def test_a_rule_traces_its_replacements_only_when_one_is_needed() -> None:
+    """A tried rule traces its pattern (its anchor decides where it is tried); its replacements
+    wait for a match: on a one-layer Llama most library rules are tried and few match."""
+    rules = library()
+    untrace(rules)
+    model = models.build("llama", layers=1)
+    backend = fxrewrite.Backend(cache=False, mode="none", progress=False)
+    with torch.no_grad():
+        backend.compile(model)(*models.example_inputs(model))
+    tried = [r for r in rules if "compiled" in r.__dict__]
+    applied = {s.rule for s in backend.report.sites} & {r.name for r in tried}  # rules' sites, not graph passes
+    with_replacement = {r.name for r in tried if {"replacement", "inplace"} & set(r.compiled.__dict__)}
+    assert applied and applied <= with_replacement  # every rule that matched traced its replacement
+    assert len(with_replacement) < len(tried) / 2  # and most of those tried did not
+    never = next(r for r in tried if r.name not in with_replacement)
+    assert never.compiled.pattern is not None and not {"replacement", "inplace"} & set(never.compiled.__dict__)
 
 
 @pytest.mark.parametrize("mode", ["none", "full"])

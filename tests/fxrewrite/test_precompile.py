@@ -123,6 +123,38 @@ def test_loaded_equals_cold_bit_for_bit_and_runs_no_pass(tmp_path: Path, mode: s
     assert any("precompiled artifact" in n for n in b.report.graphs[0].notes)
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_paused_for_the_whole_aot_compile_and_restored(tmp_path: Path, enabled: bool,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Dynamo's trace, the passes and the guards' pickling run with Python's cyclic collector
+    off (two full collections of a cold 8B compile, 0.6 s on the H100 machine, gone); after,
+    the collector is as the caller had it, on or off."""
+    import gc
+
+    seen: dict[str, bool] = {}
+    trace = torch._dynamo.guards.CheckFunctionManager.__init__
+
+    def guards(self: Any, *args: Any, **kwargs: Any) -> None:
+        seen["guards"] = gc.isenabled()
+        trace(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch._dynamo.guards.CheckFunctionManager, "__init__", guards)
+    model, x = llama()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with torch.no_grad():
+            step = backend(tmp_path).aot_compile(model, x)
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
+    assert seen == {"guards": False}
+    with torch.no_grad():  # a plain torch.compile: Dynamo's guards are built with the collector as it is
+        torch._dynamo.reset()
+        backend(tmp_path).compile(model)(*x)
+    assert seen == {"guards": True}
+    assert step is not None
+
+
 def test_merged_weights_are_made_from_the_loading_models_parameters(tmp_path: Path) -> None:
     """The artifact holds no weights: another model of the same architecture loads it, and its
     merged q/k/v and gate/up weights are views of its own parameters."""
