@@ -129,8 +129,30 @@ class Row:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
+COLLECTIVE_KERNELS = ("allreduce", "all_reduce", "reducescatter", "reduce_scatter", "allgather", "all_gather", "nccl",
+                      "lamport", "oneshot", "twoshot", "multimem", "ptop")  # fmt: skip
+
+
+def collective_share(step: Any, batch: dict, steps: int = 3) -> tuple[float, float]:
+    """(collective kernels' ms, every kernel's ms) per step, from ``torch.profiler`` over
+    ``steps`` steps (every rank steps; each reads its own): the most that overlapping the
+    collectives with compute could take off a step (issue 32's floor)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(**batch)
+        torch.cuda.synchronize()
+    comm = every = 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us = e.time_range.elapsed_us() / steps / 1e3
+            every += us
+            comm += us if any(k in e.name.lower() for k in COLLECTIVE_KERNELS) else 0.0
+    return comm, every
+
+
 def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, checks: dict, refs: dict,
-               clock: Clock, deadline: float, sp_min_tokens: int = 512, max_capture: int = 512) -> Row:  # fmt: skip
+               clock: Clock, deadline: float, sp_min_tokens: int = 512, max_capture: int = 512,
+               share: bool = False) -> Row:  # fmt: skip
     import fxrewrite
     from fxrewrite.runtime import providers
 
@@ -166,6 +188,10 @@ def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, 
         for _ in range(warm - 1):
             step(**batch)
         ms = clock.median_ms(lambda: step(**batch), reps)
+        if share and torch.cuda.is_available():
+            comm, every = collective_share(step, batch)
+            row.notes.append(f"{col.name}: collective kernels {comm:.2f} ms a step ({100 * comm / ms:.1f}% of its "
+                             f"{ms:.2f} ms; every kernel {every:.2f} ms)")  # fmt: skip
         model.fill_kv_cache_random(FILL_SEED)
         errors.append(rel_err(step(**checks[col.name]), refs[col.name]))
         row.cells[col.name] = f"{ms:.2f}"
@@ -262,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sp-min-tokens", type=int, default=512, help="pw-sp, pw-atp: sequence parallelism from this many tokens")
     p.add_argument("--max-capture", type=int, default=512, help="columns up to this many tokens are capture sizes")
     p.add_argument("--budget-s", type=float, default=220.0, help="start no column after this many seconds")
+    p.add_argument("--collective-share", action="store_true",
+                   help="profile each column: the collective kernels' time per step and its share (CUDA only)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     start = time.time()
@@ -323,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"{system.label} ...")
         try:
             rows[system.key] = run_system(system, model, cols, batches, checks, refs, clock, deadline, args.sp_min_tokens,
-                                          args.max_capture)  # fmt: skip
+                                          args.max_capture, args.collective_share)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a row that fails says why; the others still run
             rows[system.key] = Row(cells={c.name: "failed" for c in cols}, notes=[f"failed: {_short(e)}"])
             _log(traceback.format_exc(limit=-8))

@@ -14,7 +14,7 @@ adds the kernels and the host-side CUDA calls of 5 steps of the first row and it
 adds and profiles a row with ``Config.gemm_fusion``: norms, residual adds and RoPE in the GEMMs, issue 30); ``--pyprofile`` the
 Python functions of the unguarded row's host time (:func:`python_profile`).
 
-    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host] [--pyprofile] [--gemm-fusion]
+    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host] [--pyprofile] [--gemm-fusion] [--floor 1,8,64]
 """
 
 from __future__ import annotations
@@ -96,6 +96,58 @@ def kernels_per_layer(events: Any, steps: int, layers: int) -> str:
              "| kernel | launches per step | per layer | us per step |", "|---|---|---|---|"]  # fmt: skip
     for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"| {name[:70]} | {n / steps:.0f} | {n / steps / layers:.2f} | {us / steps:.1f} |")
+    return "\n".join(lines)
+
+
+GEMM_KERNELS = ("linear", "gemm", "nvjet", "cutlass", "xmma", "sm90")  # kernel names of the step's GEMMs
+ATTENTION_KERNELS = ("_partial_kernel", "_combine_kernel", "attention", "fmha", "flash_fwd", "flash_attn")
+
+
+def kernel_classes(events: Any, steps: int) -> dict[str, float]:
+    """Device microseconds per step from profiler ``events``, by class: the GEMMs, the
+    attention, everything else (norms, rotary, activations, copies)."""
+    out = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name.lower()
+            cls = ("gemm" if any(k in name for k in GEMM_KERNELS)
+                   else "attention" if any(k in name for k in ATTENTION_KERNELS) else "other")  # fmt: skip
+            out[cls] += e.time_range.elapsed_us() / steps
+    return out
+
+
+def floor_table(model: Any, cfg: Any, step: Any, seqs: list[int], context: int) -> str:
+    """Issue 30's floor: at each decode size, the step back to back against the HBM floor
+    (weights and KV cache at this device's copy bandwidth, bench_e2e's definition), its kernel
+    time by class, the gaps between kernels, and the least step this design can reach: its
+    GEMMs and attention as they run, with every other kernel and every gap gone."""
+    from bench_e2e import Clock, hbm_floor_ms
+
+    clock = Clock(torch.device("cuda"))
+    bandwidth = clock.copy_bandwidth(torch.device("cuda"), 2 << 30)
+    big = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    read = big.numel() * big.element_size() / (clock.median_ms(lambda: big.amax(), 20) / 1e3)  # a pure read
+    del big
+    elt = model.embed_tokens.weight.element_size()
+    lines = [f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write of a 2 GiB copy); read bandwidth "
+             f"{read / 1e9:.0f} GB/s (torch.amax of 2 GiB)", "",
+             "| decode | HBM floor ms (weights + KV) | step b2b ms | / floor | GEMMs ms (/ weight floor, / at the read "
+             "rate) | attention ms (/ KV floor) | other kernels ms | gaps ms | GEMMs + attention / floor |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for n in seqs:
+        batch = mark_static_metadata(make_batch(cfg, "decode", n, context, num_seqs=n, max_len=4096, device="cuda"))
+        floor = hbm_floor_ms(model, batch, bandwidth)
+        kv = 1e3 * int(batch["seq_lens"].sum()) * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * elt / bandwidth
+        b2b, _ = measure(f"decode {n}", step, batch, False)
+        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step(**batch)
+            torch.cuda.synchronize()
+        us = kernel_classes(prof.events(), 5)
+        gemm, attn, other = us["gemm"] / 1e3, us["attention"] / 1e3, us["other"] / 1e3
+        lines.append(f"| {n} | {floor:.3f} ({floor - kv:.3f} + {kv:.3f}) | {b2b:.3f} | {b2b / floor:.3f} | "
+                     f"{gemm:.3f} ({gemm / (floor - kv):.2f}, {gemm / ((floor - kv) * bandwidth / read):.2f}) | {attn:.3f} ({attn / kv:.2f}) | {other:.3f} | "
+                     f"{b2b - gemm - attn - other:.3f} | {(gemm + attn) / floor:.3f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -194,6 +246,8 @@ def main() -> None:
     p.add_argument("--gemm-fusion", action="store_true",
                    help="add a row with Config.gemm_fusion (norms, residual adds and RoPE in the GEMMs: issue 30), "
                         "profiled too with --profile")
+    p.add_argument("--floor", default=None, help="comma-separated decode sizes: the first row's floor table at each "
+                   "(floor_table; capture sizes default to these)")
     p.add_argument("--capture-sizes", default=None, help="comma-separated (default: --seqs); bench_e2e uses 1,8,64,512")
     args = p.parse_args()
     providers.preload()
@@ -206,7 +260,8 @@ def main() -> None:
     )
     rows = {}
 
-    sizes = tuple(int(s) for s in args.capture_sizes.split(",")) if args.capture_sizes else (args.seqs,)
+    floor_seqs = [int(n) for n in args.floor.split(",")] if args.floor else []
+    sizes = tuple(int(s) for s in (args.capture_sizes or args.floor or str(args.seqs)).split(","))
 
     def fx(rules: list[Any] | None = None, gemm_fusion: bool = False) -> fxrewrite.Backend:
         return fxrewrite.Backend(mode=args.mode, splitting_ops=SPLITTING_OPS, capture_sizes=sizes, progress=False,
@@ -218,6 +273,8 @@ def main() -> None:
     step = backend.compile(model)
     rows[f"{label} (Backend.compile)"] = measure(label, step, batch, args.profile, layers=cfg.num_layers)
     print(f"{label}: fused {backend.report.fused_ops()}")
+    if floor_seqs:
+        print(f"\n{label}: the floor of the step (issue 30)\n" + floor_table(model, cfg, step, floor_seqs, args.context))
     with torch.no_grad():
         fast = backend.unguarded(step, **batch)
     rows[f"{label}, Backend.unguarded"] = measure(f"{label}, unguarded", fast, batch, False)
