@@ -41,6 +41,13 @@ weights, same KV cache) and times them in alternating rounds, column by column: 
 compare two systems within a few percent are read from that table, since a system's step time
 moves by a few percent from one process to the next.
 
+``--quant fp8`` or ``--quant block-fp8``: every row runs the engine model with FP8 linears
+(``bench/e2e_model.py``: static per-tensor with calibrated input scales, ``torch._scaled_mm``; or
+block FP8, ``fxr.linear_block_fp8``). fxrewrite's rows are given the attention + FP8 declaration
+(``engine_fp8.ATTENTION_QUANT``) and their notes list the quantization fusions per layer; there is no
+hand-fused twin; the error column compares with the same quantized model in float32 (its FP8
+values as stored), so the format's own error is not in it.
+
 Each system runs in a fresh process (a crash or a sticky CUDA error costs its row only),
 compiles cold (``force_disable_caches``, an empty Triton cache and an empty fxrewrite compile
 cache of its own; the side-by-side process with fxrewrite's cache off) except the "cache warm"
@@ -59,6 +66,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -76,45 +84,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_model import (  # noqa: E402
-    SPLITTING_OPS,
-    EngineLlama,
-    ModelConfig,
-    build_model,
-    float32_reference,
-    fused_twin,
-    llama_8b,
-    make_batch,
-    mark_static_metadata,
-    tiny,
+from e2e_model import (  # noqa: E402
+    CHECK_SEED,
+    FILL_SEED,
+    QUANTS,
+    Batch,
+    Plan,
+    Scenario,
+    _short,
+    log,
+    make_plan,
+    prepare,
+    weight_bytes,
 )
+from engine_model import SPLITTING_OPS, EngineLlama, float32_reference  # noqa: E402
 
-Batch = dict[str, torch.Tensor]
 Step = Callable[..., torch.Tensor]
-Build = Callable[[EngineLlama, "EngineLlama | str", dict[str, tuple[int, ...]]], tuple[Step, Any]]
-CHECK_SEED, FILL_SEED = 1234, 7
+# (model, hand-fused twin or why none, capture sizes[, fxrewrite Config fields the model needs]) -> (step, backend)
+Build = Callable[..., tuple[Step, Any]]
 MIN_REPS, MAX_REPS = 10, 200
 GRACE_S = 90.0  # a system still running this long past --budget-s is killed
-
-
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-    """One column: a decode or prefill step."""
-
-    name: str
-    kind: str  # "decode" | "prefill"
-    size: int  # sequences (decode) or tokens (prefill)
-    context: int  # tokens already cached per sequence
-    num_seqs: int = 1
-
-
-def scenarios(shape: str, context: int, prefill_seqs: int) -> list[Scenario]:
-    """The columns: decode at batch 1, 8, 64 and two prefill sizes (smaller for ``tiny``)."""
-    prefill = (512, 4096) if shape == "8b" else (64, 256)
-    ctx = context if shape == "8b" else min(context, 64)
-    cols = [Scenario(f"decode {b}", "decode", b, ctx) for b in (1, 8, 64)]
-    cols += [Scenario(f"prefill {t}", "prefill", t, 0, min(prefill_seqs, t)) for t in prefill]
-    return cols
 
 
 @dataclasses.dataclass
@@ -123,7 +112,7 @@ class System:
 
     key: str
     label: str
-    build: Build  # (model, hand-fused twin or why none, capture sizes) -> (step, fxrewrite backend or None)
+    build: Build  # (model, twin or why none, capture sizes, Config fields) -> (step, fxrewrite backend or None)
     kinds: tuple[str, ...] = ("decode", "prefill")
     needs_cuda: bool = False
     inductor: bool = False
@@ -233,14 +222,14 @@ def attention_ms(model: EngineLlama, batch: Batch, clock: Clock, reps: int = 20)
 
 
 def hbm_floor_ms(model: EngineLlama, batch: Batch, bandwidth: float) -> float:
-    """Milliseconds to read the step's bytes once: all weights (the embedding's used rows only)
-    and every cached key and value the step attends to."""
+    """Milliseconds to read the step's bytes once: all weights (the embedding's used rows only;
+    each at its own element size, ``weight_bytes``) and every cached key and value the step
+    attends to."""
     cfg = model.config
     elt = model.embed_tokens.weight.element_size()
-    weights = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(("embed_tokens", "lm_head")))
     tokens = batch["input_ids"].numel()
     kv = int(batch["seq_lens"].sum()) * 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers
-    return 1e3 * (weights + tokens * cfg.hidden_size + kv) * elt / bandwidth
+    return 1e3 * (weight_bytes(model) + (tokens * cfg.hidden_size + kv) * elt) / bandwidth
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -289,12 +278,14 @@ class Unguarded:
 
 def _fx(fused: bool, mode: str, rules: list[Any] | str | None, sizes: str, unguarded: bool = False,
         gemm: bool = False) -> Build:  # fmt: skip
-    def build(model: EngineLlama, twin: EngineLlama | str, capture: dict[str, tuple[int, ...]]) -> tuple[Step, Any]:
+    def build(model: EngineLlama, twin: EngineLlama | str, capture: dict[str, tuple[int, ...]],
+              options: dict[str, Any] | None = None) -> tuple[Step, Any]:  # fmt: skip
         import fxrewrite
 
         nonlocal rules
         rules = {"no-rope": _without_rope}[rules]() if isinstance(rules, str) else rules
-        config = fxrewrite.Config(mode=mode, splitting_ops=SPLITTING_OPS, capture_sizes=capture[sizes], gemm_fusion=gemm)
+        config = fxrewrite.Config(mode=mode, splitting_ops=SPLITTING_OPS, capture_sizes=capture[sizes], gemm_fusion=gemm,
+                                  **(options or {}))  # fmt: skip
         backend = fxrewrite.Backend(config=config, rules=rules)
         step = backend.compile(_target(twin if fused else model))
         return (Unguarded(backend, step) if unguarded else step), backend
@@ -303,15 +294,15 @@ def _fx(fused: bool, mode: str, rules: list[Any] | str | None, sizes: str, ungua
 
 
 def _eager(fused: bool) -> Build:
-    return lambda model, twin, capture: (_target(twin if fused else model), None)
+    return lambda model, twin, *_: (_target(twin if fused else model), None)
 
 
 def _inductor(mode: str | None) -> Build:
-    return lambda model, twin, capture: (torch.compile(model, mode=mode, fullgraph=True), None)
+    return lambda model, *_: (torch.compile(model, mode=mode, fullgraph=True), None)
 
 
 def _dynamo_alone() -> Build:
-    return lambda model, twin, capture: (torch.compile(model, backend="eager", fullgraph=True), None)
+    return lambda model, *_: (torch.compile(model, backend="eager", fullgraph=True), None)
 
 
 # Every row, in the order they run: what the goals compare first, in case the budget runs out.
@@ -342,18 +333,13 @@ SYSTEM_BY_KEY = {s.key: s for s in SYSTEMS}
 PAIRED = "paired"  # the child that runs the --paired systems side by side
 
 
-def _short(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip().replace("\n", " ").replace("|", "/")
-    return text[:300] + ("..." if len(text) > 300 else "")
-
-
 RUNTIME_KEYS = ("reason", "capture_s", "graphs", "replays", "eager_calls", "eager_reasons",
                 "static_input_copies_last", "activation_copies_last")
 
 
-def _backend_notes(backend: Any) -> list[str]:
-    """What the fxrewrite report says, in short: fused ops and the CUDA-graph runtime per graph.
-    The whole report goes to stderr."""
+def _backend_notes(backend: Any, layers: int) -> list[str]:
+    """What the fxrewrite report says, in short: fused ops and the CUDA-graph runtime per graph,
+    and the quantization fusions per layer (``layers``: the model's). The whole report goes to stderr."""
     if backend is None:
         return []
     with contextlib.suppress(Exception):
@@ -368,7 +354,42 @@ def _backend_notes(backend: Any) -> list[str]:
         runtime = getattr(g, "runtime", None) or {}
         kept = [f"{k}={runtime[k]:.2f}" if isinstance(runtime[k], float) else f"{k}={runtime[k]}" for k in RUNTIME_KEYS if runtime.get(k)]
         notes.append(line + ("; " + ", ".join(kept) if kept else ""))
-    return notes
+    return notes + _quant_notes(report, layers)
+
+
+def _per_layer(counts: collections.Counter[int | None], layers: int) -> str:
+    """``x1 layer 0, x2 layers 1-31``: a count per decoder layer, equal neighbours joined
+    (sites outside the layers, e.g. the final norm, as ``outside``)."""
+    runs: list[list[int]] = []  # [first, last, count]
+    for i in range(layers):
+        if runs and runs[-1][2] == counts[i]:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, counts[i]])
+    text = [f"x{n} layer{f' {a}' if a == b else f's {a}-{b}'}" for a, b, n in runs]
+    return ", ".join(text + ([f"x{counts[None]} outside"] if counts[None] else []))
+
+
+def _quant_notes(report: Any, layers: int) -> list[str]:
+    """The report's quantization fusions (rules named ``*quant*``: norm + quant, activation +
+    quant, attention + quant) per decoder layer, and the attention + quant near misses with the
+    first reason (why the quantization after attention stays); one line per distinct graph
+    report (``graphs 0,1,2``: the same in each)."""
+    by_text: dict[str, list[int]] = {}
+    for i, g in enumerate(getattr(report, "graphs", [])):
+        per_rule: dict[str, collections.Counter[int | None]] = collections.defaultdict(collections.Counter)
+        for site in g.sites:
+            if "quant" in site.rule:
+                found = re.match(r"layers\.(\d+)(\.|$)", site.module)
+                per_rule[site.rule][int(found.group(1)) if found else None] += 1
+        parts = [f"{rule} {_per_layer(c, layers)}" for rule, c in sorted(per_rule.items())]
+        misses = collections.Counter(m.rule for m in g.near_misses if m.rule.startswith("attention_quant"))
+        parts += [f"near miss {rule} x{n} ({next(m.reason for m in g.near_misses if m.rule == rule)})"
+                  for rule, n in sorted(misses.items())]  # fmt: skip
+        if parts:
+            by_text.setdefault("; ".join(parts), []).append(i)
+    return [f"graph{'s' if len(ids) > 1 else ''} {','.join(map(str, ids))}: quant fusions per layer: {text}"
+            for text, ids in by_text.items()]  # fmt: skip
 
 
 def run_system(system: System, cols: list[Scenario], ctx: RunContext, save: Callable[[Result], None]) -> Result:
@@ -379,7 +400,7 @@ def run_system(system: System, cols: list[Scenario], ctx: RunContext, save: Call
     counters.clear()
     torch._dynamo.reset()
     try:
-        step, backend = system.build(ctx.model, ctx.twin, ctx.capture)
+        step, backend = system.build(ctx.model, ctx.twin, ctx.capture, ctx.fx_options)
     except Exception as e:  # noqa: BLE001  (a row that cannot be built says why, the run goes on)
         res.notes.append(f"not built: {_short(e)}")
         res.cells = {c.name: "failed" for c in cols}
@@ -422,7 +443,7 @@ def run_system(system: System, cols: list[Scenario], ctx: RunContext, save: Call
     if counters["inductor"].get("cudagraph_skips"):
         skips = counters["inductor"]["cudagraph_skips"]
         res.notes.append(f"Inductor skipped CUDA graphs {skips} time(s) (TORCH_LOGS=perf_hints says why)")
-    res.notes += _backend_notes(backend)
+    res.notes += _backend_notes(backend, ctx.model.config.num_layers)
     with contextlib.suppress(Exception):
         res.notes += backend.report.cache_lines()  # "cache hit: N graphs, saved X s"
     if isinstance(step, Unguarded):
@@ -446,7 +467,7 @@ def run_paired(keys: list[str], cols: list[Scenario], ctx: RunContext, save: Cal
     for key in keys:
         system = SYSTEM_BY_KEY[key]
         try:
-            steps[key] = system.build(ctx.model, ctx.twin, ctx.capture)[0]
+            steps[key] = system.build(ctx.model, ctx.twin, ctx.capture, ctx.fx_options)[0]
         except Exception as e:  # noqa: BLE001
             res.notes.append(f"{system.label}: not built: {_short(e)}")
     for col in cols:
@@ -484,41 +505,7 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 # --------------------------------------------------------------------------- the run
-
-
-@dataclasses.dataclass
-class Plan:
-    """What the parent and every child derive alike from the arguments."""
-
-    cfg: ModelConfig
-    cols: list[Scenario]
-    max_seqs: int
-    max_len: int
-    device: torch.device
-    dtype: torch.dtype
-
-    @property
-    def capture(self) -> dict[str, tuple[int, ...]]:
-        """CUDA-graph sizes: the token counts the columns run, up to 512 (prefill beyond runs
-        eagerly, as engines do); decode batch sizes only for the full graph."""
-        tokens = sorted({c.size for c in self.cols})
-        return {"all": tuple(t for t in tokens if t <= 512), "decode": tuple(c.size for c in self.cols if c.kind == "decode")}
-
-
-def make_plan(args: argparse.Namespace) -> Plan:
-    cfg = llama_8b() if args.shape == "8b" else tiny()
-    if args.layers:
-        cfg = dataclasses.replace(cfg, num_layers=args.layers)
-    cols = scenarios(args.shape, args.context, args.prefill_seqs)
-    max_seqs = max(c.size if c.kind == "decode" else c.num_seqs for c in cols)
-    max_len = max(c.context + (1 if c.kind == "decode" else c.size) for c in cols)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    return Plan(cfg, cols, max_seqs, max_len, torch.device(args.device), dtype)
 
 
 @dataclasses.dataclass
@@ -533,33 +520,7 @@ class RunContext:
     batches: dict[str, Batch]
     checks: dict[str, Batch]
     refs: dict[str, torch.Tensor]
-
-
-def prepare(plan: Plan) -> tuple[EngineLlama, EngineLlama | str, dict[str, Batch], dict[str, Batch]]:
-    """The model (seeded: every process builds the same), its hand-fused twin, the timed
-    inputs and the fresh inputs the outputs are checked on."""
-    log(f"building {plan.cfg.num_layers} layers on {plan.device} in {plan.dtype}; KV cache {plan.max_seqs} x {plan.max_len}")
-    model = build_model(plan.cfg, device=plan.device, dtype=plan.dtype, seed=0)
-    model.allocate_kv_cache(plan.max_seqs, plan.max_len)
-    model.fill_kv_cache_random(FILL_SEED)
-    twin = _hand_fused(model)
-
-    def batch(c: Scenario, seed: int) -> Batch:
-        b = make_batch(plan.cfg, c.kind, c.size, c.context, num_seqs=c.num_seqs, max_len=plan.max_len, device=plan.device, seed=seed)
-        return mark_static_metadata(b)  # the token count as the one dynamic dimension
-
-    return model, twin, {c.name: batch(c, 0) for c in plan.cols}, {c.name: batch(c, CHECK_SEED) for c in plan.cols}
-
-
-def _hand_fused(model: EngineLlama) -> EngineLlama | str:
-    """The hand-fused twin, or why there is none."""
-    try:
-        import fxrewrite.runtime.ops  # noqa: F401
-
-        missing = [op for op in ("rms_norm", "fused_add_rms_norm_", "linear_silu_and_mul") if not hasattr(torch.ops.fxr, op)]
-        return f"no hand-fused twin: fused ops missing: {missing}" if missing else fused_twin(model)
-    except Exception as e:  # noqa: BLE001
-        return f"no hand-fused twin: {_short(e)}"
+    fx_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # Plan.fx_options
 
 
 def _warm_process(device: torch.device, inductor: bool) -> None:
@@ -577,11 +538,11 @@ def _warm_process(device: torch.device, inductor: bool) -> None:
     torch._dynamo.reset()
 
 
-def _warm_attention(model: EngineLlama, batches: dict[str, Batch]) -> None:
+def _warm_attention(model: EngineLlama, batches: dict[str, Batch], fp8_output: bool = False) -> None:
     """Run the attention op once per step shape (random q, k, v on layer 0's cache, at the slots
     every timed step rewrites), so that its kernels (the Triton decode kernel's JIT compile) are
     built before any measured first call: the same for every row, as an engine builds its
-    attention kernels at start-up."""
+    attention kernels at start-up. ``fp8_output``: its FP8-output twin too (``--quant fp8``)."""
     cfg, cache = model.config, model.layers[0].self_attn
     like = model.embed_tokens.weight
     with torch.no_grad():
@@ -592,6 +553,10 @@ def _warm_attention(model: EngineLlama, batches: dict[str, Batch]) -> None:
             k, v = q[:, cfg.num_heads : cfg.num_heads + cfg.num_kv_heads], q[:, cfg.num_heads + cfg.num_kv_heads :]
             meta = (batch["slots"], batch["seq_lens"], batch["kv_range"], batch.get("query_start"))
             torch.ops.fxbench.attention.default(q[:, : cfg.num_heads], k, v, cache.k_cache, cache.v_cache, *meta)
+            if fp8_output:
+                scale = torch.ones((), dtype=torch.float32, device=like.device)
+                torch.ops.fxbench.attention_quant_fp8.default(q[:, : cfg.num_heads], k, v, cache.k_cache, cache.v_cache,
+                                                              *meta[:3], scale, meta[3])  # fmt: skip
     model.fill_kv_cache_random(FILL_SEED)
 
 
@@ -603,8 +568,8 @@ def child_main(args: argparse.Namespace, plan: Plan) -> int:
     paired = args.child == PAIRED
     keys = args.paired.split(",") if paired else [args.child]
     _warm_process(plan.device, any(SYSTEM_BY_KEY[k].inductor for k in keys))
-    _warm_attention(model, batches)
-    ctx = RunContext(args, Clock(plan.device), model, twin, plan.capture, batches, checks, refs)
+    _warm_attention(model, batches, fp8_output=plan.quant == "fp8")
+    ctx = RunContext(args, Clock(plan.device), model, twin, plan.capture, batches, checks, refs, plan.fx_options)
     save = lambda r: out.write_text(json.dumps(dataclasses.asdict(r)))  # noqa: E731
     if paired:
         run_paired(keys, plan.cols, ctx, save)
@@ -801,6 +766,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(the first against each other), e.g. fxrewrite-full,fused-full or fxrewrite-full,inductor-cg")
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds of the --paired process")
     p.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
+    p.add_argument("--quant", choices=tuple(QUANTS), default="none", help="the model's linears quantized: fp8 (static "
+                   "per-tensor, torch._scaled_mm) or block-fp8 (fxr.linear_block_fp8); every system runs the same model")
     p.add_argument("--context", type=int, default=1024, help="cached tokens per sequence in decode (tiny: at most 64)")
     p.add_argument("--prefill-seqs", type=int, default=1, help="sequences per prefill step (>1 runs attention's host loop)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls per column (reduce-overhead records at call 2)")
@@ -847,7 +814,8 @@ def main(argv: list[str] | None = None) -> int:
         f"attention op alone (x{plan.cfg.num_layers})": {c.name: attention_ms(model, batches[c.name], clock) for c in cols},
         "HBM floor": {c.name: hbm_floor_ms(model, batches[c.name], bandwidth) for c in cols},
     }
-    weight_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    embedding = model.embed_tokens.weight
+    weight_gb = (weight_bytes(model) + embedding.numel() * embedding.element_size()) / 1e9
     del model, twin, batches, checks, refs  # each system runs in a process of its own
     _free_memory()
 
@@ -863,8 +831,14 @@ def main(argv: list[str] | None = None) -> int:
         f"- decode: one new token per sequence after {cols[0].context} cached; prefill: {args.prefill_seqs} sequence(s) from position 0",
         f"- copy bandwidth (read + write): {bandwidth / 1e12:.3f} TB/s; CUDA graph capture sizes: {plan.capture['all']}; "
         "each system in a fresh process",
-        "- step ms: median over many calls from an idle device after warm-up; first call and start-up in s; rel err vs float32 eager",
+        "- step ms: median over many calls from an idle device after warm-up; first call and start-up in s; rel err vs float32 eager"
+        + ("" if plan.quant == "none" else ": the same quantized model, eager, every value that is not FP8 in float32 (its FP8 "
+           "weights as stored, its activations quantized as in the run): the format's own error is not in the column, eager's "
+           "row is the floor"),
     ]
+    if plan.quant != "none":
+        header.insert(5, f"- quantization ({plan.quant}): {QUANTS[plan.quant]}; the fxrewrite rows with "
+                         "`Config(attention_quant=engine_fp8.ATTENTION_QUANT)`; no hand-fused twin")
     labels = {s.key: s.label for s in chosen}
     results: dict[str, Result] = {}
     paired = Paired()

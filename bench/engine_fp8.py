@@ -17,21 +17,19 @@ fxbench.attention(...).view(T, H * d), o_proj.input_scale)``, is what
 ``fxbench::attention_quant_fp8``, takes the attention op's arguments plus ``output_scale``:
 on CUDA at decode, the Triton split-KV kernel (bench/decode_attention.py) quantizes the float32
 result in its combine epilogue; elsewhere the op quantizes after the torch path's SDPA (the
-unfused pair, bit for bit).
+unfused pair, bit for bit). :class:`Fp8Linear` (``bench/fp8_linears.py``) takes any ``nn.Linear``'s
+weight and bias; :func:`float32_reference` is ``engine_model``'s, which keeps FP8 values as stored.
 """
 
 from __future__ import annotations
 
-import copy
-import math
-
 import torch
-from torch import nn
 
 import engine_model
-from engine_model import _path, _triton, _use_triton
+from engine_model import _path, _triton, _use_triton, float32_reference
+from fp8_linears import Fp8Linear, to_fp8_linears
 from fxrewrite.rewrites.attention_quant import AttentionQuant
-from fxrewrite.runtime.ops.quant import FP8_DTYPE, FP8_MAX, quant_fp8_static
+from fxrewrite.runtime.ops.quant import FP8_DTYPE, quant_fp8_static
 
 __all__ = ["ATTENTION_QUANT", "Fp8Linear", "attention_quant_fp8", "float32_reference", "to_fp8"]
 
@@ -72,75 +70,16 @@ ATTENTION_QUANT: tuple[AttentionQuant, ...] = (
 )
 
 
-class Fp8Linear(nn.Module):
-    """A linear with an FP8 weight and per-tensor scales: the input quantized with the static
-    ``input_scale``, then ``torch._scaled_mm`` (module docstring). No bias."""
-
-    def __init__(self, weight: torch.Tensor, input_scale: float) -> None:
-        super().__init__()
-        w = weight.detach().float()
-        scale = w.abs().amax().clamp(min=1e-12) / FP8_MAX
-        self.weight = nn.Parameter((w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), requires_grad=False)
-        self.weight_scale = nn.Parameter(scale.reshape(()), requires_grad=False)
-        self.input_scale = nn.Parameter(torch.tensor(input_scale, dtype=torch.float32, device=w.device),
-                                        requires_grad=False)  # fmt: skip
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xq = quant_fp8_static(x, self.input_scale)
-        return torch._scaled_mm(xq, self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
-                                out_dtype=x.dtype)  # fmt: skip
-
-
-_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-
-
 @torch.no_grad()
 def to_fp8(model: engine_model.EngineLlama, calibration: dict[str, torch.Tensor]) -> engine_model.EngineLlama:
     """Replace the decoder layers' linears by :class:`Fp8Linear`, in place, and return ``model``.
 
     Each input scale is ``amax / 448`` of what the linear read on ``calibration`` (one step,
     keyword arguments of ``model.forward``; a prefill of a few sequences calibrates best), with
-    headroom of 2x for other steps. The KV caches are zeroed after the calibration step."""
-    amax: dict[str, float] = {}
-    handles = []
-    for i, layer in enumerate(model.layers):
-        for name in _LINEARS:
-            key = f"{i}.{name}"
-
-            def record(_m: nn.Module, args: tuple[torch.Tensor, ...], key: str = key) -> None:
-                amax[key] = max(amax.get(key, 0.0), float(args[0].detach().abs().amax()))
-
-            handles.append(layer.get_submodule(name).register_forward_pre_hook(record))
-    try:
-        model(**calibration)
-    finally:
-        for h in handles:
-            h.remove()
-    for i, layer in enumerate(model.layers):
-        for name in _LINEARS:
-            parent, _, attr = name.rpartition(".")
-            linear = layer.get_submodule(name)
-            scale = max(2.0 * amax[f"{i}.{name}"], 1e-6) / FP8_MAX
-            setattr(layer.get_submodule(parent), attr, Fp8Linear(linear.weight, _round_scale(scale)))
+    headroom of 2x for other steps (``fp8_linears.to_fp8_linears``). The KV caches are zeroed
+    after the calibration step."""
+    to_fp8_linears(model.layers, lambda: model(**calibration))
     for layer in model.layers:
         layer.self_attn.k_cache.zero_()
         layer.self_attn.v_cache.zero_()
     return model
-
-
-def _round_scale(scale: float) -> float:
-    """The scale as a power of two above it: dividing by it is exact, as FP8 recipes choose."""
-    return 2.0 ** math.ceil(math.log2(scale))
-
-
-def float32_reference(model: engine_model.EngineLlama, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The FP8 model's output with every value that is not FP8 in float32 (weights, norms, the KV
-    cache, activations): the reference its FP8 quantizations are measured against. A copy runs
-    (small models only); the model's own KV cache is left untouched."""
-    ref = copy.deepcopy(model)
-    for m in ref.modules():
-        for store in (m._parameters, m._buffers):
-            for name, t in store.items():
-                if t is not None and t.is_floating_point() and t.dtype not in (FP8_DTYPE, torch.float32):
-                    store[name] = nn.Parameter(t.float(), requires_grad=False) if isinstance(t, nn.Parameter) else t.float()
-    return ref(**batch).float()

@@ -564,12 +564,13 @@ def fused_twin(model: EngineLlama) -> EngineLlama:
 
 @contextlib.contextmanager
 def _as_float32(module: torch.nn.Module) -> Iterator[None]:
-    """Swap the module's floating parameters and buffers for float32 copies; restore them after."""
+    """Swap the module's floating parameters and buffers for float32 copies; restore them after.
+    8-bit values (an FP8 checkpoint's weights) stay as stored: their float32 scales are exact."""
     saved = []
     for m in module.modules():
         for store in (m._parameters, m._buffers):
             for name, t in store.items():
-                if t is not None and t.is_floating_point() and t.dtype != torch.float32:
+                if t is not None and t.is_floating_point() and t.dtype != torch.float32 and t.dtype.itemsize > 1:
                     saved.append((store, name, t))
                     store[name] = t.float()
     try:
@@ -582,7 +583,9 @@ def _as_float32(module: torch.nn.Module) -> Iterator[None]:
 def float32_reference(model: EngineLlama, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The model's output computed in float32, one block at a time (an 8B float32 copy would
     not fit beside the bf16 one): each top-level block runs on float32 copies of its weights
-    and KV cache, which are dropped after it. The real cache is left untouched."""
+    and KV cache, which are dropped after it. The real cache is left untouched. A quantized
+    model (``bench/fp8_linears.py``) keeps its FP8 weights and still quantizes its activations:
+    every value that is not FP8 is float32."""
     blocks = [model.embed_tokens, *model.layers, model.norm]
     stacks: dict[int, contextlib.ExitStack] = {}
 

@@ -23,24 +23,21 @@ and Qwen3-FP8's format, every linear of the decoder layers in FP8.
     out = fxr.linear_block_fp8(q, s, w_q, w_s, dtype)
 
     model = to_block_fp8(build_model(tiny_fp8()))   # every nn.Linear of the layers converted
+
+:class:`BlockFp8Linear` lives in ``bench/fp8_linears.py``: it takes any ``nn.Linear`` (a
+transformers model's too), its bias added after the GEMM.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from engine_model import EngineLlama, ModelConfig, tiny
+from fp8_linears import BLOCK, GEMMS, BlockFp8Linear, replace_linears
 from fxrewrite.runtime.ops.linear_block_fp8 import dequant_weight_block, quant_weight_block
-from fxrewrite.runtime.ops.quant_block import GROUP, dequant_fp8_block, quant_fp8_block
 
-__all__ = ["BlockFp8Linear", "dequant_weight_block", "expected_fusions", "quant_weight_block", "tiny_fp8", "to_block_fp8"]
-
-BLOCK = GROUP  # weights: 128 x 128 blocks; activations: groups of 128 along the hidden dim
-GEMMS = ("fp8", "dequant")
+__all__ = ["BLOCK", "GEMMS", "BlockFp8Linear", "dequant_weight_block", "expected_fusions", "quant_weight_block",
+           "tiny_fp8", "to_block_fp8"]
 
 
 def tiny_fp8(**overrides: object) -> ModelConfig:
@@ -48,42 +45,11 @@ def tiny_fp8(**overrides: object) -> ModelConfig:
     return dataclasses.replace(tiny(hidden_size=256, intermediate_size=256, head_dim=64), **overrides)
 
 
-class BlockFp8Linear(nn.Module):
-    """A linear of a block-FP8 checkpoint: the weight in FP8 with per-tile scales, as a checkpoint
-    holds them; the input quantized per token and group of 128 in the forward, as model code
-    does; the GEMM ``fxr.linear_block_fp8`` (``gemm="fp8"``) or the dequantizing reference
-    (``gemm="dequant"``: the weight dequantized once, here)."""
-
-    def __init__(self, linear: nn.Linear, gemm: str = "fp8") -> None:
-        super().__init__()
-        assert linear.bias is None, "the engine model's linears have no bias"
-        assert gemm in GEMMS, f"gemm {gemm!r} is not one of {GEMMS}"
-        self.gemm = gemm
-        q, s = quant_weight_block(linear.weight.detach())
-        self.register_buffer("weight_q", q)
-        self.register_buffer("weight_scale", s)
-        if gemm == "dequant":
-            self.register_buffer("weight", dequant_weight_block(q, s).to(linear.weight.dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, s = quant_fp8_block(x, BLOCK)
-        if self.gemm == "fp8":
-            return torch.ops.fxr.linear_block_fp8(q, s, self.weight_q, self.weight_scale, x.dtype)
-        return F.linear(dequant_fp8_block(q, s).to(x.dtype), self.weight)
-
-
-LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-
-
 def to_block_fp8(model: EngineLlama, gemm: str = "fp8") -> EngineLlama:
     """Convert ``model`` (the plain one) in place: each decoder layer's four linears become
     :class:`BlockFp8Linear` (their weights quantized now; ``gemm`` as there). Returns ``model``."""
     assert not model.fused, "convert the plain model; the rewriter fuses it"
-    for layer in model.layers:
-        for path in LINEARS:
-            parent_name, _, name = path.rpartition(".")
-            parent = layer.get_submodule(parent_name)
-            setattr(parent, name, BlockFp8Linear(getattr(parent, name), gemm))
+    replace_linears(model.layers, lambda _name, linear: BlockFp8Linear(linear, gemm))
     return model
 
 

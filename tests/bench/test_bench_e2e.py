@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_e2e.py"
 
 
@@ -41,3 +43,62 @@ def test_full_graph_rows_of_fxrewrite_and_the_twin(tmp_path: Path) -> None:
     assert re.search(r"- fxrewrite full, cache warm: cache hit: 3 graphs, saved [\d.]+ s", text)
     for what, goal in (("fxrewrite full / full, no rewrites", "1.25"), ("fxrewrite full, cache warm / full, no rewrites", "1.05")):
         assert re.search(rf"- first call, {re.escape(what)}: [\d.]+ \(goal <= {goal}\)", text), what
+
+
+QUANT_OPS = {
+    "fp8": ("fused_add_rms_norm_quant_fp8 x3", "rms_norm_quant_fp8 x1", "silu_and_mul_quant_fp8 x2"),
+    "block-fp8": ("fused_add_rms_norm_block_quant_fp8 x3", "rms_norm_block_quant_fp8 x1", "silu_and_mul_block_quant_fp8 x2"),
+}
+# the report's sites per decoder layer (2 layers), as the notes list them
+PER_LAYER = {
+    "fp8": "quant fusions per layer: add_rms_norm_quant_fp8 x1 layer 0, x2 layer 1; attention_quant_fp8 x1 layers 0-1; "
+           "rms_norm_quant_fp8 x1 layer 0, x0 layer 1; silu_and_mul_quant_fp8 x1 layers 0-1",
+    "block-fp8": "quant fusions per layer: add_rms_norm_block_quant_fp8 x1 layer 0, x2 layer 1; rms_norm_block_quant_fp8 "
+                 "x1 layer 0, x0 layer 1; silu_and_mul_block_quant_fp8 x1 layers 0-1; near miss attention_quant_fp8 x2 "
+                 "(a dynamic (per-token) quantization",
+}
+
+
+def run_quant(tmp_path: Path, quant: str, paired: bool) -> str:
+    out = tmp_path / f"e2e-{quant}.md"
+    argv = ["--shape", "tiny", "--device", "cpu", "--quant", quant, "--systems", "eager,fxrewrite-full", "--budget-s", "400",
+            "--target-s", "0.01", "--warmup", "2", "--out", str(out)]  # fmt: skip
+    argv += ["--paired", "fxrewrite-full,eager", "--rounds", "1"] if paired else []
+    done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out.read_text()
+
+
+def finite_rows(text: str, systems: tuple[str, ...]) -> None:
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    for system in systems:
+        cells = [c.strip() for c in rows[system].split("|")[2:-1]]
+        assert len(cells) == 8 and all(re.fullmatch(r"\d+\.\d+", c) for c in cells[:5]), rows[system]
+        assert float(cells[7]) < 1e-3  # float32 on CPU against the same quantized model in float32
+
+
+@pytest.mark.parametrize("quant", ["fp8", "block-fp8"])
+def test_quantized_model_in_every_row(tmp_path: Path, quant: str) -> None:
+    """``--quant``: eager and fxrewrite full time the same quantized model (the side-by-side
+    process too, for fp8); the header names the format, the notes list the fused quantizations
+    per layer (attention + FP8 for static FP8; for block FP8 the attention output's dynamic
+    quantization stays, with the reason)."""
+    text = run_quant(tmp_path, quant, paired=quant == "fp8")
+    assert f"- quantization ({quant}): " in text and "no hand-fused twin" in text
+    assert "rel err vs float32 eager: the same quantized model, eager, every value that is not FP8 in float32" in text
+    finite_rows(text, ("eager", "fxrewrite full"))
+    notes = [line for line in text.splitlines() if line.startswith("- fxrewrite full: graph")]
+    assert notes and all(op in " ".join(notes) for op in QUANT_OPS[quant]), notes
+    assert any(PER_LAYER[quant] in line for line in notes), notes
+    if quant == "fp8":
+        side = [c.strip() for c in next(x for x in text.splitlines() if x.startswith("| decode 8 |")).split("|")[2:-1]]
+        assert len(side) == 3 and all(re.fullmatch(r"[\d.]+( \([\d.]+-[\d.]+\))?", c) for c in side), side
+
+
+def test_plain_model_shows_no_quantization(tmp_path: Path) -> None:
+    """The negative twin: ``--quant none`` (the default, spelled out) names no format and no
+    quantized op."""
+    text = run_quant(tmp_path, "none", paired=False)
+    finite_rows(text, ("eager", "fxrewrite full"))
+    assert "- quantization" not in text and "quant fusions per layer" not in text and "quant_fp8" not in text
+    assert "rel err vs float32 eager\n" in text

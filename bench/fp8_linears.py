@@ -1,0 +1,135 @@
+"""FP8 linears written as model code, for any ``nn.Linear``: the engine model's
+(``bench/engine_fp8.py``, ``bench/engine_model_fp8.py``) and a transformers model's alike.
+
+- :class:`Fp8Linear`: static per-tensor FP8, as FP8 checkpoints with per-tensor scales are
+  served: the weight quantized offline (``amax / 448``), the input with a calibrated static scale
+  (``quant_fp8_static``), one ``torch._scaled_mm``.
+- :class:`BlockFp8Linear`: block FP8 (DeepSeek-V3's and Qwen3-FP8's format): the weight per
+  128 x 128 tile, the input per token and group of 128 (``quant_fp8_block``), the GEMM
+  ``fxr.linear_block_fp8`` or the dequantizing reference.
+- :func:`replace_linears`: every ``nn.Linear`` under a module replaced by what ``make`` builds
+  from it; :func:`to_fp8_linears`: the same with :class:`Fp8Linear`, input scales calibrated on
+  one call of the model.
+
+Either way the quantization is the model's own code at each linear's input, so the graph holds
+``norm -> quant`` and ``silu_and_mul -> quant``, which the rewriter fuses::
+
+    # before                            # after to_fp8_linears (Fp8Linear.forward, inlined)
+    h = norm(x)                         h = norm(x)
+    y = self.q_proj(h)                  xq = quant_fp8_static(h, input_scale)          # [..., K] e4m3
+                                        y = torch._scaled_mm(xq.flatten(0, -2), w_fp8.t(), scale_a=input_scale,
+                                                             scale_b=weight_scale, out_dtype=h.dtype).unflatten(0, h.shape[:-1])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxrewrite.runtime.ops.linear_block_fp8 import dequant_weight_block, quant_weight_block
+from fxrewrite.runtime.ops.quant import FP8_DTYPE, FP8_MAX, quant_fp8_static
+from fxrewrite.runtime.ops.quant_block import GROUP, dequant_fp8_block, quant_fp8_block
+
+__all__ = ["BLOCK", "GEMMS", "BlockFp8Linear", "Fp8Linear", "replace_linears", "to_fp8_linears"]
+
+BLOCK = GROUP  # weights: 128 x 128 blocks; activations: groups of 128 along the hidden dim
+GEMMS = ("fp8", "dequant")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the 2-D matrix a GEMM takes (the engine model's activations are 2-D already)."""
+    return x if x.dim() == 2 else x.flatten(0, -2)
+
+
+def _with_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
+
+
+class Fp8Linear(nn.Module):
+    """A linear with an FP8 weight and per-tensor scales: the input quantized with the static
+    ``input_scale``, then ``torch._scaled_mm`` (module docstring); the bias, if any, added after."""
+
+    def __init__(self, weight: torch.Tensor, input_scale: float, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        scale = w.abs().amax().clamp(min=1e-12) / FP8_MAX
+        self.weight = nn.Parameter((w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), requires_grad=False)
+        self.weight_scale = nn.Parameter(scale.reshape(()), requires_grad=False)
+        self.input_scale = nn.Parameter(torch.tensor(input_scale, dtype=torch.float32, device=w.device),
+                                        requires_grad=False)  # fmt: skip
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq = quant_fp8_static(x, self.input_scale)
+        y = torch._scaled_mm(_rows(xq), self.weight.t(), scale_a=self.input_scale, scale_b=self.weight_scale,
+                             out_dtype=x.dtype)  # fmt: skip
+        return _with_bias(y if x.dim() == 2 else y.unflatten(0, x.shape[:-1]), self.bias)
+
+
+class BlockFp8Linear(nn.Module):
+    """A linear of a block-FP8 checkpoint: the weight in FP8 with per-tile scales, as a checkpoint
+    holds them; the input quantized per token and group of 128 in the forward, as model code
+    does; the GEMM ``fxr.linear_block_fp8`` (``gemm="fp8"``) or the dequantizing reference
+    (``gemm="dequant"``: the weight dequantized once, here). Both dims multiples of 128."""
+
+    def __init__(self, linear: nn.Linear, gemm: str = "fp8") -> None:
+        super().__init__()
+        assert gemm in GEMMS, f"gemm {gemm!r} is not one of {GEMMS}"
+        self.gemm = gemm
+        q, s = quant_weight_block(linear.weight.detach())
+        self.register_buffer("weight_q", q)
+        self.register_buffer("weight_scale", s)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        if gemm == "dequant":
+            self.register_buffer("weight", dequant_weight_block(q, s).to(linear.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, s = quant_fp8_block(x, BLOCK)
+        if self.gemm == "fp8":
+            return _with_bias(torch.ops.fxr.linear_block_fp8(q, s, self.weight_q, self.weight_scale, x.dtype), self.bias)
+        return F.linear(dequant_fp8_block(q, s).to(x.dtype), self.weight, self.bias)
+
+
+def replace_linears(root: nn.Module, make: Callable[[str, nn.Linear], nn.Module]) -> int:
+    """Replace every ``nn.Linear`` under ``root`` (its path relative to ``root``, the linear) by
+    ``make(path, linear)``, in place; returns how many."""
+    found = [(name, m) for name, m in root.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in found:
+        parent, _, attr = name.rpartition(".")
+        setattr(root.get_submodule(parent), attr, make(name, linear))
+    return len(found)
+
+
+@torch.no_grad()
+def to_fp8_linears(root: nn.Module, calibrate: Callable[[], object], headroom: float = 2.0) -> int:
+    """Replace every ``nn.Linear`` under ``root`` by :class:`Fp8Linear`, in place; returns how many.
+
+    Each input scale is ``headroom * amax / 448`` of what the linear read while ``calibrate()``
+    ran (one call of the model; a prefill of a few sequences calibrates best), rounded up to a
+    power of two: dividing by it is exact, as FP8 recipes choose."""
+    amax: dict[str, float] = {}
+
+    def hook(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
+        def record(_m: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().amax()))
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in root.named_modules() if isinstance(m, nn.Linear)]
+    try:
+        calibrate()
+    finally:
+        for h in handles:
+            h.remove()
+
+    def make(name: str, linear: nn.Linear) -> Fp8Linear:
+        if name not in amax:
+            raise ValueError(f"linear {name!r} did not run during calibration: no input scale")
+        scale = max(headroom * amax[name], 1e-6) / FP8_MAX
+        return Fp8Linear(linear.weight, 2.0 ** math.ceil(math.log2(scale)), linear.bias)
+
+    return replace_linears(root, make)
