@@ -40,6 +40,9 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
   ``torch.ops._c10d_functional.all_reduce(x, 'sum', '0')`` (the packet) for a functional
   collective, patterns trace to ``.default``.
 
+Last, a pure call repeated on the same inputs is computed once (:mod:`fxrewrite.cse`): the three
+quantizations of one normed value that q, k and v projections each write become one.
+
 Pattern graphs (traced with ``torch.fx.symbolic_trace``, no fake values) go through the same code;
 rules that depend on shapes (negative dims, no-op removal, the reshape spellings) only act where
 shapes are known, so patterns are written with negative dims, and a pattern's reshape stays
@@ -56,6 +59,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxrewrite import canonicalize_norm, canonicalize_shape, meta
+from fxrewrite.cse import eliminate_common_subexpressions
 # the shape forms' targets, named here with the others rules use
 from fxrewrite.canonicalize_shape import FLATTEN, MAX, PERMUTE, RESHAPE, SLICE, UNFLATTEN  # noqa: F401
 
@@ -475,22 +479,11 @@ def _earlier_cast(node: fx.Node, within: int = 256) -> fx.Node | None:
         if meta.written_args(n):
             return None
         if n in twins:
-            return n if not _written_later(n) and not _written_later(node) else None
+            return n if not meta.written_later(n) and not meta.written_later(node) else None
         n = n.prev
     return None
 
 
-def _written_later(node: fx.Node) -> bool:
-    """``node``'s value, or a view of it, is written in place by some node."""
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if any(a is n for a in meta.written_args(u)):
-                return True
-            if meta.is_view(u):
-                stack.append(u)
-    return False
 
 def noop_source(node: fx.Node) -> fx.Node | None:
     """The input ``node`` passes on unchanged when it is a canonical no-op (a cast to the dtype
@@ -515,5 +508,6 @@ def noop_source(node: fx.Node) -> fx.Node | None:
 
 
 def canonicalize(gm: fx.GraphModule) -> int:
-    """Rewrite ``gm`` in place into canonical form; returns the number of nodes changed."""
-    return _Canon(gm).run()
+    """Rewrite ``gm`` in place into canonical form, then compute each repeated pure call once
+    (:mod:`fxrewrite.cse`); returns the number of nodes changed."""
+    return _Canon(gm).run() + eliminate_common_subexpressions(gm)

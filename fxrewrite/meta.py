@@ -269,6 +269,19 @@ def written_args(node: fx.Node) -> list[Any]:
 
 
 
+def written_later(node: fx.Node) -> bool:
+    """``node``'s value, or a view of it, is written in place by some node."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if any(a is n for a in written_args(u)):
+                return True
+            if is_view(u):
+                stack.append(u)
+    return False
+
+
 def outside_transforms(graph: fx.Graph) -> Iterator[fx.Node]:
     """The nodes of ``graph`` that run outside every functorch transform. Dynamo inlines
     ``torch.vmap`` (``grad``, ``jvp``) as calls that enter and leave a nesting level around the

@@ -17,6 +17,18 @@ finds the parameters already laid out consecutively in one buffer and reuses it.
 parameter object after compiling (``module.weight = nn.Parameter(...)``) is not seen by the
 compiled graph; copy into it instead.
 
+Block-FP8 linears (``fxr.linear_block_fp8``) that read one quantized input (the same values and
+scales: after canonicalization computes their one quantization once, :mod:`fxrewrite.cse`)
+merge the same way, their FP8 weights and their 128 x 128 tile scales each stacked along N (every
+N a whole number of tiles); the weights may be buffers, as a block-FP8 checkpoint holds them::
+
+    %yg = fxr.linear_block_fp8(%q, %s, %wg, %sg, f32)          %y = fxr.linear_block_fp8(%q, %s, %w, %ws, f32)
+    %yu = fxr.linear_block_fp8(%q, %s, %wu, %su, f32)    ->    %yg = aten.slice(%y, -1, 0, I)
+                                                               %yu = aten.slice(%y, -1, I, MAX)
+
+so ``silu(yg) * yu`` is SiLU-and-mul of one GEMM's halves, which the block-quant activation rule
+takes with the quantization of its product.
+
 Slice nodes reuse the fake value of the linear they replace (same shape and dtype; the real
 slice is a strided view of the merged output). The real parameters come from the backend, which puts each parameter placeholder's tensor in
 ``node.meta["fxr_param"]``.
@@ -24,21 +36,28 @@ slice is a strided view of the merged output). The real parameters come from the
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import defaultdict
 
 import torch
 import torch.fx as fx
 
+import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
 from fxrewrite import meta
 from fxrewrite.canonicalize import GELU, LINEAR, MUL, SILU, SLICE
 from fxrewrite.report import PassResult, Site
+from fxrewrite.runtime.ops.linear_block_fp8 import BLOCK
+
+BLOCK_FP8 = torch.ops.fxr.linear_block_fp8.default
 
 
-def _param(arg: object) -> torch.nn.Parameter | None:
+def _param(arg: object, buffers: bool = False) -> torch.Tensor | None:
+    """The real tensor of a parameter placeholder (``buffers``: or of a buffer placeholder)."""
     if isinstance(arg, fx.Node) and arg.op == "placeholder":
-        p = arg.meta.get("fxr_param")
-        return p if isinstance(p, torch.Tensor) else None
+        for key in ("fxr_param", "fxr_buffer") if buffers else ("fxr_param",):
+            if isinstance(p := arg.meta.get(key), torch.Tensor):
+                return p
     return None
 
 
@@ -52,6 +71,18 @@ def _group_key(lin: fx.Node) -> tuple | None:
     if w is None or w.dim() != 2 or (bias is not None and _param(bias) is None):
         return None
     return (lin.args[0], w.dtype, w.device, w.shape[1], bias is None)
+
+
+def _block_group_key(lin: fx.Node) -> tuple | None:
+    """Block-FP8 linears merge when they read the same quantized values and scales, into one
+    output dtype, with weights of one dtype, device and width, each a whole number of tiles
+    along N (the tile scales then stack along N as the weights do)."""
+    if len(lin.args) != 5:
+        return None
+    w, s = _param(lin.args[2], buffers=True), _param(lin.args[3], buffers=True)
+    if w is None or s is None or w.dim() != 2 or s.dim() != 2 or w.shape[0] != s.shape[0] * BLOCK:
+        return None
+    return (lin.args[0], lin.args[1], lin.args[4], w.dtype, w.device, w.shape[1], s.dtype, s.shape[1])
 
 
 def _reusable_base(params: list[torch.Tensor]) -> torch.Tensor | None:
@@ -95,16 +126,21 @@ def merge_sibling_linears(gm: fx.GraphModule) -> PassResult:
     groups: dict[tuple, list[fx.Node]] = defaultdict(list)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in meta.outside_transforms(gm.graph):
-        if n.op == "call_function" and n.target is LINEAR:
-            key = _group_key(n)
+        if n.op == "call_function" and n.target in _KINDS:
+            key = _KINDS[n.target][0](n)
             if key is not None:
-                groups[key].append(n)
-    for key, lins in groups.items():
+                groups[(n.target, key)].append(n)
+    for (target, key), lins in groups.items():
+        merged = _KINDS[target][1] if target is BLOCK_FP8 or key[4] else _KINDS[target][1] + ((2, "_bias"),)
         pairs, rest = _gated_pairs(lins)
         for group in [*pairs, rest]:
             if len(group) >= 2:
-                _merge(gm, group, min(group, key=order.__getitem__), key[4], fake_mode, result)
+                _merge(gm, group, min(group, key=order.__getitem__), merged, fake_mode, result)
     return result
+
+
+# target -> (its group key, the arguments concatenated along N with their buffers' name suffixes)
+_KINDS = {LINEAR: (_group_key, ((1, ""),)), BLOCK_FP8: (_block_group_key, ((2, ""), (3, "_scale")))}
 
 
 def relaid(*params: torch.Tensor) -> torch.Tensor:
@@ -136,26 +172,24 @@ def _gated_pairs(lins: list[fx.Node]) -> tuple[list[list[fx.Node]], list[fx.Node
     return pairs, [n for n in lins if n not in paired]
 
 
-def _merge(gm: fx.GraphModule, lins: list[fx.Node], first: fx.Node, no_bias: bool, fake_mode: object,
-           result: PassResult) -> None:  # fmt: skip
+def _merge(gm: fx.GraphModule, lins: list[fx.Node], first: fx.Node, merged: tuple[tuple[int, str], ...],
+           fake_mode: object, result: PassResult) -> None:  # fmt: skip
     """One GEMM for ``lins`` (their rows in that order), placed where ``first`` (the earliest
-    of them in the graph) was."""
-    weights = [_param(n.args[1]) for n in lins]
-    merged_w = _merged(weights)  # type: ignore[arg-type]
-    merged_b = None if no_bias else _merged([_param(n.args[2]) for n in lins])  # type: ignore[misc]
-    index = sum(1 for name in gm.meta.get("fxr_constants", ()) if name.startswith("fxr_merged_") and not name.endswith("_bias"))
+    of them in the graph) was: ``first``'s call with each argument of ``merged`` (position, name
+    suffix; the weight first) replaced by the siblings' tensors laid end to end along N."""
+    weights = [_param(n.args[merged[0][0]], buffers=True) for n in lins]
+    index = sum(1 for name in gm.meta.get("fxr_constants", ()) if re.fullmatch(r"fxr_merged_\d+", name))
     graph = gm.graph
+    args = list(first.args) + [None] * (3 - len(first.args))  # aten.linear's absent bias: None
     with graph.inserting_before(first):
-        w = meta.constant_node(gm, f"fxr_merged_{index}", merged_w, fake_mode, rebuild=(relaid, [n.args[1] for n in lins]))
-        args = [first.args[0], w]
-        if merged_b is not None:
-            b = meta.constant_node(gm, f"fxr_merged_{index}_bias", merged_b, fake_mode,
-                                   rebuild=(relaid, [n.args[2] for n in lins]))  # fmt: skip
-            args.append(b)
-        y = graph.call_function(LINEAR, tuple(args) + ((None,) if merged_b is None else ()))
+        for pos, suffix in merged:
+            tensor = _merged([_param(n.args[pos], buffers=True) for n in lins])  # type: ignore[misc]
+            args[pos] = meta.constant_node(gm, f"fxr_merged_{index}{suffix}", tensor, fake_mode,
+                                           rebuild=(relaid, [n.args[pos] for n in lins]))  # fmt: skip
+        y = graph.call_function(first.target, tuple(args))
         meta.copy_provenance(first, y)
         meta.propagate(y, fake_mode)
-    offset, total = 0, merged_w.shape[0]
+    offset, total = 0, sum(w.shape[0] for w in weights)  # type: ignore[union-attr]
     for lin, w in zip(lins, weights):
         rows = w.shape[0]  # type: ignore[union-attr]
         end = sys.maxsize if offset + rows == total else offset + rows

@@ -277,6 +277,8 @@ class OpDef:
     fake:          output shapes and dtypes for fake tensors (same signature).
     kernels:       the libraries' ways to run it on CUDA (:class:`Kernel`), the preferred first.
     mutates_args:  names of the arguments an in-place op overwrites.
+    collective:    the op communicates with other ranks: two identical calls are two exchanges,
+                   never merged into one (:func:`is_pure`).
     """
 
     name: str
@@ -284,6 +286,7 @@ class OpDef:
     fake: Callable[..., Any]
     kernels: tuple[Kernel, ...] = ()
     mutates_args: tuple[str, ...] = ()
+    collective: bool = False
 
     def cuda(self, *args: Any) -> Any:
         """The CUDA impl: :func:`dispatch` to the kernels, else the reference."""
@@ -314,6 +317,18 @@ def define_op(op: OpDef) -> Any:
 
 
 _CUSTOM: dict[str, Any] = {}  # op name -> its CustomOpDef, defined once per process
+
+
+def collectives(defs: Sequence[OpDef]) -> tuple[OpDef, ...]:
+    """``defs`` marked as collectives (:attr:`OpDef.collective`)."""
+    return tuple(dataclasses.replace(op, collective=True) for op in defs)
+
+
+def is_pure(name: str) -> bool:
+    """``torch.ops.fxr.<name>`` is a function of its inputs alone (defined here, writes nothing in
+    place, no collective): two calls on the same inputs may be computed once."""
+    op = _OPS.get(name)
+    return op is not None and not op.mutates_args and not op.collective
 
 
 def define_all(defs: Sequence[OpDef]) -> tuple[str, ...]:

@@ -287,4 +287,4 @@ DEFS: tuple[OpDef, ...] = (
     OpDef("sp_all_gather_linear", sp_all_gather_linear_reference, _fake_gather,
           _paths(2, (_gather_symm, _gather_symm_check), (_gather_nccl, "all-gather"), (_gather_local, "linear"))),
 )  # fmt: skip
-OPS: tuple[str, ...] = providers.define_all(DEFS)
+OPS: tuple[str, ...] = providers.define_all(providers.collectives(DEFS))

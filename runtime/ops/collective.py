@@ -356,4 +356,4 @@ DEFS: tuple[OpDef, ...] = (
           (Kernel("triton", all_reduce_add_rms_norm_quant_nvfp4_reference, _nvfp4_check, FP8_CAPABILITY,
                   "nccl+triton", quant_nvfp4.TRITON_MODULE),)),
 )
-OPS: tuple[str, ...] = providers.define_all(DEFS)
+OPS: tuple[str, ...] = providers.define_all(providers.collectives(DEFS))

@@ -161,4 +161,4 @@ def _fake_sp(
 _PATHS = tuple(Kernel("nccl", run, functools.partial(_path_check, want), label=label, module="torch.distributed")
                for run, want, label in ((_sharded, True, "reduce-scatter"), (_all_reduce, False, "all-reduce")))  # fmt: skip
 DEFS: tuple[OpDef, ...] = (OpDef("sp_reduce_add_rms_norm", sp_reduce_add_rms_norm_reference, _fake_sp, _PATHS),)
-OPS: tuple[str, ...] = providers.define_all(DEFS)
+OPS: tuple[str, ...] = providers.define_all(providers.collectives(DEFS))

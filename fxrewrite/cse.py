@@ -1,0 +1,100 @@
+"""Common subexpressions: a pure call repeated on the same inputs is computed once.
+
+Model code repeats a computation where each module does its own: every FP8 linear quantizes its
+own input, so q, k and v projections that read one normed hidden state quantize it three times,
+and the norm's output has three readers where a norm + quant rule needs one::
+
+    # before                                        # after
+    h = rms_norm(x)                                 h = rms_norm(x)
+    g = aten.unflatten(h, -1, [-1, 128])            g = aten.unflatten(h, -1, [-1, 128])
+    ... q, s = (quantized g)                        ... q, s = (quantized g)
+    yq = fxr.linear_block_fp8(q, s, wq, sq)         yq = fxr.linear_block_fp8(q, s, wq, sq)
+    g_1 = aten.unflatten(h, -1, [-1, 128])          yk = fxr.linear_block_fp8(q, s, wk, sk)
+    ... q_1, s_1 = (quantized g_1)
+    yk = fxr.linear_block_fp8(q_1, s_1, wk, sk)
+
+One walk in graph order: a call whose ``(target, args, kwargs)`` (literals by type and value,
+nodes by identity) was seen before reads the earlier node instead, so chains merge from their
+inputs down. Only calls of op overloads that are functions of their inputs: ATen and prims ops
+that write nothing in place and draw no random numbers, and ``fxr`` ops the runtime defines as
+pure (no in-place write, no collective, :func:`fxrewrite.runtime.providers.is_pure`). Not
+merged: across an in-place write (the table starts again after any node that writes), a value
+that is written in place later (or a view of it), calls inside a functorch transform (``vmap``
+bodies, :func:`fxrewrite.meta.outside_transforms`), Python-level calls (``torch.cat``, methods):
+canonicalization has turned what rules read into overloads. Equal values of distinct inputs
+(two parameters that hold the same scale) stay distinct: a parameter may change after compiling.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxrewrite import meta
+
+# Namespaces whose ops are functions of their inputs (fxr ops are asked one by one).
+_PURE_NAMESPACES = frozenset({"aten", "prims"})
+_LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+class _Unhashable(Exception):
+    pass
+
+
+def pure(target: Any) -> bool:
+    """``target`` computes a function of its arguments alone: no in-place write, no random
+    numbers, no communication; outputs returned."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    if schema.is_mutable or not schema.returns or torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    if target.namespace == "fxr":
+        from fxrewrite.runtime import providers
+
+        return providers.is_pure(target._opname)
+    return target.namespace in _PURE_NAMESPACES
+
+
+def _frozen(v: Any) -> Any:
+    """A hashable key for an argument: nodes by identity, literals by type and value (``1``,
+    ``1.0`` and ``True`` differ, and so do ``0.0`` and ``-0.0``)."""
+    if isinstance(v, fx.Node):
+        return v
+    if isinstance(v, (list, tuple)):
+        return (type(v), tuple(_frozen(x) for x in v))
+    if isinstance(v, float):
+        return (float, v, math.copysign(1.0, v))
+    if isinstance(v, _LITERALS):
+        return (type(v), v)
+    raise _Unhashable
+
+
+def _key(node: fx.Node) -> tuple | None:
+    try:
+        return (node.target, _frozen(node.args), tuple(sorted((k, _frozen(v)) for k, v in node.kwargs.items())))
+    except _Unhashable:
+        return None
+
+
+def eliminate_common_subexpressions(gm: fx.GraphModule) -> int:
+    """Merge the repeated pure calls of ``gm`` in place (module docstring); returns how many
+    nodes were removed."""
+    seen: dict[tuple, fx.Node] = {}
+    removed = 0
+    for node in list(meta.outside_transforms(gm.graph)):
+        if meta.written_args(node):
+            seen.clear()  # what was read before the write is not what is read after it
+            continue
+        if node.op != "call_function" or not pure(node.target) or (key := _key(node)) is None:
+            continue
+        first = seen.setdefault(key, node)
+        if first is node or meta.written_later(first) or meta.written_later(node):
+            continue
+        node.replace_all_uses_with(first)
+        gm.graph.erase_node(node)
+        removed += 1
+    return removed
