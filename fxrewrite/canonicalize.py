@@ -40,8 +40,9 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
   ``torch.ops._c10d_functional.all_reduce(x, 'sum', '0')`` (the packet) for a functional
   collective, patterns trace to ``.default``.
 
-Last, a pure call repeated on the same inputs is computed once (:mod:`fxrewrite.cse`): the three
-quantizations of one normed value that q, k and v projections each write become one.
+The library's first pass then computes a pure call repeated on the same inputs once
+(:mod:`fxrewrite.cse`): the three quantizations of one normed value that q, k and v projections
+each write become one.
 
 Pattern graphs (traced with ``torch.fx.symbolic_trace``, no fake values) go through the same code;
 rules that depend on shapes (negative dims, no-op removal, the reshape spellings) only act where
@@ -59,7 +60,6 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxrewrite import canonicalize_norm, canonicalize_shape, meta
-from fxrewrite.cse import eliminate_common_subexpressions
 # the shape forms' targets, named here with the others rules use
 from fxrewrite.canonicalize_shape import FLATTEN, MAX, PERMUTE, RESHAPE, SLICE, UNFLATTEN  # noqa: F401
 
@@ -508,6 +508,5 @@ def noop_source(node: fx.Node) -> fx.Node | None:
 
 
 def canonicalize(gm: fx.GraphModule) -> int:
-    """Rewrite ``gm`` in place into canonical form, then compute each repeated pure call once
-    (:mod:`fxrewrite.cse`); returns the number of nodes changed."""
-    return _Canon(gm).run() + eliminate_common_subexpressions(gm)
+    """Rewrite ``gm`` in place into canonical form; returns the number of nodes changed."""
+    return _Canon(gm).run()

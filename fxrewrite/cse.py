@@ -13,7 +13,8 @@ and the norm's output has three readers where a norm + quant rule needs one::
     ... q_1, s_1 = (quantized g_1)
     yk = fxr.linear_block_fp8(q_1, s_1, wk, sk)
 
-One walk in graph order: a call whose ``(target, args, kwargs)`` (literals by type and value,
+The rule library's first pass (``rewrites.PIPELINE``), after canonicalization, before every rule
+and ``merge_siblings`` (whose siblings then read one quantized input). One walk in graph order: a call whose ``(target, args, kwargs)`` (literals by type and value,
 nodes by identity) was seen before reads the earlier node instead, so chains merge from their
 inputs down. Only calls of op overloads that are functions of their inputs: ATen and prims ops
 that write nothing in place and draw no random numbers, and ``fxr`` ops the runtime defines as
@@ -34,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from fxrewrite import meta
+from fxrewrite.report import PassResult
 
 # Namespaces whose ops are functions of their inputs (fxr ops are asked one by one).
 _PURE_NAMESPACES = frozenset({"aten", "prims"})
@@ -98,3 +100,8 @@ def eliminate_common_subexpressions(gm: fx.GraphModule) -> int:
         gm.graph.erase_node(node)
         removed += 1
     return removed
+
+
+def cse_pass(gm: fx.GraphModule) -> PassResult:
+    """:func:`eliminate_common_subexpressions` as a pipeline step (``rewrites.PIPELINE``'s first)."""
+    return PassResult(matches=eliminate_common_subexpressions(gm))

@@ -5,6 +5,7 @@ runs them (``fxrewrite.backend.pipeline`` adds canonicalize first, the user's ru
 last rule group, cleanup last). Nothing registers itself at import time.
 """
 
+from fxrewrite import cse
 from fxrewrite.passes import GraphPass, RuleGroup, Step
 from fxrewrite.rewrites import (activation, async_tp, attention_quant, collective, layernorm, linear, linear_fused,
                                 linear_rotary, merge, moe, norm, norm_variants, quant, quant_block, quant_nvfp4, rotary,
@@ -12,6 +13,10 @@ from fxrewrite.rewrites import (activation, async_tp, attention_quant, collectiv
                                 sequence_parallel)
 
 PIPELINE: tuple[Step, ...] = (
+    # a pure call repeated on the same inputs computed once (the quantization of one normed value
+    # that each of q/k/v writes): first, so that the siblings below read one input and a norm
+    # feeds one quantization
+    GraphPass("cse", cse.cse_pass),
     # one GEMM for linears that read the same input (Config.merge_siblings)
     GraphPass("merge_siblings", merge.merge_sibling_linears, switch="merge_siblings"),
     # router + experts -> fxr.moe: before the activation rules, which would take the experts' SiLU-and-mul
