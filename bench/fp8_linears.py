@@ -105,17 +105,22 @@ def replace_linears(root: nn.Module, make: Callable[[str, nn.Linear], nn.Module]
 
 
 @torch.no_grad()
-def to_fp8_linears(root: nn.Module, calibrate: Callable[[], object], headroom: float = 2.0) -> int:
+def to_fp8_linears(root: nn.Module, calibrate: Callable[[], object], headroom: float = 2.0,
+                   share_siblings: bool = False) -> int:  # fmt: skip
     """Replace every ``nn.Linear`` under ``root`` by :class:`Fp8Linear`, in place; returns how many.
 
     Each input scale is ``headroom * amax / 448`` of what the linear read while ``calibrate()``
     ran (one call of the model; a prefill of a few sequences calibrates best), rounded up to a
-    power of two: dividing by it is exact, as FP8 recipes choose."""
+    power of two: dividing by it is exact, as FP8 recipes choose. ``share_siblings``: linears that
+    read one tensor (q, k and v; gate and up) share one input scale parameter, of their largest
+    amax, as serving engines load a checkpoint's q/k/v scales for their merged projection."""
     amax: dict[str, float] = {}
+    read: dict[str, torch.Tensor] = {}  # the tensor each linear read last (held: ids stay unique)
 
     def hook(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
         def record(_m: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().amax()))
+            read[name] = args[0]
 
         return record
 
@@ -126,10 +131,19 @@ def to_fp8_linears(root: nn.Module, calibrate: Callable[[], object], headroom: f
         for h in handles:
             h.remove()
 
+    siblings: dict[int, list[str]] = {}
+    for name, x in read.items():
+        siblings.setdefault(id(x), []).append(name)
+    shared: dict[int, nn.Parameter] = {}
+
     def make(name: str, linear: nn.Linear) -> Fp8Linear:
         if name not in amax:
             raise ValueError(f"linear {name!r} did not run during calibration: no input scale")
-        scale = max(headroom * amax[name], 1e-6) / FP8_MAX
-        return Fp8Linear(linear.weight, 2.0 ** math.ceil(math.log2(scale)), linear.bias)
+        group = siblings[id(read[name])] if share_siblings else [name]
+        scale = max(headroom * max(amax[n] for n in group), 1e-6) / FP8_MAX
+        fp8 = Fp8Linear(linear.weight, 2.0 ** math.ceil(math.log2(scale)), linear.bias)
+        if share_siblings:
+            fp8.input_scale = shared.setdefault(id(read[name]), fp8.input_scale)
+        return fp8
 
     return replace_linears(root, make)

@@ -274,7 +274,8 @@ def rule_fingerprint(rule: Rule) -> list[Any]:
                for name, s in sorted(rule.scalars.items())]  # fmt: skip
     overwrites = None if rule.inplace is None else list(rule.inplace.overwrites)
     fp = [rule.name, rule.via, rule_code(rule), overwrites, callable_fingerprint(rule.guard), scalars,
-          [target_ref(t) for t in rule.requires], list(rule.optional), rule.near_miss_min]  # fmt: skip
+          [target_ref(t) for t in rule.requires], list(rule.optional), rule.near_miss_min,
+          callable_fingerprint(rule.explain_shared)]  # fmt: skip
     _RULES[id(rule)] = (rule, fp)
     return fp
 

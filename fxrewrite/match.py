@@ -342,6 +342,9 @@ def _check(m: Match) -> tuple[str | None, fx.Node | None]:
             continue
         outside = [u for u in g.users if u not in inside]
         if outside:
+            explain = m.rule.explain_shared
+            if explain is not None and (why := explain(g, outside, inside)) is not None:
+                return why, g
             names = ", ".join(f"`{u.name}`" for u in outside[:3])
             return f"internal node `{g.name}` has {len(outside)} user(s) outside the match ({names})", g
     unknown = [name for name, g in m.bindings.items()

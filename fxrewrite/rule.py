@@ -167,6 +167,10 @@ class Rule:
                  weight taken into a fused norm) sets :data:`COMPLETE`: only a complete match
                  that a check refused (guard, containment, order) is a near miss there, not every
                  fused norm without an add before it.
+    explain_shared: for a complete match refused because an internal node has readers outside
+                 it, ``(node, outside readers, matched nodes)`` -> the reason in the rule's terms
+                 (None: the matcher's own), as static FP8 says that a value quantized with two
+                 scales cannot be one fused quantization.
     """
 
     name: str
@@ -179,6 +183,7 @@ class Rule:
     requires: tuple[Any, ...] = ()
     optional: tuple[str, ...] = ()
     near_miss_min: float | None = None
+    explain_shared: Callable[[fx.Node, list[fx.Node], set[fx.Node]], str | None] | None = None
 
     def __repr__(self) -> str:
         return f"Rule({self.name!r})"

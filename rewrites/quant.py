@@ -18,8 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.fx as fx
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
+from fxrewrite import meta
+from fxrewrite.canonicalize import DIV
 from fxrewrite.rewrites.norm import (
     WILDCARDS, add_cast_last_guard, add_norm_guard, cast_flag, cast_last_guard, norm_guard, norm_patterns,
 )  # fmt: skip
@@ -33,6 +36,24 @@ def scale_guard(b: Bindings) -> bool | str:
     if s.numel() != 1 or s.dtype != torch.float32:
         return f"scale must be one float32 element, got {s.dtype}{tuple(s.shape)}"
     return True
+
+
+def other_scales(g: fx.Node, outside: list[fx.Node], inside: set[fx.Node]) -> str | None:
+    """Why a static norm + quant does not fuse where the normed value ``g`` is also quantized
+    with other scales (q, k and v projections each with its own input scale): one fused op
+    writes one quantized value, with one scale. None where the other readers are something else."""
+    ours = [u for u in g.users if u in inside and u.target is DIV and u.args[0] is g]
+    others = [u for u in outside if u.target is DIV and u.args[0] is g and u.args[1] is not ours[0].args[1]] if ours else []
+    if not others or len(others) != len(outside):
+        return None
+    names = " and ".join(_module_name(u) for u in others)
+    verb = "quantize" if len(others) > 1 else "quantizes"
+    return f"one quantized value per scale: {names} {verb} the normed value with other scales than {_module_name(ours[0])}"
+
+
+def _module_name(n: fx.Node) -> str:
+    """The last part of the module path of ``n`` (``k_proj``), else its node name."""
+    return (meta.module_path(n) or n.name).rsplit(".", 1)[-1]
 
 
 norm_scale_guard = all_of(scale_guard, norm_guard)
@@ -124,9 +145,10 @@ def silu_and_mul_dynamic_quant_replacement(x):
 
 
 # quant_static(norm(x)) -> fxr.rms_norm_quant_fp8(x, weight, eps, scale); cast-last twin: (.., scale, True)
-RMS_NORM_QUANT = Rule("rms_norm_quant_fp8", *rms_norm_quant(False), norm_scale_guard, WILDCARDS)
+RMS_NORM_QUANT = Rule("rms_norm_quant_fp8", *rms_norm_quant(False), norm_scale_guard, WILDCARDS,
+                      explain_shared=other_scales)
 RMS_NORM_CAST_LAST_QUANT = Rule(
-    "rms_norm_cast_last_quant_fp8", *rms_norm_quant(True), cast_last_scale_guard, WILDCARDS
+    "rms_norm_cast_last_quant_fp8", *rms_norm_quant(True), cast_last_scale_guard, WILDCARDS, explain_shared=other_scales
 )
 # quant_per_token(norm(x)) -> fxr.rms_norm_dynamic_quant_fp8(x, weight, eps); cast-last twin: (.., True)
 RMS_NORM_DYNAMIC_QUANT = Rule("rms_norm_dynamic_quant_fp8", *rms_norm_dynamic_quant(False), norm_guard, WILDCARDS)
@@ -134,9 +156,12 @@ RMS_NORM_CAST_LAST_DYNAMIC_QUANT = Rule(
     "rms_norm_cast_last_dynamic_quant_fp8", *rms_norm_dynamic_quant(True), cast_last_guard, WILDCARDS
 )
 # s = x + residual; quant_static(norm(s)) -> fxr.fused_add_rms_norm_quant_fp8 (q, s); cast-last twin
-ADD_RMS_NORM_QUANT = Rule("add_rms_norm_quant_fp8", *add_rms_norm_quant(False), add_norm_scale_guard, WILDCARDS)
+ADD_RMS_NORM_QUANT = Rule(
+    "add_rms_norm_quant_fp8", *add_rms_norm_quant(False), add_norm_scale_guard, WILDCARDS, explain_shared=other_scales
+)
 ADD_RMS_NORM_CAST_LAST_QUANT = Rule(
-    "add_rms_norm_cast_last_quant_fp8", *add_rms_norm_quant(True), add_cast_last_scale_guard, WILDCARDS
+    "add_rms_norm_cast_last_quant_fp8", *add_rms_norm_quant(True), add_cast_last_scale_guard, WILDCARDS,
+    explain_shared=other_scales,
 )
 # s = x + residual; quant_per_token(norm(s)) -> fxr.fused_add_rms_norm_dynamic_quant_fp8 (q, scales, s); cast-last twin
 ADD_RMS_NORM_DYNAMIC_QUANT = Rule(
