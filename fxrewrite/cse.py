@@ -14,9 +14,10 @@ and the norm's output has three readers where a norm + quant rule needs one::
     yk = fxr.linear_block_fp8(q_1, s_1, wk, sk)
 
 The rule library's first pass (``rewrites.PIPELINE``), after canonicalization, before every rule
-and ``merge_siblings`` (whose siblings then read one quantized input). One walk in graph order: a call whose ``(target, args, kwargs)`` (literals by type and value,
-nodes by identity) was seen before reads the earlier node instead, so chains merge from their
-inputs down. Only calls of op overloads that are functions of their inputs: ATen and prims ops
+and ``merge_siblings`` (whose siblings then read one quantized input). One walk in graph order numbers the values: a call whose ``(target, args, kwargs)`` (literals by
+type and value, input nodes by their class) was seen before joins the earlier node's class, so
+whole repeated chains form classes; then each class is computed once, where it is part of a
+repeated chain (:func:`eliminate_common_subexpressions` says why lone repeated calls stay). Only calls of op overloads that are functions of their inputs: ATen and prims ops
 that write nothing in place and draw no random numbers, and ``fxr`` ops the runtime defines as
 pure (no in-place write, no collective, :func:`fxrewrite.runtime.providers.is_pure`). Not
 merged: across an in-place write (the table starts again after any node that writes), a value
@@ -61,13 +62,13 @@ def pure(target: Any) -> bool:
     return target.namespace in _PURE_NAMESPACES
 
 
-def _frozen(v: Any) -> Any:
-    """A hashable key for an argument: nodes by identity, literals by type and value (``1``,
-    ``1.0`` and ``True`` differ, and so do ``0.0`` and ``-0.0``)."""
+def _frozen(v: Any, rep: dict[fx.Node, fx.Node]) -> Any:
+    """A hashable key for an argument: nodes by the first node of their class (``rep``),
+    literals by type and value (``1``, ``1.0`` and ``True`` differ, and so do ``0.0`` and ``-0.0``)."""
     if isinstance(v, fx.Node):
-        return v
+        return rep.get(v, v)
     if isinstance(v, (list, tuple)):
-        return (type(v), tuple(_frozen(x) for x in v))
+        return (type(v), tuple(_frozen(x, rep) for x in v))
     if isinstance(v, float):
         return (float, v, math.copysign(1.0, v))
     if isinstance(v, _LITERALS):
@@ -75,30 +76,59 @@ def _frozen(v: Any) -> Any:
     raise _Unhashable
 
 
-def _key(node: fx.Node) -> tuple | None:
+def _key(node: fx.Node, rep: dict[fx.Node, fx.Node]) -> tuple | None:
     try:
-        return (node.target, _frozen(node.args), tuple(sorted((k, _frozen(v)) for k, v in node.kwargs.items())))
+        kwargs = tuple(sorted((k, _frozen(v, rep)) for k, v in node.kwargs.items()))
+        return (node.target, _frozen(node.args, rep), kwargs)
     except _Unhashable:
         return None
 
 
-def eliminate_common_subexpressions(gm: fx.GraphModule) -> int:
-    """Merge the repeated pure calls of ``gm`` in place (module docstring); returns how many
-    nodes were removed."""
+def _classes(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
+    """Value numbering: the first node of each class of equal pure calls -> its members, in
+    graph order (calls are equal when their targets, literals and the classes of their inputs are)."""
     seen: dict[tuple, fx.Node] = {}
-    removed = 0
-    for node in list(meta.outside_transforms(gm.graph)):
+    rep: dict[fx.Node, fx.Node] = {}
+    members: dict[fx.Node, list[fx.Node]] = {}
+    for node in meta.outside_transforms(gm.graph):
         if meta.written_args(node):
             seen.clear()  # what was read before the write is not what is read after it
             continue
-        if node.op != "call_function" or not pure(node.target) or (key := _key(node)) is None:
+        if node.op != "call_function" or not pure(node.target) or (key := _key(node, rep)) is None:
             continue
         first = seen.setdefault(key, node)
-        if first is node or meta.written_later(first) or meta.written_later(node):
+        if first is not node and (meta.written_later(first) or meta.written_later(node)):
             continue
-        node.replace_all_uses_with(first)
-        gm.graph.erase_node(node)
-        removed += 1
+        rep[node] = first
+        members.setdefault(first, []).append(node)
+    return {first: nodes for first, nodes in members.items() if len(nodes) > 1}
+
+
+def eliminate_common_subexpressions(gm: fx.GraphModule) -> int:
+    """Merge the repeated pure calls of ``gm`` in place (module docstring); returns how many
+    nodes were removed.
+
+    Repeated chains merge, not lone calls: a class whose members read the very same nodes (the
+    root of a repeated chain) merges only where its readers form a class too (the chain goes
+    on). Two different computations that start with the same cast or view of one input (a norm's
+    ``x.float()`` and a quantization's of the same ``x``) keep their own: merged, the cast would
+    be a node inside the norm's pattern with a reader outside it, and the norm would not fuse."""
+    classes = _classes(gm)
+    of = {n: first for first, nodes in classes.items() for n in nodes}
+
+    def continues(first: fx.Node) -> bool:
+        """Some member reads a node of a repeated class: the class continues a chain."""
+        return any(of.get(i) is not None for n in classes[first] for i in n.all_input_nodes)
+
+    def continued(first: fx.Node) -> bool:
+        return any(of.get(u) is not None for n in classes[first] for u in n.users)
+
+    removed = 0
+    for first in [f for f in classes if continues(f) or continued(f)]:
+        for node in classes[first][1:]:
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+            removed += 1
     return removed
 
 
