@@ -1,16 +1,27 @@
 """FP8 linears in transformers decoders (tiny Llama; Qwen2, whose q/k/v projections carry a bias),
 converted by the bench's own code (``bench/fp8_linears.py``: ``to_fp8_linears``, static per-tensor,
-and ``BlockFp8Linear``, block FP8, the classes the FP8 engine models use; any ``nn.Linear``), then
-compiled with fxrewrite on CPU in float32.
+with a scale per projection or, ``share_siblings``, one scale for q/k/v and one for gate/up as
+serving engines load them; ``BlockFp8Linear``, block FP8; any ``nn.Linear``), then compiled with
+fxrewrite on CPU, in float32 and bf16.
 
-What holds today, asserted: the compiled model equals the eager quantized model bit for bit; it
-fuses no quantization; per layer the report says why for block FP8: each of q/k/v (and of gate and
-up) quantizes the normed hidden state itself, so the norm's output has other users beside the one
-quantization a rule would take. What the issue asks (a norm + quant and an activation + quant op per
-layer) is the strict xfail below: it needs the quantizations of one tensor deduplicated or the
-quantized sibling linears merged (one input scale for q/k/v, as serving engines load them), and an
-``act_mul`` + quant rule (gate and up stay two GEMMs). Negative twin: the plain model's report has
-no quantization either, and its norms and activation fuse as without quantization.
+What issue 31 asks of a transformers model, asserted per decoder layer:
+
+- block FP8: each linear quantizes its own input, so q/k/v (and gate/up) quantize one normed value
+  three (two) times; ``cse`` leaves one quantization, the norm + quant rules fuse it (the input
+  norm, add + norm after the first layer; the post-attention add + norm), ``merge_siblings``
+  makes q/k/v and gate/up one block-FP8 GEMM each, and the gate/up halves' SiLU-and-mul fuses with
+  its quantization: two norm + quant sites and one activation + quant site per layer.
+- static FP8 with shared scales: the two norm + quant sites per layer. Its SiLU-and-mul + quant
+  does not fuse (strict xfail below): gate and up stay two ``torch._scaled_mm`` GEMMs (one weight
+  scale each: a merged GEMM would need per-row weight scales), so the product is ``act_mul`` of two
+  tensors, and no op quantizes ``act_mul``'s output yet.
+- static FP8 with a scale per projection: three quantized values of one normed value, which one
+  fused op cannot write; each site's near miss says so.
+- plain linears (the negative twin): no quantization anywhere; norms and activation fuse as ever.
+
+The compiled model equals the eager quantized model bit for bit in float32 (the fused ops' CPU
+references are the unfused formulas, and a merged GEMM computes each column as before); in bf16
+within one FP8 step's worth (the test says why).
 
 transformers' own ``FP8Linear`` (``integrations.finegrained_fp8``) is not used: its forward calls the
 hub kernel, which on CPU raises ``ImportError: finegrained-fp8 kernel unavailable: `kernels` is either
@@ -37,24 +48,27 @@ LAYERS = 2
 # every dim a multiple of 128 (block FP8): heads of 64, k/v projections 2 x 64 wide
 SHAPE = {"layers": LAYERS, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512}
 FAMILIES = [family_param("llama"), family_param("qwen2")]
-QUANTS = ("fp8", "block-fp8", "none")
+QUANTS = ("fp8", "fp8-shared", "block-fp8", "none")
+DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id="bf16")]
 LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
+GEMMS_PER_LAYER = 4  # merged: qkv, o, gate_up, down
 
 
-def quantized(family: str, quant: str) -> tuple[torch.nn.Module, torch.Tensor]:
-    model = models.build(family, **SHAPE)
+def quantized(family: str, quant: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.Tensor]:
+    model = models.build(family, dtype=dtype, **SHAPE)
     (ids,) = models.example_inputs(model, tokens=8)
     with torch.no_grad():
-        if quant == "fp8":
-            assert to_fp8_linears(model.layers, lambda: model(ids)) == LINEARS_PER_LAYER * LAYERS
+        if quant.startswith("fp8"):
+            n = to_fp8_linears(model.layers, lambda: model(ids), share_siblings=quant == "fp8-shared")
+            assert n == LINEARS_PER_LAYER * LAYERS
         elif quant == "block-fp8":
             assert replace_linears(model.layers, lambda _name, linear: BlockFp8Linear(linear)) == LINEARS_PER_LAYER * LAYERS
     return model, ids
 
 
 @functools.cache
-def compiled(family: str, quant: str) -> Compiled:
-    model, ids = quantized(family, quant)
+def compiled(family: str, quant: str, dtype: torch.dtype = torch.float32) -> Compiled:
+    model, ids = quantized(family, quant, dtype)
     return compile_once(model, ids, dynamic=True)
 
 
@@ -71,39 +85,88 @@ def quant_ops(r: Compiled) -> dict[str, int]:
     return {op: n for op, n in fused(r.counts()).items() if "quant" in op}
 
 
+EACH_LAYER = dict.fromkeys(range(LAYERS), 1)
+TWO_PER_LAYER = dict.fromkeys(range(LAYERS), 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_compiled_equals_the_eager_quantized_model(family: str, quant: str) -> None:
-    """Bit for bit in float32 (as the quant rules' tests: the same CPU formulas on both sides);
-    the block-FP8 GEMMs are ``fxr.linear_block_fp8`` calls, one per linear."""
-    r = compiled(family, quant)
-    out, ref = models.hidden_states(r.output), models.hidden_states(r.eager)
-    assert torch.isfinite(ref).all() and torch.equal(out, ref), float((out - ref).abs().max())
-    assert fused(r.counts()).get("linear_block_fp8", 0) == (LINEARS_PER_LAYER * LAYERS if quant == "block-fp8" else 0)
+def test_compiled_equals_the_eager_quantized_model(family: str, quant: str, dtype: torch.dtype) -> None:
+    """float32: bit for bit (as the quant rules' tests: the same CPU formulas on both sides).
+    bf16: the fused norms and rotations round differently from eager (a plain model's output is
+    ~0.5% off in norm), and a bf16 rounding upstream of a quantization may move a value across an
+    FP8 rounding boundary, one FP8 step (1/16 relative, three mantissa bits) on that element: the
+    norm of the error stays below 5% of the output's. The block-FP8 GEMMs are
+    ``fxr.linear_block_fp8`` calls, q/k/v and gate/up merged."""
+    r = compiled(family, quant, dtype)
+    out, ref = models.hidden_states(r.output).float(), models.hidden_states(r.eager).float()
+    assert torch.isfinite(ref).all()
+    if dtype == torch.float32:
+        assert torch.equal(out, ref), float((out - ref).abs().max())
+    else:
+        assert float((out - ref).norm() / ref.norm()) < (0.05 if quant != "none" else 0.01)
+    assert fused(r.counts()).get("linear_block_fp8", 0) == (GEMMS_PER_LAYER * LAYERS if quant == "block-fp8" else 0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_layer_linear_is_converted(family: str) -> None:
-    for quant, cls in (("fp8", Fp8Linear), ("block-fp8", BlockFp8Linear)):
+    for quant, cls in (("fp8", Fp8Linear), ("fp8-shared", Fp8Linear), ("block-fp8", BlockFp8Linear)):
         model, _ = quantized(family, quant)
         assert not [n for n, m in model.layers.named_modules() if isinstance(m, torch.nn.Linear)]
         assert sum(isinstance(m, cls) for m in model.layers.modules()) == LINEARS_PER_LAYER * LAYERS
         biased = [n for n, m in model.layers.named_modules() if isinstance(m, cls) and m.bias is not None]
         assert biased == ([f"{i}.self_attn.{p}_proj" for i in range(LAYERS) for p in "qkv"] if family == "qwen2" else [])
+        if quant.startswith("fp8"):  # shared: one scale per read tensor (q/k/v, gate/up, o, down); else one each
+            scales = {id(m.input_scale) for m in model.layers.modules() if isinstance(m, cls)}
+            assert len(scales) == (4 * LAYERS if quant == "fp8-shared" else LINEARS_PER_LAYER * LAYERS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_block_fp8_fuses_norm_and_activation_quantization_per_layer(family: str, dtype: torch.dtype) -> None:
+    r = compiled(family, "block-fp8", dtype)
+    assert per_layer(r, "norm_block_quant") == TWO_PER_LAYER, r.report.table()
+    assert per_layer(r, "mul_block_quant") == EACH_LAYER, r.report.table()
+    assert quant_ops(r) == {"rms_norm_block_quant_fp8": 1, "fused_add_rms_norm_block_quant_fp8": 2 * LAYERS - 1,
+                            "silu_and_mul_block_quant_fp8": LAYERS}  # fmt: skip
+    assert per_layer(r, "merge_siblings") == TWO_PER_LAYER  # q/k/v, gate/up
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_fp8_with_shared_scales_fuses_norm_quantization_per_layer(family: str, dtype: torch.dtype) -> None:
+    r = compiled(family, "fp8-shared", dtype)
+    assert per_layer(r, "norm_quant") == TWO_PER_LAYER, r.report.table()
+    ops = quant_ops(r)
+    assert ops == {"rms_norm_quant_fp8": 1, "fused_add_rms_norm_quant_fp8": 2 * LAYERS - 1}, ops
+
+
+@pytest.mark.xfail(strict=True, reason="no act_mul + static FP8 quant op: gate and up are two _scaled_mm GEMMs "
+                   "with a weight scale each, so their product is act_mul of two tensors")  # fmt: skip
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_fp8_activation_quantization_per_layer(family: str) -> None:
+    r = compiled(family, "fp8-shared")
+    assert per_layer(r, "mul_quant") == EACH_LAYER, r.report.table()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_block_fp8_each_layer_says_why_its_quantizations_stay(family: str) -> None:
-    """Per layer, the block-quant norm rules anchor at each of q/k/v and gate/up (the first
-    layer's plain norm at q/k/v is an add + norm near miss with no add) and refuse: the normed
-    hidden state is quantized once per projection."""
-    r = compiled(family, "block-fp8")
-    assert quant_ops(r) == {}, quant_ops(r)
-    misses = [m for m in r.report.near_misses if "norm_block_quant_fp8" in m.rule]
-    shared = [m for m in misses if re.search(r"has \d user\(s\) outside the match", m.reason)]
-    layers = {int(re.match(r"layers\.(\d+)\.", m.module).group(1)) for m in shared}  # type: ignore[union-attr]
-    assert layers == set(range(LAYERS)), [(m.module, m.reason) for m in misses]
-    assert {m.module.rsplit(".", 1)[1] for m in shared} >= {"gate_proj", "up_proj"}
+def test_static_fp8_with_a_scale_per_projection_says_why_per_site(family: str) -> None:
+    """Negative twin: each projection its own scale: no norm + quant op; at every q/k/v and
+    gate/up quantization of every layer the near miss names the other projections."""
+    r = compiled(family, "fp8")
+    assert not [op for op in quant_ops(r) if "norm" in op], quant_ops(r)
+    why = re.compile(r"one quantized value per scale: (\w+)(?: and (\w+))? quantizes? the normed value with "
+                     r"other scales than (\w+)")  # fmt: skip
+    explained: set[tuple[int, str]] = set()
+    for m in r.report.near_misses:
+        if "norm_quant" in m.rule and (hit := why.fullmatch(m.reason)):
+            layer = int(re.match(r"layers\.(\d+)\.", m.module).group(1))  # type: ignore[union-attr]
+            explained.add((layer, hit.group(3)))
+            others = {hit.group(1), hit.group(2)} - {None}
+            assert others == ({"q_proj", "k_proj", "v_proj"} if hit.group(3) in ("q_proj", "k_proj", "v_proj")
+                              else {"gate_proj", "up_proj"}) - {hit.group(3)}, m.reason  # fmt: skip
+    assert explained == {(i, p + "_proj") for i in range(LAYERS) for p in ("q", "k", "v", "gate", "up")}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -113,18 +176,3 @@ def test_plain_linears_fuse_no_quantization(family: str) -> None:
     r = compiled(family, "none")
     assert quant_ops(r) == {} and per_layer(r, "quant") == {}
     assert fused(r.counts()).get("fused_add_rms_norm_", 0) == 2 * LAYERS
-
-
-@pytest.mark.xfail(strict=True, reason="not fused yet: q/k/v and gate/up each quantize the normed hidden state "
-                   "(no dedup or merge of quantized siblings), and no act_mul + quant rule")  # fmt: skip
-@pytest.mark.parametrize("quant", ["fp8", "block-fp8"])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_report_shows_the_quant_fusions_per_layer(family: str, quant: str) -> None:
-    """What issue 31 asks of a transformers model: per layer, two norm + quant sites (the input
-    norm, add + norm after the first layer; the post-attention add + norm) and one activation +
-    quant site."""
-    r = compiled(family, quant)
-    want = dict.fromkeys(range(LAYERS), 2)
-    assert per_layer(r, "norm_quant") == want or per_layer(r, "norm_block_quant") == want, r.report.table()
-    assert per_layer(r, "mul_quant") == dict.fromkeys(range(LAYERS), 1) or \
-        per_layer(r, "mul_block_quant") == dict.fromkeys(range(LAYERS), 1), r.report.table()
