@@ -14,17 +14,20 @@ and the norm's output has three readers where a norm + quant rule needs one::
     yk = fxr.linear_block_fp8(q_1, s_1, wk, sk)
 
 The rule library's first pass (``rewrites.PIPELINE``), after canonicalization, before every rule
-and ``merge_siblings`` (whose siblings then read one quantized input). One walk in graph order numbers the values: a call whose ``(target, args, kwargs)`` (literals by
-type and value, input nodes by their class) was seen before joins the earlier node's class, so
-whole repeated chains form classes; then each class is computed once, where it is part of a
-repeated chain (:func:`eliminate_common_subexpressions` says why lone repeated calls stay). Only calls of op overloads that are functions of their inputs: ATen and prims ops
-that write nothing in place and draw no random numbers, and ``fxr`` ops the runtime defines as
-pure (no in-place write, no collective, :func:`fxrewrite.runtime.providers.is_pure`). Not
-merged: across an in-place write (the table starts again after any node that writes), a value
-that is written in place later (or a view of it), calls inside a functorch transform (``vmap``
-bodies, :func:`fxrewrite.meta.outside_transforms`), Python-level calls (``torch.cat``, methods):
-canonicalization has turned what rules read into overloads. Equal values of distinct inputs
-(two parameters that hold the same scale) stay distinct: a parameter may change after compiling.
+and ``merge_siblings`` (whose siblings then read one quantized input). One walk in graph order
+numbers the values: a call whose ``(target, args, kwargs)`` (literals by type and value, input
+nodes by their class) was seen before joins the earlier node's class, so whole repeated chains
+form classes; then each class is computed once where it is part of a repeated chain
+(:func:`eliminate_common_subexpressions` says why lone repeated calls stay).
+
+Only calls of op overloads that are functions of their inputs: ATen and prims ops that write
+nothing in place and draw no random numbers, and ``fxr`` ops the runtime defines as pure (no
+in-place write, no collective, :func:`fxrewrite.runtime.providers.is_pure`). Not merged: across an
+in-place write (the table starts again after any node that writes), a value that is written in
+place later (or a view of it), calls inside a functorch transform (``vmap`` bodies,
+:func:`fxrewrite.meta.outside_transforms`), Python-level calls (``torch.cat``, methods):
+canonicalization has turned what rules read into overloads. Equal values of distinct inputs (two
+parameters that hold the same scale) stay distinct: a parameter may change after compiling.
 """
 
 from __future__ import annotations

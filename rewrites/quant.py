@@ -43,12 +43,15 @@ def other_scales(g: fx.Node, outside: list[fx.Node], inside: set[fx.Node]) -> st
     with other scales (q, k and v projections each with its own input scale): one fused op
     writes one quantized value, with one scale. None where the other readers are something else."""
     ours = [u for u in g.users if u in inside and u.target is DIV and u.args[0] is g]
-    others = [u for u in outside if u.target is DIV and u.args[0] is g and u.args[1] is not ours[0].args[1]] if ours else []
+    if not ours:
+        return None
+    others = [u for u in outside if u.target is DIV and u.args[0] is g and u.args[1] is not ours[0].args[1]]
     if not others or len(others) != len(outside):
         return None
     names = " and ".join(_module_name(u) for u in others)
     verb = "quantize" if len(others) > 1 else "quantizes"
-    return f"one quantized value per scale: {names} {verb} the normed value with other scales than {_module_name(ours[0])}"
+    mine = _module_name(ours[0])
+    return f"one quantized value per scale: {names} {verb} the normed value with other scales than {mine}"
 
 
 def _module_name(n: fx.Node) -> str:

@@ -40,7 +40,8 @@ def names(config: Config, **kw: object) -> list[str]:
 def test_the_library_in_its_order_with_gemms_selected_for_replayed_graphs_only(mode: str) -> None:
     gemm = ["select_gemm"] if mode != "none" else []
     groups = [*LIBRARY_GROUPS[:2], "fuse_attention_quant", *LIBRARY_GROUPS[2:]]  # a graph pass among the groups
-    want = ["canonicalize", "cse", "merge_siblings", "fuse_moe", *groups, *gemm, "fold_rotary", "fold_constants", "cleanup"]
+    want = ["canonicalize", "cse", "merge_siblings", "fuse_moe", *groups, *gemm, "fold_rotary", "fold_constants",
+            "cleanup"]
     assert names(Config(mode=mode)) == want
     assert [name for name, _ in default_rule_groups(mode)] == LIBRARY_GROUPS + gemm
 
@@ -67,8 +68,10 @@ def test_user_rules_follow_the_last_rule_group_in_every_mode() -> None:
 
 def test_rules_replace_the_rule_groups_and_keep_the_graph_passes() -> None:
     """fuse_moe is a graph pass that fuses: replaced with the rule groups."""
-    assert names(Config(rules=(DOUBLE,))) == ["canonicalize", "cse", "merge_siblings", "rules", "fold_rotary", "fold_constants", "cleanup"]
-    assert names(Config(rules=(DOUBLE,), merge_siblings=False)) == ["canonicalize", "cse", "rules", "fold_rotary", "fold_constants", "cleanup"]
+    assert names(Config(rules=(DOUBLE,))) == ["canonicalize", "cse", "merge_siblings", "rules", "fold_rotary",
+                                              "fold_constants", "cleanup"]
+    assert names(Config(rules=(DOUBLE,), merge_siblings=False)) == ["canonicalize", "cse", "rules", "fold_rotary",
+                                                                    "fold_constants", "cleanup"]
 
 
 def test_no_rules_runs_none_of_the_library() -> None:

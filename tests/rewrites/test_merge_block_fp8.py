@@ -60,8 +60,8 @@ def inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(5, HIDDEN).to(dtype), torch.randn(5, HIDDEN).to(dtype)
 
 
-def check(model: torch.nn.Module, x: tuple[torch.Tensor, torch.Tensor], expect: dict[str, int], dynamic: bool | str = True,
-          **overrides: Any) -> Compiled:  # fmt: skip
+def check(model: torch.nn.Module, x: tuple[torch.Tensor, torch.Tensor], expect: dict[str, int],
+          dynamic: bool | str = True, **overrides: Any) -> Compiled:  # fmt: skip
     """Compile; the fused ops after are ``expect`` (the model calls ``linear_block_fp8`` itself:
     three as captured); outputs equal eager bit for bit."""
     r = compile_once(model, *x, **{**compile_modes(dynamic), **overrides})
@@ -73,7 +73,8 @@ def check(model: torch.nn.Module, x: tuple[torch.Tensor, torch.Tensor], expect: 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @DYNAMIC
-def test_gate_and_up_merge_and_their_activation_fuses_with_its_quantization(dtype: torch.dtype, dynamic: bool | str) -> None:
+def test_gate_and_up_merge_and_their_activation_fuses_with_its_quantization(dtype: torch.dtype,
+                                                                         dynamic: bool | str) -> None:  # fmt: skip
     model = Mlp().to(dtype)
     r = check(model, inputs(dtype), dynamic=dynamic, expect={
         "rms_norm_block_quant_fp8": 1, "linear_block_fp8": 2, "silu_and_mul_block_quant_fp8": 1})  # fmt: skip

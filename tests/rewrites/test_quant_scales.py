@@ -89,6 +89,6 @@ def test_a_scale_per_projection_says_why_per_site(add: bool, cast_last: bool, dt
     plain = "fused_add_rms_norm" if add else "rms_norm"
     r = check(model(False, add, cast_last, dtype), *inputs(dtype), expect={plain: 1}, exact=True)
     got = sorted(m.reason for m in misses(r, rule))
-    assert got == sorted(f"one quantized value per scale: {a} and {b} quantize the normed value with other scales than {p}"
-                         for p, a, b in (("q_proj", "k_proj", "v_proj"), ("k_proj", "q_proj", "v_proj"),
-                                         ("v_proj", "q_proj", "k_proj"))), got  # fmt: skip
+    why = "one quantized value per scale: {} and {} quantize the normed value with other scales than {}"
+    sites_ = (("q_proj", "k_proj", "v_proj"), ("k_proj", "q_proj", "v_proj"), ("v_proj", "q_proj", "k_proj"))
+    assert got == sorted(why.format(a, b, p) for p, a, b in sites_), got
