@@ -6,8 +6,8 @@ The references are the unfused compositions. The kernels, interpreted on CPU: on
 one row they give the [.., 2d] op's kernel's bytes exactly (one kernel, two pointers into the
 row or two tensors); against the reference, the SiLU ops' bytes in bf16 / fp16 exactly (as
 tests/runtime/test_triton_kernels.py asserts of the [.., 2d] ones), every other case but for a
-last bit of the interpreter's ``exp`` / ``erf`` that a rounding exposes (under 1e-3 of the
-values, as tests/runtime/test_quant_block_ops.py measures). GPU tests (marked ``gpu``): the
+last bit of the interpreter's ``exp`` / ``erf`` that a rounding exposes (one e4m3 step, on about
+1e-4 of the values, as tests/runtime/test_quant_block_ops.py measures: a few of these small rows). GPU tests (marked ``gpu``): the
 ops through ``torch.ops.fxr``, served by Triton, against the CPU reference.
 """
 
@@ -180,7 +180,8 @@ def test_kernel_on_two_tensors_is_the_row_kernel(request: pytest.FixtureRequest,
 def test_kernel_gives_the_reference_bytes(request: pytest.FixtureRequest, name: str, activation: str,
                                           dtype: torch.dtype, shape: tuple[int, ...]) -> None:  # fmt: skip
     """SiLU in bf16 / fp16: the reference's bytes exactly; the rest but for rare last bits of
-    ``exp`` / ``erf`` (scales: float32 ones are unrounded and move with them)."""
+    ``exp`` / ``erf``: one e4m3 step on under 1% of the values (scales: float32 ones are
+    unrounded and move with them, by a few float32 roundings)."""
     triton = request.getfixturevalue(FIXTURE[name])
     x = gate_up(gen_for(request), shape, dtype)
     args = call_args(name, x[..., : shape[-1]], x[..., shape[-1] :], activation)
@@ -191,9 +192,8 @@ def test_kernel_gives_the_reference_bytes(request: pytest.FixtureRequest, name: 
     elif name == "act_mul_quant_nvfp4":
         assert nvfp4_mismatch(got, want, quant_arg(name)) is None  # type: ignore[arg-type]
     else:
-        assert float((u8(got[0]) != u8(want[0])).float().mean()) < 1e-3
-        if len(got) == 2:
-            torch.testing.assert_close(got[1], want[1], rtol=4 * torch.finfo(F32).eps, atol=0)
+        assert fp8_mismatch(got[0], want[0], *(got[1:] + want[1:]) or (None, None), scale_rtol=4 * torch.finfo(F32).eps) is None
+        assert float((u8(got[0]) != u8(want[0])).float().mean()) < 1e-2
 
 
 # -- GPU: the ops through torch.ops.fxr ---------------------------------------------------------
