@@ -10,17 +10,15 @@ are not merged into one GEMM) the activation is ``fxr.act_mul(gate, up, act)``, 
     h = torch.ops.fxr.act_mul(gate, up, "silu")           q = torch.ops.fxr.act_mul_quant_fp8(gate, up, scale, "silu")
     q = (h.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
 
-Patterns are those quantizers applied to ``fxr.act_mul`` as the activation rules write it, the
-activation a scalar wildcard: ``act_mul(a, b, act)``, or ``act_mul(a, b, act, False)`` where the
-model wrote ``up * act(gate)`` (one rule per order, made by one factory; the fused op has no order:
-the product's values are the same, its layout the op's own). The guards are the quantizers' own
+Patterns are those quantizers applied to ``fxr.act_mul(a, b, act, act_first)`` as the activation
+rules write it, the activation and the operand order scalar wildcards (``act_first`` is False
+where the model wrote ``up * act(gate)``; the fused op has no order: the product's values are the
+same, the output's layout is the op's own). The guards are the quantizers' own
 (``quant.scale_guard``, ``quant_block``'s group check, ``quant_nvfp4.nvfp4_guard``). They run with
 the other activation + quant rules, after ``fuse_activation`` formed ``act_mul``.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -33,13 +31,8 @@ from fxrewrite.runtime.ops.quant import quant_fp8_per_token, quant_fp8_static
 from fxrewrite.runtime.ops.quant_block import check_group, quant_fp8_block
 from fxrewrite.runtime.ops.quant_nvfp4 import quant_e2m1_blocks
 
-ACTIVATION = {"activation": Scalar(str)}
-
-
-def order(act_first: bool) -> tuple[bool, ...]:
-    """``fxr.act_mul``'s trailing arguments as the activation rules write them: none for
-    ``act(a) * b``, ``False`` for ``b * act(a)``."""
-    return () if act_first else (False,)
+# act_mul's activation and operand order (its values do not depend on the order: the fused op has none)
+ACT_MUL = {"activation": Scalar(str), "act_first": Scalar(bool)}
 
 
 def act_mul_group_guard(b: Bindings) -> bool | str:
@@ -47,77 +40,56 @@ def act_mul_group_guard(b: Bindings) -> bool | str:
     return check_group(b["a"].shape[-1], b["group"]) or True
 
 
-def act_mul_quant(act_first: bool) -> tuple[Callable, Callable]:
-    """quant_static(fxr.act_mul(a, b, act[, False]), scale) -> fxr.act_mul_quant_fp8(a, b, scale, act)"""
-    flags = order(act_first)
-
-    def pattern(a, b, activation, scale):
-        return quant_fp8_static(torch.ops.fxr.act_mul(a, b, activation, *flags), scale)
-
-    def replacement(a, b, activation, scale):
-        return torch.ops.fxr.act_mul_quant_fp8(a, b, scale, activation)
-
-    return pattern, replacement
+# quant_static(fxr.act_mul(a, b, act, first)) -> fxr.act_mul_quant_fp8(a, b, scale, act)
+def act_mul_quant_pattern(a, b, activation, act_first, scale):
+    return quant_fp8_static(torch.ops.fxr.act_mul(a, b, activation, act_first), scale)
 
 
-def act_mul_dynamic_quant(act_first: bool) -> tuple[Callable, Callable]:
-    """quant_per_token(fxr.act_mul(a, b, act[, False])) -> fxr.act_mul_dynamic_quant_fp8(a, b, act) (q, scales)"""
-    flags = order(act_first)
-
-    def pattern(a, b, activation):
-        return quant_fp8_per_token(torch.ops.fxr.act_mul(a, b, activation, *flags))
-
-    def replacement(a, b, activation):
-        out = torch.ops.fxr.act_mul_dynamic_quant_fp8(a, b, activation)
-        return out[0], out[1]
-
-    return pattern, replacement
+def act_mul_quant_replacement(a, b, activation, scale):
+    return torch.ops.fxr.act_mul_quant_fp8(a, b, scale, activation)
 
 
-def act_mul_block_quant(act_first: bool) -> tuple[Callable, Callable]:
-    """quant_block(fxr.act_mul(a, b, act[, False]), G) -> fxr.act_mul_block_quant_fp8(a, b, G, act) (q, scales)"""
-    flags = order(act_first)
-
-    def pattern(a, b, activation, group):
-        return quant_fp8_block(torch.ops.fxr.act_mul(a, b, activation, *flags), group)
-
-    def replacement(a, b, activation, group):
-        out = torch.ops.fxr.act_mul_block_quant_fp8(a, b, group, activation)
-        return out[0], out[1]
-
-    return pattern, replacement
+# quant_per_token(fxr.act_mul(a, b, act, first)) -> fxr.act_mul_dynamic_quant_fp8(a, b, act)  (q, scales)
+def act_mul_dynamic_quant_pattern(a, b, activation, act_first):
+    return quant_fp8_per_token(torch.ops.fxr.act_mul(a, b, activation, act_first))
 
 
-def act_mul_nvfp4(act_first: bool) -> tuple[Callable, Callable]:
-    """quant_nvfp4(fxr.act_mul(a, b, act[, False])) -> fxr.act_mul_quant_nvfp4(a, b, global_scale, act) (values, scales)"""
-    flags = order(act_first)
-
-    def pattern(a, b, activation, global_scale, block):
-        return quant_e2m1_blocks(torch.ops.fxr.act_mul(a, b, activation, *flags), global_scale, block)
-
-    def replacement(a, b, activation, global_scale):
-        out = torch.ops.fxr.act_mul_quant_nvfp4(a, b, global_scale, activation)
-        return out[0], out[1]
-
-    return pattern, replacement
+def act_mul_dynamic_quant_replacement(a, b, activation):
+    out = torch.ops.fxr.act_mul_dynamic_quant_fp8(a, b, activation)
+    return out[0], out[1]
 
 
-def both_orders(name: str, make: Callable[[bool], tuple[Callable, Callable]], guard: Callable[[Bindings], bool | str] | None,
-                scalars: dict[str, Scalar]) -> list[Rule]:  # fmt: skip
-    """The rule for ``act(a) * b`` and its twin for ``b * act(a)``, under one name (one fusion,
-    whichever order the model wrote)."""
-    return [Rule(name, *make(act_first), guard, scalars) for act_first in (True, False)]
+# quant_block(fxr.act_mul(a, b, act, first), G) -> fxr.act_mul_block_quant_fp8(a, b, G, act)  (q, scales)
+def act_mul_block_quant_pattern(a, b, activation, act_first, group):
+    return quant_fp8_block(torch.ops.fxr.act_mul(a, b, activation, act_first), group)
 
 
-# quant_static(fxr.act_mul(a, b, act)) -> fxr.act_mul_quant_fp8(a, b, scale, act); the b * act(a) twin likewise
-ACT_MUL_QUANT = both_orders("act_mul_quant_fp8", act_mul_quant, scale_guard, ACTIVATION)
-# quant_per_token(fxr.act_mul(a, b, act)) -> fxr.act_mul_dynamic_quant_fp8(a, b, act)
-ACT_MUL_DYNAMIC_QUANT = both_orders("act_mul_dynamic_quant_fp8", act_mul_dynamic_quant, None, ACTIVATION)
-# quant_block(fxr.act_mul(a, b, act), G) -> fxr.act_mul_block_quant_fp8(a, b, G, act)
-ACT_MUL_BLOCK_QUANT = both_orders("act_mul_block_quant_fp8", act_mul_block_quant, act_mul_group_guard,
-                                  {**ACTIVATION, **GROUP})  # fmt: skip
-# quant_nvfp4(fxr.act_mul(a, b, act)) -> fxr.act_mul_quant_nvfp4(a, b, global_scale, act)
-ACT_MUL_NVFP4 = both_orders("act_mul_quant_nvfp4", act_mul_nvfp4, nvfp4_guard, {**ACTIVATION, **BLOCK_SCALAR})
+def act_mul_block_quant_replacement(a, b, activation, group):
+    out = torch.ops.fxr.act_mul_block_quant_fp8(a, b, group, activation)
+    return out[0], out[1]
+
+
+# quant_nvfp4(fxr.act_mul(a, b, act, first)) -> fxr.act_mul_quant_nvfp4(a, b, global_scale, act)  (values, scales)
+def act_mul_nvfp4_pattern(a, b, activation, act_first, global_scale, block):
+    return quant_e2m1_blocks(torch.ops.fxr.act_mul(a, b, activation, act_first), global_scale, block)
+
+
+def act_mul_nvfp4_replacement(a, b, activation, global_scale):
+    out = torch.ops.fxr.act_mul_quant_nvfp4(a, b, global_scale, activation)
+    return out[0], out[1]
+
+
+ACT_MUL_QUANT = Rule("act_mul_quant_fp8", act_mul_quant_pattern, act_mul_quant_replacement, scale_guard, ACT_MUL)
+ACT_MUL_DYNAMIC_QUANT = Rule(
+    "act_mul_dynamic_quant_fp8", act_mul_dynamic_quant_pattern, act_mul_dynamic_quant_replacement, None, ACT_MUL
+)
+ACT_MUL_BLOCK_QUANT = Rule(
+    "act_mul_block_quant_fp8", act_mul_block_quant_pattern, act_mul_block_quant_replacement, act_mul_group_guard,
+    {**ACT_MUL, **GROUP},
+)  # fmt: skip
+ACT_MUL_NVFP4 = Rule(
+    "act_mul_quant_nvfp4", act_mul_nvfp4_pattern, act_mul_nvfp4_replacement, nvfp4_guard, {**ACT_MUL, **BLOCK_SCALAR}
+)
 
 # After the activation rules (they form act_mul), with the other activation + quant rules.
-RULES: list[Rule] = ACT_MUL_DYNAMIC_QUANT + ACT_MUL_QUANT + ACT_MUL_BLOCK_QUANT + ACT_MUL_NVFP4
+RULES: list[Rule] = [ACT_MUL_DYNAMIC_QUANT, ACT_MUL_QUANT, ACT_MUL_BLOCK_QUANT, ACT_MUL_NVFP4]
