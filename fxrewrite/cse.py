@@ -26,13 +26,16 @@ in-place write, no collective, :func:`fxrewrite.runtime.providers.is_pure`). Not
 in-place write (the table starts again after any node that writes), a value that is written in
 place later (or a view of it), calls inside a functorch transform (``vmap`` bodies,
 :func:`fxrewrite.meta.outside_transforms`), Python-level calls (``torch.cat``, methods):
-canonicalization has turned what rules read into overloads. Equal values of distinct inputs (two
+canonicalization has turned what rules read into overloads, but for the few that rules read as
+written (:data:`PURE_FUNCTIONS`: NVFP4's quantizer rounds and selects with ``torch.round``,
+``torch.where`` and comparisons), which merge as overloads do. Equal values of distinct inputs (two
 parameters that hold the same scale) stay distinct: a parameter may change after compiling.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -44,6 +47,9 @@ from fxrewrite.report import PassResult
 # Namespaces whose ops are functions of their inputs (fxr ops are asked one by one).
 _PURE_NAMESPACES = frozenset({"aten", "prims"})
 _LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+PURE_FUNCTIONS = frozenset({torch.where, torch.round, torch.unsqueeze, operator.eq, operator.ne, operator.lt, operator.le,
+                            operator.gt, operator.ge})  # fmt: skip
+"""Python-level calls left as written by canonicalization that compute a function of their arguments."""
 
 
 class _Unhashable(Exception):
@@ -53,6 +59,8 @@ class _Unhashable(Exception):
 def pure(target: Any) -> bool:
     """``target`` computes a function of its arguments alone: no in-place write, no random
     numbers, no communication; outputs returned."""
+    if target in PURE_FUNCTIONS:
+        return True
     if not isinstance(target, torch._ops.OpOverload):
         return False
     schema = target._schema

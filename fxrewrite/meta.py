@@ -243,6 +243,8 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
                       operator.ior, operator.ixor, operator.ilshift, operator.irshift,
                       operator.setitem}
+# ``a & b``, ``a | b``, ``not a``: named with a trailing underscore (Python keywords), not in place
+_OPERATOR_KEYWORDS = {operator.and_, operator.or_, operator.not_}
 
 
 def written_args(node: fx.Node) -> list[Any]:
@@ -257,7 +259,8 @@ def written_args(node: fx.Node) -> list[Any]:
     out = [node.kwargs["out"]] if "out" in node.kwargs else []
     if t in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
         out.append(node.args[0])
-    elif getattr(t, "__name__", "").endswith("_") and not getattr(t, "__name__", "_").startswith("_"):
+    elif (getattr(t, "__name__", "").endswith("_") and not getattr(t, "__name__", "_").startswith("_")
+          and t not in _OPERATOR_KEYWORDS):  # fmt: skip
         out.append(node.args[0])
     if isinstance(t, torch._ops.OpOverloadPacket) and "default" in t.overloads():
         t = t.default

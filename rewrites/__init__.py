@@ -8,9 +8,8 @@ last rule group, cleanup last). Nothing registers itself at import time.
 from fxrewrite import cse
 from fxrewrite.passes import GraphPass, RuleGroup, Step
 from fxrewrite.rewrites import (activation, async_tp, attention_quant, collective, layernorm, linear, linear_fused,
-                                linear_rotary, merge, moe, norm, norm_variants, quant, quant_block, quant_nvfp4, rotary,
-                                rotary_tables,
-                                sequence_parallel)
+                                linear_rotary, merge, moe, norm, norm_variants, quant, quant_act_mul, quant_block,
+                                quant_nvfp4, rotary, rotary_tables, sequence_parallel)
 
 PIPELINE: tuple[Step, ...] = (
     # a pure call repeated on the same inputs computed once (the quantization of one normed value
@@ -41,8 +40,9 @@ PIPELINE: tuple[Step, ...] = (
     # norms (each holds a plain norm)
     RuleGroup("fuse_norm", layernorm.RULES + norm_variants.RULES + norm.RULES),
     RuleGroup("fuse_activation", activation.RULES),
-    # FP8, block FP8 and NVFP4 quantization of fused activations
-    RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES + quant_block.ACTIVATION_RULES + quant_nvfp4.ACTIVATION_RULES),
+    # FP8, block FP8 and NVFP4 quantization of fused activations: of one [.., 2d] row, of act_mul's two operands
+    RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES + quant_block.ACTIVATION_RULES + quant_nvfp4.ACTIVATION_RULES
+              + quant_act_mul.RULES),
     # the GEMMs take in the small ops around them (graphs replayed as CUDA graphs, as select_gemm):
     # first the residual add of an add + norm into the GEMM that produces the addend (epilogue),
     # then every norm read only by a GEMM into that GEMM (prologue); before select_gemm, which
@@ -66,5 +66,5 @@ PIPELINE: tuple[Step, ...] = (
 )
 
 __all__ = ["PIPELINE", "activation", "async_tp", "attention_quant", "collective", "layernorm", "linear", "linear_fused",
-           "linear_rotary", "merge", "moe", "norm", "norm_variants", "quant", "quant_block", "quant_nvfp4", "rotary",
-           "rotary_tables", "sequence_parallel"]
+           "linear_rotary", "merge", "moe", "norm", "norm_variants", "quant", "quant_act_mul", "quant_block", "quant_nvfp4",
+           "rotary", "rotary_tables", "sequence_parallel"]

@@ -17,6 +17,7 @@ a Mamba mixer's output gate, a recurrent block's GELU branch, a per-layer input 
 
     # before                                            # after
     y = scan_output * F.silu(gate)                      y = torch.ops.fxr.act_mul(gate, scan_output, "silu", False)
+    y = F.silu(gate) * up                               y = torch.ops.fxr.act_mul(gate, up, "silu", True)
 
 The product's operand order is an argument of the op: eager gives the product the layout of its
 first operand where the two differ ([B, D, L] scan output times a gate chunked off a transposed
@@ -104,13 +105,14 @@ def act_second(b: Bindings) -> bool | str:
     return b.anchor is not None and b.anchor.args[0] is b.node("b") or NOT_A_SITE
 
 
-# silu(a) * b -> fxr.act_mul(a, b, "silu")  (a, b: one shape, floats; after the one-tensor rules)
+# silu(a) * b -> fxr.act_mul(a, b, "silu", True)  (a, b: one shape, floats; after the one-tensor rules; the
+# order spelled out, as in the twin, so that a rule on top of act_mul binds it with one pattern)
 def silu_mul_pattern(a, b):
     return F.silu(a) * b
 
 
 def silu_mul_replacement(a, b):
-    return torch.ops.fxr.act_mul(a, b, "silu")
+    return torch.ops.fxr.act_mul(a, b, "silu", True)
 
 
 # b * silu(a) -> fxr.act_mul(a, b, "silu", False)  (the product's layout follows b's, as eager's does)
@@ -118,13 +120,13 @@ def silu_mul_reversed_replacement(a, b):
     return torch.ops.fxr.act_mul(a, b, "silu", False)
 
 
-# gelu(a) * b -> fxr.act_mul(a, b, "gelu")  (erf form)
+# gelu(a) * b -> fxr.act_mul(a, b, "gelu", True)  (erf form)
 def gelu_mul_pattern(a, b):
     return F.gelu(a) * b
 
 
 def gelu_mul_replacement(a, b):
-    return torch.ops.fxr.act_mul(a, b, "gelu")
+    return torch.ops.fxr.act_mul(a, b, "gelu", True)
 
 
 # b * gelu(a) -> fxr.act_mul(a, b, "gelu", False)
@@ -132,13 +134,13 @@ def gelu_mul_reversed_replacement(a, b):
     return torch.ops.fxr.act_mul(a, b, "gelu", False)
 
 
-# gelu(a, approximate="tanh") * b -> fxr.act_mul(a, b, "gelu_tanh")
+# gelu(a, approximate="tanh") * b -> fxr.act_mul(a, b, "gelu_tanh", True)
 def gelu_tanh_mul_pattern(a, b):
     return F.gelu(a, approximate="tanh") * b
 
 
 def gelu_tanh_mul_replacement(a, b):
-    return torch.ops.fxr.act_mul(a, b, "gelu_tanh")
+    return torch.ops.fxr.act_mul(a, b, "gelu_tanh", True)
 
 
 # b * gelu(a, approximate="tanh") -> fxr.act_mul(a, b, "gelu_tanh", False)

@@ -49,6 +49,27 @@ def check_float(t: torch.Tensor) -> str | None:
     return f"dtype {_short(t.dtype)} is not a float of 16 or 32 bits"
 
 
+def check_rows_at_one_stride(x: torch.Tensor, *others: torch.Tensor) -> str | None:
+    """What a kernel that walks rows by one stride needs of ``x`` and equally shaped ``others``:
+    a float of 16 or 32 bits, one dtype, non-empty, the last dim contiguous, all rows one stride
+    apart (``t.view(-1, t.shape[-1])`` is a view)."""
+    for t in (x, *others):
+        if reason := check_float(t):
+            return reason
+        if t.shape != x.shape or t.dtype != x.dtype:
+            return f"{t.dtype}{tuple(t.shape)} != input {x.dtype}{tuple(x.shape)}"
+    if x.dim() == 0 or x.numel() == 0:
+        return "empty input"
+    for t in (x, *others):
+        if t.stride(-1) != 1:
+            return "last dim not contiguous"
+        try:
+            t.view(-1, t.shape[-1])
+        except RuntimeError:
+            return "rows not at one stride"
+    return None
+
+
 def check_strided_rows(*tensors: torch.Tensor) -> str | None:
     """What a strided-rows kernel (Triton's norms and activations) needs of equally shaped
     tensors: floating point, one device, a contiguous non-empty last dim, leading dims that

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from fxrewrite.runtime import constraints
 from fxrewrite.runtime.ops import quant
+from fxrewrite.runtime.ops.activation import ACT_MUL_ACTIVATIONS
 
 FP8_MAX: tl.constexpr = tl.constexpr(quant.FP8_MAX)
 AMAX_FLOOR: tl.constexpr = tl.constexpr(quant.AMAX_FLOOR)
@@ -113,16 +114,19 @@ def _rms_norm_quant_kernel(
 
 
 @triton.jit
-def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, scale_ptr, d, BLOCK: tl.constexpr, DYNAMIC: tl.constexpr):
-    """Program (row, block): ``y = (silu(gate).to(dtype) * up).to(dtype)`` over ``BLOCK`` columns
-    of ``gate = x[row, :d]``, ``up = x[row, d:]``; then FP8 (dynamic: one block holds the row)."""
+def _act_mul_quant_kernel(a_ptr, b_ptr, q_ptr, s_ptr, scale_ptr, a_stride, b_stride, d,
+                          BLOCK: tl.constexpr, DYNAMIC: tl.constexpr, ACT: tl.constexpr = 0):  # fmt: skip
+    """Program (row, block): ``y = (act(gate).to(dtype) * up).to(dtype)`` over ``BLOCK`` columns
+    of ``gate = a[row, :d]``, ``up = b[row, :d]`` (each row at its stride: ``fxr.act_mul``'s two
+    operands, or the halves of one [.., 2d] row, ``b`` a view ``d`` columns in); ``ACT``:
+    :func:`activate`'s code; then FP8 (dynamic: one block holds the row)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    dtype = x_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + row * 2 * d + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * 2 * d + d + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu, approximate division
+    dtype = a_ptr.dtype.element_ty
+    gate = tl.load(a_ptr + row * a_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(b_ptr + row * b_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    act = activate(gate, ACT).to(dtype).to(tl.float32)
     y = (act * up).to(dtype).to(tl.float32)
     _quantize_store(y, q_ptr + row * d + cols, mask, s_ptr + row, scale_ptr, DYNAMIC)
 
@@ -256,18 +260,26 @@ def _rms_norm_quant(
     )
 
 
-def _silu_and_mul_quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    d = x.shape[-1] // 2
+def _act_mul_quant(a: Tensor, b: Tensor, scale: Tensor | None, act: int = 0) -> tuple[Tensor, Tensor | None]:
+    """FP8 of ``act(a) * b`` (equal shapes, rows at one stride each, the last dim contiguous)."""
+    d = a.shape[-1]
     dynamic = scale is None
-    q, s = _outputs(x, d, dynamic)
+    q, s = _outputs(a, d, dynamic)
+    ra, rb = a.reshape(-1, d), b.reshape(-1, d)  # views: the op module's checks ask rows at one stride
     block = triton.next_power_of_2(d) if dynamic else min(triton.next_power_of_2(d), STATIC_BLOCK)
     grid = (q.shape[0], triton.cdiv(d, block))
-    with device_of(x):
-        _silu_and_mul_quant_kernel[grid](
-            x, q, s, s if dynamic else scale, d, BLOCK=block, DYNAMIC=dynamic, num_warps=_warps(block)
-        )
-    shape = (*x.shape[:-1], d)
-    return q.view(shape), s.view(*shape[:-1], 1) if dynamic else None
+    with device_of(a):
+        _act_mul_quant_kernel[grid](
+            ra, rb, q, s, s if dynamic else scale, ra.stride(0), rb.stride(0), d, BLOCK=block, DYNAMIC=dynamic, ACT=act,
+            num_warps=_warps(block),
+        )  # fmt: skip
+    return q.view(a.shape), s.view(*a.shape[:-1], 1) if dynamic else None
+
+
+def _silu_and_mul_quant(x: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """The halves of each (contiguous) row as the two operands: ``b`` is ``x`` ``d`` columns in."""
+    d = x.shape[-1] // 2
+    return _act_mul_quant(x[..., :d], x[..., d:], scale)
 
 
 def _rows_per_program(block: int) -> int:
@@ -393,3 +405,11 @@ def silu_and_mul_quant_fp8(x: Tensor, scale: Tensor) -> Tensor:
 
 def silu_and_mul_dynamic_quant_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
     return _silu_and_mul_quant(x, None)  # type: ignore[return-value]
+
+
+def act_mul_quant_fp8(a: Tensor, b: Tensor, scale: Tensor, activation: str = "silu") -> Tensor:
+    return _act_mul_quant(a, b, scale, ACT_MUL_ACTIVATIONS.index(activation))[0]
+
+
+def act_mul_dynamic_quant_fp8(a: Tensor, b: Tensor, activation: str = "silu") -> tuple[Tensor, Tensor]:
+    return _act_mul_quant(a, b, None, ACT_MUL_ACTIVATIONS.index(activation))  # type: ignore[return-value]

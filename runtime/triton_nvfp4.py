@@ -59,14 +59,15 @@ def _quantize_nvfp4(y, col0, n, q_ptr, s_ptr, g_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr, q_ptr, s_ptr, g_ptr, x_stride, r_stride, n, eps,
+def _nvfp4_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr, q_ptr, s_ptr, g_ptr, b_ptr, x_stride, r_stride, b_stride, n, eps,
                   BLOCK: tl.constexpr, PRE: tl.constexpr, ACT_KIND: tl.constexpr, STORE_Y: tl.constexpr,
                   CAST_LAST: tl.constexpr = False):  # fmt: skip
     """Program (row, column block) (one block holds the row for the norms): ``y`` of ``n``
     values, then NVFP4. ``PRE``: 0 ``y = x``; 1 ``y = w * norm(x).to(dtype)`` rounded to the dtype
     (``CAST_LAST``: ``(w * norm(x))`` rounded once);
     2 the same of ``sum = (x + r)`` rounded, ``sum`` stored; 3 ``y = (act(gate).to(dtype) * up)``
-    rounded, ``gate = x[row, :n]``, ``up = x[row, n:2n]``. ``STORE_Y``: ``y`` stored too."""
+    rounded, ``gate = x[row, :n]``, ``up = b[row, :n]`` (rows at ``b_stride``: the halves of one
+    [.., 2n] row, ``b`` then ``x`` ``n`` columns in, or ``fxr.act_mul``'s second operand). ``STORE_Y``: ``y`` stored too."""
     row = tl.program_id(0).to(tl.int64)
     col0 = tl.program_id(1) * BLOCK
     cols = col0 + tl.arange(0, BLOCK)
@@ -75,7 +76,7 @@ def _nvfp4_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr, q_ptr, s_ptr, g_ptr, x_st
     x_row = x_ptr + row * x_stride
     if PRE == 3:
         gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_row + n + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(b_ptr + row * b_stride + cols, mask=mask, other=0.0).to(tl.float32)
         act = activate(gate, ACT_KIND).to(dtype).to(tl.float32)
         y = (act * up).to(dtype).to(tl.float32)
     else:
@@ -100,10 +101,12 @@ def _nvfp4_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, y_ptr, q_ptr, s_ptr, g_ptr, x_st
 
 def _launch(x: Tensor, global_scale: Tensor, pre: int, n: int, weight: Tensor | None = None, eps: float = 0.0,
             residual: Tensor | None = None, act: str = "silu",
-            y_out: Tensor | None = None, cast_last: bool = False) -> tuple[Tensor, ...]:  # fmt: skip
+            y_out: Tensor | None = None, cast_last: bool = False, b: Tensor | None = None) -> tuple[Tensor, ...]:  # fmt: skip
     """(q, s[, sum]) shaped as the op returns them, for ``n`` output values a row; ``y_out``
-    (rows x n, x's dtype) receives the quantizer's input."""
+    (rows x n, x's dtype) receives the quantizer's input; ``b``: an activation's up operand (``x``
+    its gate, both [.., n]), else the activations read the halves of ``x``'s rows."""
     rows = x.view(-1, x.shape[-1])
+    up = b.view(-1, n) if b is not None else rows[:, n:] if pre == ACT else rows
     lead = x.shape[:-1]
     q = torch.empty((*lead, n // 2), dtype=torch.uint8, device=x.device)
     s = torch.empty((*lead, n // spec.BLOCK), dtype=spec.SCALE_DTYPE, device=x.device)
@@ -117,7 +120,7 @@ def _launch(x: Tensor, global_scale: Tensor, pre: int, n: int, weight: Tensor | 
     with device_of(x):
         _nvfp4_kernel[grid](
             rows, res, weight if weight is not None else rows, total, y_out if y_out is not None else q, q, s,
-            global_scale, rows.stride(0), res.stride(0), n, eps, BLOCK=block, PRE=pre, ACT_KIND=ACTS[act],
+            global_scale, up, rows.stride(0), res.stride(0), up.stride(0), n, eps, BLOCK=block, PRE=pre, ACT_KIND=ACTS[act],
             STORE_Y=y_out is not None, CAST_LAST=cast_last, num_warps=_warps(block),
         )  # fmt: skip
     return (q, s, total) if residual is not None else (q, s)
@@ -150,3 +153,9 @@ def silu_and_mul_quant_nvfp4(x: Tensor, global_scale: Tensor, y_out: Tensor | No
 def gelu_and_mul_quant_nvfp4(x: Tensor, global_scale: Tensor, approximate: str = "none",
                              y_out: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     return _launch(x, global_scale, ACT, x.shape[-1] // 2, act=approximate, y_out=y_out)  # type: ignore[return-value]
+
+
+def act_mul_quant_nvfp4(a: Tensor, b: Tensor, global_scale: Tensor, activation: str = "silu",
+                        y_out: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    act = {"silu": "silu", "gelu": "none", "gelu_tanh": "tanh"}[activation]  # ACTS is keyed by GELU's approximate
+    return _launch(a, global_scale, ACT, a.shape[-1], act=act, y_out=y_out, b=b)  # type: ignore[return-value]

@@ -34,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fxrewrite.runtime.ops import quant, quant_block
+from fxrewrite.runtime.ops.activation import ACT_MUL_ACTIVATIONS
 from fxrewrite.runtime.triton_kernels import _warps, device_of
 
 FP8_MAX: tl.constexpr = tl.constexpr(quant.FP8_MAX)
@@ -45,11 +46,13 @@ QUANT_ONLY, RMS_NORM, ADD_RMS_NORM, SILU, GELU, GELU_TANH = (tl.constexpr(i) for
 
 
 @triton.jit
-def _block_quant_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, q_ptr, s_ptr, y_ptr, n, eps,
+def _block_quant_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, q_ptr, s_ptr, y_ptr, b_ptr, x_stride, b_stride, n, eps,
                         GROUP: tl.constexpr, GROUPS: tl.constexpr, MODE: tl.constexpr,
                         STORE_Y: tl.constexpr, CAST_LAST: tl.constexpr = False):  # fmt: skip
     """Program (row, block): ``y`` over columns ``[block * GROUPS * GROUP, ...)`` of the output
-    row (``n`` columns; for the activations ``x`` has ``2n``: gate, then up), then FP8 per group.
+    row (``n`` columns), then FP8 per group. The activations read the gate from ``x`` and up from
+    ``b``, rows at strides ``x_stride`` and ``b_stride`` (the halves of one [.., 2n] row: ``b`` is
+    ``x`` ``n`` columns in; ``fxr.act_mul``'s operands: two tensors); the norms read contiguous rows.
     A norm's ``y`` is ``w * normed.to(dtype)`` rounded, or with ``CAST_LAST`` ``(w * normed)`` rounded once."""
     row = tl.program_id(0).to(tl.int64)
     g0 = tl.program_id(1) * GROUPS
@@ -72,9 +75,8 @@ def _block_quant_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, q_ptr, s_ptr, y_ptr, n, ep
                 y = y.to(dtype).to(tl.float32)
             y = (w * y).to(dtype).to(tl.float32)
     else:
-        base = x_ptr + row * 2 * n + cols
-        gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(base + n, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(b_ptr + row * b_stride + cols, mask=mask, other=0.0).to(tl.float32)
         if MODE == SILU:
             act = tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
         elif MODE == GELU:
@@ -94,12 +96,16 @@ def _block_quant_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, q_ptr, s_ptr, y_ptr, n, ep
 
 def launch(mode: int, x: Tensor, n: int, group: int, weight: Tensor | None = None, eps: float = 0.0,
            residual: Tensor | None = None, y_out: Tensor | None = None,
-           cast_last: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+           cast_last: bool = False, b: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
     """Run :func:`_block_quant_kernel` over ``x``'s rows (contiguous; ``n`` output columns per
     row); returns ``(q, s, sum or None)`` shaped as the op returns them. ``y_out`` (a tensor of
-    the output's shape): store the value quantized there too. ``cast_last``: the norms' order."""
+    the output's shape): store the value quantized there too. ``cast_last``: the norms' order.
+    ``b``: an activation's up operand, ``x`` its gate (each rows at one stride, of ``n`` values);
+    without it the activations read the halves of ``x``'s rows."""
     mode = int(getattr(mode, "value", mode))
     rows = x.numel() // x.shape[-1]
+    gate, up = (x, b) if b is not None else (x[..., :n], x[..., n:]) if mode > ADD_RMS_NORM else (x, x)
+    gate, up = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])  # views (checked by the op module)
     shape = (*x.shape[:-1], n)
     q, s = quant_block.block_outputs(x, group, shape)
     total = torch.empty_like(x) if residual is not None else None
@@ -108,8 +114,9 @@ def launch(mode: int, x: Tensor, n: int, group: int, weight: Tensor | None = Non
     dummy = x
     with device_of(x):
         _block_quant_kernel[(rows, triton.cdiv(n // group, groups))](
-            x, residual if residual is not None else dummy, weight if weight is not None else dummy,
-            total if total is not None else dummy, q, s, y_out if y_out is not None else dummy, n, eps,
+            gate, residual if residual is not None else dummy, weight if weight is not None else dummy,
+            total if total is not None else dummy, q, s, y_out if y_out is not None else dummy, up,
+            gate.stride(0), up.stride(0), n, eps,
             GROUP=group, GROUPS=groups, MODE=mode, STORE_Y=y_out is not None, CAST_LAST=cast_last,
             num_warps=_warps(groups * group),
             enable_fp_fusion=False,  # no FMA: each product and sum rounds on its own, as the spec's
@@ -139,6 +146,12 @@ def silu_and_mul_block_quant_fp8(x: Tensor, group: int) -> tuple[Tensor, Tensor]
 
 def gelu_and_mul_block_quant_fp8(x: Tensor, group: int, approximate: str = "none") -> tuple[Tensor, Tensor]:
     q, s, _ = launch(GELU_TANH if approximate == "tanh" else GELU, x, x.shape[-1] // 2, group)
+    return q, s
+
+
+def act_mul_block_quant_fp8(a: Tensor, b: Tensor, group: int, activation: str = "silu") -> tuple[Tensor, Tensor]:
+    mode = (SILU, GELU, GELU_TANH)[ACT_MUL_ACTIVATIONS.index(activation)]
+    q, s, _ = launch(mode, a, a.shape[-1], group, b=b)
     return q, s
 
 

@@ -213,26 +213,13 @@ def check_global_scale(x: Tensor, global_scale: Tensor) -> str | None:
 
 
 def _check_rows(x: Tensor, width: int, others: tuple[Tensor, ...] = ()) -> str | None:
-    """What the kernel needs of ``x`` (and equally shaped ``others``): a float of 16 or 32 bits,
-    rows at one stride with the last dim contiguous, ``width`` output values a row (a multiple of
+    """What the kernel needs of ``x`` (and equally shaped ``others``): rows at one stride
+    (:func:`constraints.check_rows_at_one_stride`), ``width`` output values a row (a multiple of
     16; at most one program's row for the norms)."""
-    for t in (x, *others):
-        if reason := constraints.check_float(t):
-            return reason
-        if t.shape != x.shape or t.dtype != x.dtype:
-            return f"{t.dtype}{tuple(t.shape)} != input {x.dtype}{tuple(x.shape)}"
-    if x.dim() == 0 or x.numel() == 0:
-        return "empty input"
-    if width % BLOCK:
-        return f"{width} values a row, not a multiple of {BLOCK}"
-    for t in (x, *others):
-        if t.stride(-1) != 1:
-            return "last dim not contiguous"
-        try:
-            t.view(-1, t.shape[-1])
-        except RuntimeError:
-            return "rows not at one stride"
-    return None
+    reason = constraints.check_rows_at_one_stride(x, *others)
+    if reason is None and width % BLOCK:
+        reason = f"{width} values a row, not a multiple of {BLOCK}"
+    return reason
 
 
 def _triton_norm_check(x: Tensor, weight: Tensor, eps: float, global_scale: Tensor, cast_last: bool = False) -> str | None:

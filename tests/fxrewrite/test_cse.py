@@ -63,6 +63,48 @@ def test_no_merge_across_an_in_place_write(dtype: torch.dtype) -> None:
     assert r.counts()["aten.amax"] == 2  # k and v (after the write) merge, q (before it) stays
 
 
+class ThreeNvfp4Quantizations(torch.nn.Module):
+    """q, k and v each NVFP4-quantize the normed value with one shared global scale (the recipe
+    spells ``torch.where``, ``torch.round``, comparisons: Python-level calls that canonicalization
+    keeps); ``mask``: a ``&`` of two masks between them (``operator.and_``: not an in-place write)."""
+
+    def __init__(self, mask: bool = False) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(HIDDEN))
+        self.register_buffer("global_scale", torch.tensor([300.0]))
+        self.mask = mask
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from fxrewrite.runtime.ops.quant_nvfp4 import quant_nvfp4
+
+        h = rms_norm(x, self.weight)
+        q = quant_nvfp4(h, self.global_scale)
+        extra = ((x > 0) & (x < 1),) if self.mask else ()
+        return (*q, *extra, *quant_nvfp4(h, self.global_scale), *quant_nvfp4(h, self.global_scale))
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["plain", "and-between"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_repeated_nvfp4_quantizations_become_one_and_fuse_with_the_norm(dtype: torch.dtype, mask: bool) -> None:
+    x = torch.randn(5, HIDDEN).to(dtype)
+    model = ThreeNvfp4Quantizations(mask).to(dtype)
+    model.global_scale = model.global_scale.float()  # one float32 element in any dtype
+    r = check(model, x, expect={"rms_norm_quant_nvfp4": 1}, exact=True)
+    assert [s.rule for s in sites(r)] == ["rms_norm_quant_nvfp4"]
+
+
+def test_python_level_pure_calls_are_pure_and_and_writes_nothing() -> None:
+    import operator
+
+    from fxrewrite import meta
+
+    assert cse.pure(torch.where) and cse.pure(operator.lt) and not cse.pure(torch.cat)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    both = g.call_function(operator.and_, (x, x))
+    assert meta.written_args(both) == [] and meta.written_args(g.call_function(operator.iand, (x, x))) == [x]
+
+
 def graph_of(build) -> fx.GraphModule:  # noqa: ANN001
     g = fx.Graph()
     x = g.placeholder("x")

@@ -89,15 +89,18 @@ def test_gate_and_up_merge_and_their_activation_fuses_with_its_quantization(dtyp
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_linears_reading_other_quantized_inputs_do_not_merge(dtype: torch.dtype) -> None:
     """Negative twin: up reads another input, gate the normed value: two quantizations, no siblings;
-    gate and up stay two GEMMs, their product ``act_mul``, whose quantization does not fuse."""
+    gate and up stay two GEMMs, their product ``act_mul``, quantized by ``act_mul_block_quant_fp8``
+    (rewrites/quant_act_mul.py) where the merged pair's halves would be ``silu_and_mul``'s."""
     r = check(Mlp(up_reads="other").to(dtype), inputs(dtype),
-              expect={"rms_norm_block_quant_fp8": 1, "linear_block_fp8": 3, "act_mul": 1})  # fmt: skip
+              expect={"rms_norm_block_quant_fp8": 1, "linear_block_fp8": 3,
+                      "act_mul_block_quant_fp8": 1})  # fmt: skip
     assert not sites(r, "merge_siblings")
 
 
 def test_without_merge_siblings_the_pair_stays_two_gemms() -> None:
     """Negative twin: ``merge_siblings=False`` keeps the two GEMMs (the norm still fuses with the
-    one quantization ``cse`` left)."""
+    one quantization ``cse`` left; the product is ``act_mul``'s, quantized by ``act_mul_block_quant_fp8``)."""
     r = check(Mlp(), inputs(F32), config=Config(merge_siblings=False),
-              expect={"rms_norm_block_quant_fp8": 1, "linear_block_fp8": 3, "act_mul": 1})  # fmt: skip
+              expect={"rms_norm_block_quant_fp8": 1, "linear_block_fp8": 3,
+                      "act_mul_block_quant_fp8": 1})  # fmt: skip
     assert not sites(r, "merge_siblings")

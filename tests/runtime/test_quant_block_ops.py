@@ -252,7 +252,8 @@ def test_triton_kernel_compiles_for_hopper() -> None:
     tq = pytest.importorskip("fxrewrite.runtime.triton_quant_block", reason="triton is not installed")
 
     types = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "q_ptr": "*fp8e4nv",
-             "s_ptr": "*fp32", "y_ptr": "*bf16", "n": "i32", "eps": "fp32"}  # fmt: skip
+             "s_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16", "x_stride": "i32", "b_stride": "i32", "n": "i32",
+             "eps": "fp32"}  # fmt: skip
     for mode, cast_last in ((tq.ADD_RMS_NORM, False), (tq.ADD_RMS_NORM, True), (tq.GELU_TANH, False)):
         constexprs = {"GROUP": 128, "GROUPS": 32, "MODE": int(mode.value), "STORE_Y": False, "CAST_LAST": cast_last}
         ptx = compile_for_hopper("fxrewrite.runtime.triton_quant_block", "_block_quant_kernel", types, constexprs,
