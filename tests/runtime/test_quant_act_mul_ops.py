@@ -196,6 +196,29 @@ def test_kernel_gives_the_reference_bytes(request: pytest.FixtureRequest, name: 
         assert float((u8(got[0]) != u8(want[0])).float().mean()) < 1e-2
 
 
+@pytest.mark.parametrize("act", [0, 1, 2], ids=["silu", "gelu", "gelu_tanh"])
+def test_act_mul_kernels_compile_for_hopper(act: int) -> None:
+    """The FP8 and NVFP4 act + quant kernels with their second operand's pointer and stride
+    built for sm90 by this Triton's front end and NVIDIA backend (what the interpreter lets
+    through, the GPU's compiler may refuse): each stores e4m3 through the saturating convert."""
+    from helpers.triton import compile_for_hopper
+
+    pytest.importorskip("fxrewrite.runtime.triton_kernels", reason="triton is not installed")
+    fp8 = compile_for_hopper(
+        "fxrewrite.runtime.triton_kernels", "_act_mul_quant_kernel",
+        {"a_ptr": "*bf16", "b_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "scale_ptr": "*fp32",
+         "a_stride": "i32", "b_stride": "i32", "d": "i32"},
+        {"BLOCK": 1024, "DYNAMIC": False, "ACT": act})  # fmt: skip
+    nvfp4 = compile_for_hopper(
+        "fxrewrite.runtime.triton_nvfp4", "_nvfp4_kernel",
+        {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "y_ptr": "*bf16", "q_ptr": "*u8",
+         "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "b_ptr": "*bf16", "x_stride": "i32", "r_stride": "i32",
+         "b_stride": "i32", "n": "i32", "eps": "fp32"},
+        {"BLOCK": 1024, "PRE": 3, "ACT_KIND": act, "STORE_Y": False})  # fmt: skip
+    assert "cvt.rn.satfinite.e4m3x2.f32" in fp8
+    assert "cvt.rn.satfinite.e4m3x2.f32" in nvfp4 and "ld.global" in nvfp4
+
+
 # -- GPU: the ops through torch.ops.fxr ---------------------------------------------------------
 
 
@@ -228,3 +251,4 @@ def test_gpu_op_is_served_by_triton_and_matches_the_reference(name: str, activat
         pair = pytest.importorskip(f"fxrewrite.runtime.{FIXTURE[name]}")
         want_pair = pair_op(pair, name, x, activation)
         assert all(torch.equal(u8(g), u8(w.cpu())) for g, w in zip(got, want_pair))
+
