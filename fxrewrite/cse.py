@@ -1,7 +1,7 @@
 """Common subexpressions: a pure call repeated on the same inputs is computed once.
 
 Model code repeats a computation where each module does its own: every FP8 linear quantizes its
-own input, so q, k and v projections that read one normed hidden state quantize it three times,
+own input (only such chains merge: those that go on to a cast to a one-byte dtype), so q, k and v projections that read one normed hidden state quantize it three times,
 and the norm's output has three readers where a norm + quant rule needs one::
 
     # before                                        # after
@@ -42,10 +42,14 @@ import torch
 import torch.fx as fx
 
 from fxrewrite import meta
+from fxrewrite.canonicalize import CAST
 from fxrewrite.report import PassResult
 
 # Namespaces whose ops are functions of their inputs (fxr ops are asked one by one).
 _PURE_NAMESPACES = frozenset({"aten", "prims"})
+# The dtypes of quantized values (one byte, not bool: a mask is not a quantization)
+_QUANTIZED = frozenset(t for t in (torch.uint8, torch.int8, *(getattr(torch, n) for n in dir(torch) if n.startswith("float8_")))
+                       if isinstance(t, torch.dtype) and t.itemsize == 1)  # fmt: skip
 _LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 PURE_FUNCTIONS = frozenset({torch.where, torch.round, torch.unsqueeze, operator.eq, operator.ne, operator.lt, operator.le,
                             operator.gt, operator.ge})  # fmt: skip
@@ -134,8 +138,27 @@ def eliminate_common_subexpressions(gm: fx.GraphModule) -> int:
     def continued(first: fx.Node) -> bool:
         return any(of.get(u) is not None for n in classes[first] for u in n.users)
 
+    def quantizes(first: fx.Node) -> bool:
+        """The repeated chain through ``first`` (its classes linked through inputs and readers)
+        holds a cast to a one-byte dtype: a quantization, what model code repeats per linear
+        (with the views and scales around it). Other repeated chains stay as written: a weighted
+        and an unweighted norm of one value share the whole of the unweighted one, and merged,
+        its last node would sit inside the weighted norm's pattern with a reader outside it
+        (neither would fuse as one op)."""
+        stack, seen = [first], set()
+        while stack:
+            f = stack.pop()
+            if f in seen:
+                continue
+            seen.add(f)
+            if f.target is CAST and f.args[1] in _QUANTIZED:
+                return True
+            linked = [u for n in classes[f] for u in n.users] + [i for n in classes[f] for i in n.all_input_nodes]
+            stack += [of[v] for v in linked if of.get(v) is not None]
+        return False
+
     removed = 0
-    for first in [f for f in classes if continues(f) or continued(f)]:
+    for first in [f for f in classes if (continues(f) or continued(f)) and quantizes(f)]:
         for node in classes[first][1:]:
             node.replace_all_uses_with(first)
             gm.graph.erase_node(node)

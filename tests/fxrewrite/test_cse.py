@@ -14,6 +14,7 @@ import torch.fx as fx
 from helpers.rewrites import BF16, DYNAMIC, F32, check, quant_per_token, sites
 
 from fxrewrite import cse
+from fxrewrite.canonicalize import CAST
 from fxrewrite.runtime import providers
 
 A = torch.ops.aten
@@ -116,17 +117,26 @@ def calls(gm: fx.GraphModule) -> list[str]:
     return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def test_identical_pure_calls_merge_and_their_users_follow() -> None:
-    def build(g: fx.Graph, x: fx.Node) -> tuple:
-        a, b = g.call_function(A.abs.default, (x,)), g.call_function(A.abs.default, (x,))
-        return (g.call_function(A.add.Tensor, (a, 1)), g.call_function(A.add.Tensor, (b, 1)))
+def _abs_add(g: fx.Graph, x: fx.Node, cast: bool) -> fx.Node:
+    y = g.call_function(A.add.Tensor, (g.call_function(A.abs.default, (x,)), 1))
+    return g.call_function(CAST, (y, torch.float8_e4m3fn)) if cast else y
 
-    gm = graph_of(build)
-    assert cse.eliminate_common_subexpressions(gm) == 2
-    assert calls(gm) == ["aten.abs.default", "aten.add.Tensor"]
+
+def test_identical_quantizing_chains_merge_and_their_users_follow() -> None:
+    gm = graph_of(lambda g, x: (_abs_add(g, x, cast=True), _abs_add(g, x, cast=True)))
+    assert cse.eliminate_common_subexpressions(gm) == 3
+    assert calls(gm) == ["aten.abs.default", "aten.add.Tensor", "prims.convert_element_type.default"]
     gm.recompile()
     out = gm(torch.tensor([-1.0, 2.0]))
-    assert out[0] is out[1] and torch.equal(out[0], torch.tensor([2.0, 3.0]))
+    assert out[0] is out[1] and torch.equal(out[0].float(), torch.tensor([2.0, 3.0]))
+
+
+def test_a_repeated_chain_that_quantizes_nothing_stays() -> None:
+    """Negative twin: the same chain without the cast to a one-byte dtype is left as written (a
+    weighted and an unweighted norm of one value, merged, would fuse as neither:
+    tests/rewrites/test_torch_rms_norm.py)."""
+    gm = graph_of(lambda g, x: (_abs_add(g, x, cast=False), _abs_add(g, x, cast=False)))
+    assert cse.eliminate_common_subexpressions(gm) == 0 and len(calls(gm)) == 4
 
 
 def test_a_lone_repeated_call_read_by_different_computations_stays() -> None:
