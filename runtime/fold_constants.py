@@ -123,8 +123,13 @@ def _stand_in(node: fx.Node) -> torch.Tensor | None:
     v = meta.tensor(node)
     if v is None or not _static(v):
         return None
-    with unset_fake_temporarily():
-        return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
+    try:  # sizes free of symbols may still be SymInts (transformers 5.24's Mistral at decode): as ints
+        shape, stride = [int(s) for s in v.shape], [int(s) for s in v.stride()]
+        with unset_fake_temporarily():
+            return torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
+    except Exception as e:  # noqa: BLE001 - no stand-in: the node stays as written
+        log.debug("fold_constants: no stand-in for %s: %s: %s", node.name, type(e).__name__, e)
+        return None
 
 
 class _Folder:
