@@ -1,8 +1,9 @@
 """Common subexpressions: a pure call repeated on the same inputs is computed once.
 
 Model code repeats a computation where each module does its own: every FP8 linear quantizes its
-own input (only such chains merge: those that go on to a cast to a one-byte dtype), so q, k and v projections that read one normed hidden state quantize it three times,
-and the norm's output has three readers where a norm + quant rule needs one::
+own input (only such chains merge: those that go on to a cast to a one-byte dtype), so q, k and
+v projections that read one normed hidden state quantize it three times, and the norm's output
+has three readers where a norm + quant rule needs one::
 
     # before                                        # after
     h = rms_norm(x)                                 h = rms_norm(x)
@@ -48,8 +49,8 @@ from fxrewrite.report import PassResult
 # Namespaces whose ops are functions of their inputs (fxr ops are asked one by one).
 _PURE_NAMESPACES = frozenset({"aten", "prims"})
 # The dtypes of quantized values (one byte, not bool: a mask is not a quantization)
-_QUANTIZED = frozenset(t for t in (torch.uint8, torch.int8, *(getattr(torch, n) for n in dir(torch) if n.startswith("float8_")))
-                       if isinstance(t, torch.dtype) and t.itemsize == 1)  # fmt: skip
+_FLOAT8 = (getattr(torch, n) for n in dir(torch) if n.startswith("float8_"))
+_QUANTIZED = frozenset(t for t in (torch.uint8, torch.int8, *_FLOAT8) if isinstance(t, torch.dtype) and t.itemsize == 1)
 _LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 PURE_FUNCTIONS = frozenset({torch.where, torch.round, torch.unsqueeze, operator.eq, operator.ne, operator.lt, operator.le,
                             operator.gt, operator.ge})  # fmt: skip

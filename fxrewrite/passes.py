@@ -150,11 +150,11 @@ def prepare_dump_dir(path: str) -> Path:
 def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off while the passes run (and while an ahead-of-time
     compile traces, rewrites and pickles its guards: :func:`fxrewrite.precompile.aot_compile`),
-    on again after (if it was). The passes allocate many small objects (nodes, fake values), and every so many allocations
-    the collector walks the whole heap: Dynamo's, the model's and the graph's objects. On a
-    128-layer Llama every second rewrite paid a full collection of 1.2-1.5 s, more than the
-    rewrite itself (bench/RESULTS.md, issue 23). What the passes leave in cycles is collected
-    at the next collection after."""
+    on again after (if it was). The passes allocate many small objects (nodes, fake values), and
+    every so many allocations the collector walks the whole heap: Dynamo's, the model's and the
+    graph's objects. On a 128-layer Llama every second rewrite paid a full collection of 1.2-1.5
+    s, more than the rewrite itself (bench/RESULTS.md, issue 23). What the passes leave in cycles
+    is collected at the next collection after."""
     was = gc.isenabled()
     gc.disable()
     try:

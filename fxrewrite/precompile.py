@@ -59,8 +59,8 @@ import torch
 import torch.fx as fx
 
 from fxrewrite import fingerprint, meta
-from fxrewrite.passes import collector_paused
 from fxrewrite.cache import _decode_report, _digest, _encode_report, _write_atomic
+from fxrewrite.passes import collector_paused
 from fxrewrite.report import GraphReport
 
 if TYPE_CHECKING:
