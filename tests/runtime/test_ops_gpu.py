@@ -24,7 +24,8 @@ from helpers.gpu import force, fresh_counts, gen  # noqa: F401  (fresh_counts, g
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
 from fxrewrite.runtime.ops import (activation, async_tp, collective, linear, linear_block_fp8, moe, moe_route, norm,
-                                   norm_variants, quant, quant_block, quant_nvfp4, rotary, sequence_parallel)
+                                   norm_variants, quant, quant_act_mul, quant_block, quant_nvfp4, rotary,
+                                   sequence_parallel)
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -46,9 +47,12 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 # block FP8 ops (a group argument, per-group scales) test_quant_block_ops.py, the block-FP8 GEMM
 # (FP8 operands and scales) test_linear_block_fp8_ops.py; the qkv GEMM that rotates its output
 # (positions, a cache) test_linear_fused_gpu.py.
+# act_mul + block FP8 / NVFP4 (a group or a global scale, packed outputs): test_quant_act_mul_ops.py
+QUANT_ACT_MUL_OWN = tuple(op for op in quant_act_mul.DEFS if op.name in ("act_mul_block_quant_fp8", "act_mul_quant_nvfp4"))
 GENERIC = [op for op in ops.DEFS
            if op not in rotary.DEFS + collective.DEFS + sequence_parallel.DEFS + async_tp.DEFS + moe.DEFS + moe_route.DEFS
-           + quant_nvfp4.DEFS + quant_block.DEFS + linear_block_fp8.DEFS and op.name != "rms_norm_linear_rotary"]
+           + quant_nvfp4.DEFS + quant_block.DEFS + linear_block_fp8.DEFS + QUANT_ACT_MUL_OWN
+           and op.name != "rms_norm_linear_rotary"]
 SHAPES = [(1, 4096), (7, 4096), (64, 4096), (513, 4096), (4096, 4096), (3, 33), (5, 3420), (2, 5120)]
 
 
