@@ -41,9 +41,10 @@ weights, same KV cache) and times them in alternating rounds, column by column: 
 compare two systems within a few percent are read from that table, since a system's step time
 moves by a few percent from one process to the next.
 
-``--quant fp8`` or ``--quant block-fp8``: every row runs the engine model with FP8 linears
-(``bench/e2e_model.py``: static per-tensor with calibrated input scales, ``torch._scaled_mm``; or
-block FP8, ``fxr.linear_block_fp8``). fxrewrite's rows are given the attention + FP8 declaration
+``--quant fp8``, ``block-fp8`` or ``nvfp4``: every row runs the engine model with quantized
+linears (``bench/e2e_model.py``: static per-tensor FP8 with calibrated input scales,
+``torch._scaled_mm``; block FP8, ``fxr.linear_block_fp8``; NVFP4 with a dequantizing reference
+GEMM, for its fusions and numerics: on Hopper its times are not NVFP4's). fxrewrite's rows are given the attention + FP8 declaration
 (``engine_fp8.ATTENTION_QUANT``) and their notes list the quantization fusions per layer; there is no
 hand-fused twin; the error column compares with the same quantized model in float32 (its FP8
 values as stored), so the format's own error is not in it.
@@ -767,7 +768,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds of the --paired process")
     p.add_argument("--layers", type=int, default=None, help="override the layer count (quick runs)")
     p.add_argument("--quant", choices=tuple(QUANTS), default="none", help="the model's linears quantized: fp8 (static "
-                   "per-tensor, torch._scaled_mm) or block-fp8 (fxr.linear_block_fp8); every system runs the same model")
+                   "per-tensor, torch._scaled_mm), block-fp8 (fxr.linear_block_fp8) or nvfp4 (a dequantizing reference GEMM: "
+                   "fusions and numerics, not NVFP4's speed); every system runs the same model")
     p.add_argument("--context", type=int, default=1024, help="cached tokens per sequence in decode (tiny: at most 64)")
     p.add_argument("--prefill-seqs", type=int, default=1, help="sequences per prefill step (>1 runs attention's host loop)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls per column (reduce-overhead records at call 2)")
@@ -832,8 +834,8 @@ def main(argv: list[str] | None = None) -> int:
         f"- copy bandwidth (read + write): {bandwidth / 1e12:.3f} TB/s; CUDA graph capture sizes: {plan.capture['all']}; "
         "each system in a fresh process",
         "- step ms: median over many calls from an idle device after warm-up; first call and start-up in s; rel err vs float32 eager"
-        + ("" if plan.quant == "none" else ": the same quantized model, eager, every value that is not FP8 in float32 (its FP8 "
-           "weights as stored, its activations quantized as in the run): the format's own error is not in the column, eager's "
+        + ("" if plan.quant == "none" else ": the same quantized model, eager, every value that is not quantized in float32 (its "
+           "quantized weights as stored, its activations quantized as in the run): the format's own error is not in the column, eager's "
            "row is the floor"),
     ]
     if plan.quant != "none":

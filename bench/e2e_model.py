@@ -11,7 +11,13 @@ Quantized models (``--quant``), built from the plain one with the bench converte
 - ``block-fp8``: ``engine_model_fp8.to_block_fp8``, block FP8 (weights per 128 x 128 tile,
   activations per token and group of 128, ``fxr.linear_block_fp8``); the tiny shape widened to
   ``tiny_fp8`` (every dim a multiple of 128). The same declaration is passed: the attention
-  output's block quantization is dynamic and stays, with the report's reason.
+  output's block quantization is dynamic and stays, with the report's reason;
+- ``nvfp4``: ``fp8_linears.to_nvfp4_linears``, NVFP4 (e2m1 values per block of 16, e4m3 block
+  scales, float32 global input scales calibrated as ``fp8``'s). Its GEMM is a dequantizing
+  reference (``F.linear`` of the dequantized input and weight in the model's dtype): NVFP4 GEMMs
+  need Blackwell's FP4 tensor cores, so on Hopper this variant shows the fusions and their
+  numerics, and its step times are not NVFP4's. The attention output's quantization is NVFP4
+  and stays, with the report's reason.
 
 Neither has a hand-fused twin (its linears are not the twin's).
 """
@@ -34,6 +40,8 @@ QUANTS = {
     "none": "none",
     "fp8": "static per-tensor FP8 (e4m3 weights and activations, calibrated input scales, torch._scaled_mm)",
     "block-fp8": "block FP8 (e4m3 weights per 128 x 128 tile, activations per token and group of 128, fxr.linear_block_fp8)",
+    "nvfp4": "NVFP4 (e2m1 values per block of 16, e4m3 block scales, calibrated float32 global scales); the GEMM a "
+             "dequantizing reference in the model's dtype (NVFP4 GEMMs need Blackwell): step times are not NVFP4's",
 }
 
 
@@ -118,14 +126,20 @@ def make_plan(args: argparse.Namespace) -> Plan:
 def quantize(model: EngineLlama, plan: Plan) -> None:
     """Convert the plain ``model`` to ``plan.quant``'s format, in place (module docstring); its KV
     cache is left zeroed."""
-    if plan.quant == "fp8":
-        from engine_fp8 import to_fp8
-
+    if plan.quant in ("fp8", "nvfp4"):
         size = min(c.size for c in plan.cols if c.kind == "prefill")
         calibration = make_batch(plan.cfg, "prefill", size, num_seqs=min(CALIBRATION_SEQS, size), max_len=plan.max_len,
                                  device=plan.device, seed=CALIBRATION_SEED)  # fmt: skip
         with torch.no_grad():
-            to_fp8(model, calibration)
+            if plan.quant == "fp8":
+                from engine_fp8 import to_fp8
+
+                to_fp8(model, calibration)
+            else:
+                from fp8_linears import to_nvfp4_linears
+
+                to_nvfp4_linears(model.layers, lambda: model(**calibration))
+                model.zero_kv_cache()
     elif plan.quant == "block-fp8":
         from engine_model_fp8 import to_block_fp8
 

@@ -79,7 +79,5 @@ def to_fp8(model: engine_model.EngineLlama, calibration: dict[str, torch.Tensor]
     headroom of 2x for other steps (``fp8_linears.to_fp8_linears``). The KV caches are zeroed
     after the calibration step."""
     to_fp8_linears(model.layers, lambda: model(**calibration))
-    for layer in model.layers:
-        layer.self_attn.k_cache.zero_()
-        layer.self_attn.v_cache.zero_()
+    model.zero_kv_cache()
     return model

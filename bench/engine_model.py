@@ -495,6 +495,13 @@ class EngineLlama(nn.Module):
             attn.v_cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
 
     @torch.no_grad()
+    def zero_kv_cache(self) -> None:
+        """Every cache slot back to zero (after a calibration step wrote some)."""
+        for layer in self.layers:
+            layer.self_attn.k_cache.zero_()
+            layer.self_attn.v_cache.zero_()
+
+    @torch.no_grad()
     def fill_kv_cache_random(self, seed: int = 0) -> None:
         """Random keys and values in every cache slot: a decode context without running a prefill."""
         g = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)

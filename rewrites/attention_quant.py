@@ -211,8 +211,8 @@ def _find(attn: fx.Node) -> _Site | None:
         return None
     site = _Site(attn, views, quant)
     if any(n.target in _REDUCTIONS for n in between):
-        site.reason = ("a dynamic (per-token) quantization: its scale is computed from the attention output; "
-                       "the fused attention takes a static scale")  # fmt: skip
+        site.reason = ("a dynamic quantization: its scale is reduced from the attention output (per token, group "
+                       "or block); the fused attention takes a static scale")  # fmt: skip
         return site
     found = match_at(QUANT_STATIC, quant)
     if isinstance(found, Failure):

@@ -145,7 +145,7 @@ def test_piecewise_and_full_runners(mode: str) -> None:
 @pytest.mark.parametrize(
     "layer,reason",
     [
-        (lambda: Layer("dynamic"), "a dynamic (per-token) quantization"),
+        (lambda: Layer("dynamic"), "a dynamic quantization: its scale is reduced from the attention output"),
         (lambda: Layer("residual"), "is computed from the attention output"),
         (lambda: Layer("also_read"), "also read by"),
         (lambda: Layer(op=OTHER), "`fxrtest_aq::other` has no declared FP8-output twin"),
