@@ -60,7 +60,7 @@ except ImportError:  # the launch floor needs Triton; the ops' rows do not
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import quant, quant_nvfp4
+from fxrewrite.runtime.ops import quant
 from fxrewrite.runtime.ops.linear_block_fp8 import quant_weight_block
 from fxrewrite.runtime.ops.quant_block import quant_fp8_block
 from fxrewrite.runtime.providers import OpDef
@@ -198,13 +198,7 @@ def check(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, norm_affine: tor
     got = outputs(op, getattr(torch.ops.fxr, op.name)(*args), args)
     want = outputs(op, op.reference(*ref_args), ref_args)
     served = [name for name in providers.served().get(op.name, {}) if name != "fallbacks"]
-    params = list(inspect.signature(op.reference).parameters)
-    if "global_scale" in params:  # NVFP4 (values, scales[, sum]): one e2m1 step, one e4m3 scale step
-        g = args[params.index("global_scale")]
-        problem = quant_nvfp4.nvfp4_mismatch((got[0], got[1]), (want[0], want[1]), g)
-        problems, rest = [f"out0: {problem}"] if problem else [], list(range(2, len(got)))
-    else:
-        problems, rest = quant.fp8_output_mismatches(got, want, quant.fp8_scale_rtol(DTYPE))
+    problems, rest = quant.quantized_output_mismatches(got, want, quant.fp8_scale_rtol(DTYPE))
     for i in rest:
         g, w = got[i].float(), want[i].float()
         bad = ~torch.isclose(g, w, rtol=2e-2, atol=2e-2)

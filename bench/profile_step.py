@@ -9,12 +9,14 @@ graph constants), the same graph through ``Backend.unguarded`` (no Dynamo frame 
 the same with the attention op's torch path instead of its Triton kernels (piecewise only:
 ``engine_model.KERNELS`` switched between calls; the op runs eagerly), the same through
 plain ``torch.compile`` (Dynamo lifts the 65 eps floats to tensors built every call), and
-Inductor + CUDA graphs (``mode="reduce-overhead"``; ``--no-inductor`` skips it). ``--profile``
-adds the kernels and the host-side CUDA calls of 5 steps of the first row and its kernels per layer (:func:`kernels_per_layer`; ``--gemm-fusion``
+Inductor + CUDA graphs (``mode="reduce-overhead"``; ``--no-inductor`` skips it). ``--quant``
+quantizes the model's linears as ``bench_e2e.py --quant`` does (``e2e_model.quantize``; the
+fxrewrite rows get the same ``Config`` fields). ``--profile``
+adds the kernels and the host-side CUDA calls of 5 steps of the first row and of the Inductor row, and their kernels per layer (:func:`kernels_per_layer`; ``--gemm-fusion``
 adds and profiles a row with ``Config.gemm_fusion``: norms, residual adds and RoPE in the GEMMs, issue 30); ``--pyprofile`` the
 Python functions of the unguarded row's host time (:func:`python_profile`).
 
-    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host] [--pyprofile] [--gemm-fusion] [--floor 1,8,64]
+    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host] [--pyprofile] [--gemm-fusion] [--floor 1,8,64] [--quant block-fp8]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine_model  # noqa: E402
+from e2e_model import QUANTS, make_plan, quantize  # noqa: E402
 from engine_model import SPLITTING_OPS, build_model, fused_twin, llama_8b, make_batch, mark_static_metadata  # noqa: E402
 
 import fxrewrite  # noqa: E402
@@ -249,11 +252,15 @@ def main() -> None:
     p.add_argument("--floor", default=None, help="comma-separated decode sizes: the first row's floor table at each "
                    "(floor_table; capture sizes default to these)")
     p.add_argument("--capture-sizes", default=None, help="comma-separated (default: --seqs); bench_e2e uses 1,8,64,512")
+    p.add_argument("--quant", choices=tuple(QUANTS), default="none", help="the linears quantized as bench_e2e.py --quant")
     args = p.parse_args()
     providers.preload()
     cfg = llama_8b()
     model = build_model(cfg, device="cuda", dtype=torch.bfloat16)
     model.allocate_kv_cache(64, 4096)
+    plan = make_plan(argparse.Namespace(shape="8b", layers=None, context=args.context, prefill_seqs=1, device="cuda",
+                                        dtype="bf16", quant=args.quant))  # fmt: skip
+    quantize(model, plan)
     model.fill_kv_cache_random(0)
     batch = mark_static_metadata(
         make_batch(cfg, "decode", args.seqs, args.context, num_seqs=args.seqs, max_len=4096, device="cuda")
@@ -265,7 +272,7 @@ def main() -> None:
 
     def fx(rules: list[Any] | None = None, gemm_fusion: bool = False) -> fxrewrite.Backend:
         return fxrewrite.Backend(mode=args.mode, splitting_ops=SPLITTING_OPS, capture_sizes=sizes, progress=False,
-                                 rules=rules, gemm_fusion=gemm_fusion)  # fmt: skip
+                                 rules=rules, gemm_fusion=gemm_fusion, **plan.fx_options)  # fmt: skip
 
     label = f"fxrewrite {args.mode}"
     torch._dynamo.reset()
@@ -311,8 +318,10 @@ def main() -> None:
     if not args.no_inductor:
         torch._dynamo.reset()
         inductor = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-        rows["inductor + CUDA graphs"] = measure("inductor + CUDA graphs", inductor, batch, False)
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, decode {args.seqs} after {args.context}")
+        rows["inductor + CUDA graphs"] = measure("inductor + CUDA graphs", inductor, batch, args.profile,
+                                                 layers=cfg.num_layers)  # fmt: skip
+    quant = "" if args.quant == "none" else f", linears {args.quant}"
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, decode {args.seqs} after {args.context}{quant}")
     print("| system | back to back ms | idle-device ms |\n|---|---|---|")
     for name, (b2b, idle) in rows.items():
         print(f"| {name} | {b2b:.3f} | {idle:.3f} |")

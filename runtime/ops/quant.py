@@ -124,19 +124,40 @@ def fp8_mismatch(
     return None
 
 
-def fp8_output_mismatches(
+def _scales_of(s: Tensor, q: Tensor) -> bool:
+    """Whether ``s`` has the shape of ``q``'s per-token or per-group scales: ``q``'s leading
+    dims and a last dim that divides ``q``'s and is smaller (a float32 value of ``q``'s own
+    shape, such as the updated residual of an add + norm, is not)."""
+    return (s.dim() == q.dim() and s.shape[:-1] == q.shape[:-1] and 0 < s.shape[-1] < q.shape[-1]
+            and q.shape[-1] % s.shape[-1] == 0)  # fmt: skip
+
+
+def quantized_output_mismatches(
     got: Sequence[Tensor], want: Sequence[Tensor], scale_rtol: float
 ) -> tuple[list[str], list[int]]:
-    """:func:`fp8_mismatch` over an op's outputs (an FP8 output followed by a float32 one: that
-    is its per-token or per-group scale). Returns (what differs, indices of the outputs left to the caller:
-    neither FP8 nor scales)."""
+    """The quantized outputs of an op judged as quantizations, not as numbers: an FP8 output
+    (followed by its per-token or per-group float32 scales, if any) by :func:`fp8_mismatch`, an
+    NVFP4 pair (packed uint8 values, then e4m3 scales of a sixteenth of their count, twice as
+    many bytes apart) by :func:`quant_nvfp4.nvfp4_mismatch`, both in ``got`` and ``want`` of one
+    dtype and shape. Returns (what differs, indices of the outputs left to the caller)."""
+    from fxrewrite.runtime.ops.quant_nvfp4 import BLOCK, SCALE_DTYPE, nvfp4_mismatch
+
+    def alike(j: int, dtype: torch.dtype) -> bool:
+        return j < len(got) and got[j].dtype == want[j].dtype == dtype and got[j].shape == want[j].shape
+
     problems, rest, i = [], [], 0
     while i < len(got):
-        if got[i].dtype != FP8_DTYPE:
+        if alike(i, torch.uint8) and alike(i + 1, SCALE_DTYPE) and got[i].shape[-1] * 2 == got[i + 1].shape[-1] * BLOCK:
+            # the shared global scale cancels from every comparison: judged with 1
+            problem = nvfp4_mismatch((got[i], got[i + 1]), (want[i], want[i + 1]), torch.ones((), device=got[i].device))
+            problems += [f"out{i}: {problem}"] if problem else []
+            i += 2
+            continue
+        if not alike(i, FP8_DTYPE):
             rest.append(i)
             i += 1
             continue
-        dynamic = i + 1 < len(got) and got[i + 1].dtype == torch.float32
+        dynamic = alike(i + 1, torch.float32) and _scales_of(got[i + 1], got[i])
         scales = (got[i + 1], want[i + 1]) if dynamic else (None, None)
         problem = fp8_mismatch(got[i], want[i], *scales, scale_rtol=scale_rtol)
         problems += [f"out{i}: {problem}"] if problem else []

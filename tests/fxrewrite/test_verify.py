@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import fxrewrite.runtime.ops  # noqa: F401  (torch.ops.fxr.*)
 from fxrewrite import Backend, InPlace, Rule, models, verify
 from fxrewrite.rewrites import activation, norm
+from fxrewrite.runtime.ops import quant
 from planted import EPS_OFF, eps_off_replacement  # this folder
 from fxrewrite.testing import assert_close, compile_once
 
@@ -326,3 +327,38 @@ def test_low_precision_output_is_judged_against_float64_where_the_code_cancels()
     assert _no_less_accurate(once, code, exact)
     assert not _no_less_accurate(bf[0] * bf[1] + bf[2] * bf[3], code, exact)  # a sign error
     assert not _no_less_accurate(once + 3.0, code, exact)
+
+
+# -- quantized outputs ------------------------------------------------------------------------------
+
+
+def silu_quant_pattern(x):
+    return quant.quant_fp8_per_token(F.silu(x))
+
+
+def scale_nudged(factor: float):  # noqa: ANN201 - a replacement
+    def replacement(x):
+        q, s = quant.quant_fp8_per_token(F.silu(x))
+        return q, s * factor
+
+    return replacement
+
+
+def silu_then_quantize(x: torch.Tensor) -> torch.Tensor:
+    q, s = quant.quant_fp8_per_token(F.silu(x))
+    return q.float() * s
+
+
+@pytest.mark.parametrize(("factor", "fused"), [(1 + 2**-7, True), (1.1, False)])
+def test_fp8_scales_are_judged_by_the_input_dtype_not_by_float32(factor: float, fused: bool) -> None:
+    """SiLU + per-token FP8 of bf16: a replacement whose scales are one bf16 rounding off
+    (a kernel's ``exp`` one step away on the row's largest value: what the H100 gave) is a
+    quantization as good as the code's and passes, where float32's tolerance on the scale
+    output refused it; scales 10% off are refused, with what differs."""
+    rule = Rule("silu_quant_nudged", silu_quant_pattern, scale_nudged(factor))
+    x = torch.randn(32, 64, dtype=torch.bfloat16) * 4
+    r = compile_once(silu_then_quantize, x, rules=[rule], verify=True)
+    assert r.report.rules() == ({"silu_quant_nudged": 1} if fused else {})
+    if not fused:
+        [rejected] = r.report.rejected
+        assert rejected.reason.startswith("verify: out0: 32 of 32 scales off by more than 0.016"), rejected.reason

@@ -121,7 +121,7 @@ def assert_matches(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]
     outputs near zero."""
     assert len(got) == len(want)
     assert [(g.shape, g.dtype, g.device) for g in got] == [(w.shape, w.dtype, w.device) for w in want]
-    problems, rest = quant.fp8_output_mismatches(got, want, quant.fp8_scale_rtol(dtype))
+    problems, rest = quant.quantized_output_mismatches(got, want, quant.fp8_scale_rtol(dtype))
     assert not problems, problems
     for i in rest:
         atol = TOL[dtype] * (max(1.0, want[i].abs().max().item()) if gemm else 1.0)

@@ -418,7 +418,7 @@ def assert_served_close(got: Any, want: Any) -> None:
     got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
     assert len(got) == len(want)
     assert [(g.shape, g.dtype) for g in got] == [(w.shape, w.dtype) for w in want]
-    problems, rest = quant.fp8_output_mismatches(got, want, quant.fp8_scale_rtol(BF16))
+    problems, rest = quant.quantized_output_mismatches(got, want, quant.fp8_scale_rtol(BF16))
     assert not problems, problems
     for i in rest:
         torch.testing.assert_close(got[i].float(), want[i].float(), rtol=2e-2, atol=2e-2)
