@@ -103,7 +103,7 @@ from engine_model import SPLITTING_OPS, EngineLlama, float32_reference  # noqa: 
 Step = Callable[..., torch.Tensor]
 # (model, hand-fused twin or why none, capture sizes[, fxrewrite Config fields the model needs]) -> (step, backend)
 Build = Callable[..., tuple[Step, Any]]
-MIN_REPS, MAX_REPS = 10, 200
+MAX_REPS = 200
 GRACE_S = 90.0  # a system still running this long past --budget-s is killed
 
 
@@ -421,7 +421,7 @@ def run_system(system: System, cols: list[Scenario], ctx: RunContext, save: Call
             warm = [ctx.clock.wall(lambda: step(**batch)) for _ in range(ctx.args.warmup)]
             if res.first_call_s is None:
                 res.first_call_s = warm[0]
-            reps = max(MIN_REPS, min(MAX_REPS, int(ctx.args.target_s / max(warm[-1], 1e-5))))
+            reps = max(ctx.args.min_reps, min(MAX_REPS, int(ctx.args.target_s / max(warm[-1], 1e-5))))
             ms = ctx.clock.median_ms(lambda: step(**batch), reps)
             res.startup_s += max(0.0, sum(warm) - len(warm) * ms / 1e3)
             if col.kind == "decode":
@@ -487,7 +487,7 @@ def run_paired(keys: list[str], cols: list[Scenario], ctx: RunContext, save: Cal
             except Exception as e:  # noqa: BLE001
                 res.notes.append(f"{SYSTEM_BY_KEY[key].label}, {col.name}: {_short(e)}")
                 _free_memory()
-        reps = max(MIN_REPS, min(MAX_REPS, int(ctx.args.target_s / max(warm, 1e-5))))
+        reps = max(ctx.args.min_reps, min(MAX_REPS, int(ctx.args.target_s / max(warm, 1e-5))))
         times: dict[str, list[float]] = {key: [] for key in live}
         for r in range(ctx.args.rounds):
             order = list(live)[r % max(len(live), 1):] + list(live)[: r % max(len(live), 1)]
@@ -773,6 +773,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024, help="cached tokens per sequence in decode (tiny: at most 64)")
     p.add_argument("--prefill-seqs", type=int, default=1, help="sequences per prefill step (>1 runs attention's host loop)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls per column (reduce-overhead records at call 2)")
+    p.add_argument("--min-reps", type=int, default=10, help="timed calls per cell at least (the CPU smoke tests use 1)")
     p.add_argument("--target-s", type=float, default=1.0 if cuda else 0.3, help="timing seconds per cell")
     p.add_argument("--budget-s", type=float, default=450.0, help="start nothing after this many seconds")
     p.add_argument("--inductor", action="store_true", help="run the Inductor rows on CPU too (slow C++ compiles)")

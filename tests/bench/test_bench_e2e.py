@@ -17,7 +17,7 @@ def test_full_graph_rows_of_fxrewrite_and_the_twin(tmp_path: Path) -> None:
     out = tmp_path / "e2e.md"
     argv = ["--shape", "tiny", "--device", "cpu", "--systems", "fxrewrite-full,fused-full,fxrewrite-full-ug,full-norewrite,fxrewrite-full-warm,dynamo-eager",
             "--budget-s", "400",
-            "--target-s", "0.02", "--warmup", "2", "--paired", "fxrewrite-full,fused-full", "--rounds", "2",
+            "--target-s", "0.02", "--min-reps", "2", "--warmup", "2", "--paired", "fxrewrite-full,fused-full", "--rounds", "2",
             "--out", str(out)]  # fmt: skip
     # a process of its own: the script sets process-wide state (grad mode, Dynamo and Inductor config)
     done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=600)
@@ -66,7 +66,7 @@ PER_LAYER = {
 def run_quant(tmp_path: Path, quant: str, paired: bool) -> str:
     out = tmp_path / f"e2e-{quant}.md"
     argv = ["--shape", "tiny", "--device", "cpu", "--quant", quant, "--systems", "eager,fxrewrite-full", "--budget-s", "400",
-            "--target-s", "0.01", "--warmup", "2", "--out", str(out)]  # fmt: skip
+            "--target-s", "0.01", "--min-reps", "1", "--warmup", "2", "--out", str(out)]  # fmt: skip
     argv += ["--paired", "fxrewrite-full,eager", "--rounds", "1"] if paired else []
     done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
