@@ -99,13 +99,15 @@ def test_checks_refuse_what_the_kernels_cannot_serve() -> None:
     assert per_token(y.to(torch.int32)) == "dtype int32 is not a float of 16 or 32 bits"  # type: ignore[operator]
     assert per_token(y.t()) == "last dim not contiguous"  # type: ignore[operator]
     wide = quant.TRITON_MAX_ROW + 8
-    assert per_token(torch.empty(1, wide)) == f"row of {wide} values exceeds one Triton program ({quant.TRITON_MAX_ROW})"  # type: ignore[operator]
+    too_wide = f"row of {wide} values exceeds one Triton program ({quant.TRITON_MAX_ROW})"
+    assert per_token(torch.empty(1, wide)) == too_wide  # type: ignore[operator]
     assert block(y[:, :128], 128) == "input not contiguous"  # type: ignore[operator]
     assert block(y, 96) == "group 96 does not divide the quantized dim 256"  # type: ignore[operator]
     assert block(torch.randn(4, 384, dtype=BF16), 384) == "group 384 is not a power of two"  # type: ignore[operator]
     assert block(torch.empty(1, 4 * quant.TRITON_MAX_ROW, dtype=BF16), 128) is None  # type: ignore[operator]
     assert nvfp4(y[:, :40], NVFP4_SCALE) == "40 values a row, not a multiple of 16"  # type: ignore[operator]
-    assert nvfp4(y, NVFP4_SCALE.to(BF16)) == "global scale (1,) torch.bfloat16 is not one float32"  # type: ignore[operator]
+    bf16_scale = "global scale (1,) torch.bfloat16 is not one float32"
+    assert nvfp4(y, NVFP4_SCALE.to(BF16)) == bf16_scale  # type: ignore[operator]
 
 
 def test_per_token_kernel_without_its_norm_compiles_for_hopper() -> None:
