@@ -373,9 +373,9 @@ def _per_layer(counts: collections.Counter[int | None], layers: int) -> str:
 
 def _quant_notes(report: Any, layers: int) -> list[str]:
     """The report's quantization fusions (rules named ``*quant*``: norm + quant, activation +
-    quant, attention + quant) per decoder layer, and the attention + quant near misses with the
-    first reason (why the quantization after attention stays); one line per distinct graph
-    report (``graphs 0,1,2``: the same in each)."""
+    quant, attention + quant, the quantizer alone) per decoder layer, and the attention + quant
+    near misses with the first reason (why the attention does not take the quantization after
+    it); one line per distinct graph report (``graphs 0,1,2``: the same in each)."""
     by_text: dict[str, list[int]] = {}
     for i, g in enumerate(getattr(report, "graphs", [])):
         per_rule: dict[str, collections.Counter[int | None]] = collections.defaultdict(collections.Counter)

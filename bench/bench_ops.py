@@ -129,6 +129,8 @@ def make_args(op: OpDef, tokens: int, hidden: int, mlp_hidden: int, dtype: torch
         # fxr.act_mul: two [T, mlp_hidden] operands, the two halves silu_and_mul reads in one
         "a": lambda: torch.randn(tokens, mlp_hidden, device="cuda", dtype=dtype),
         "b": lambda: torch.randn(tokens, mlp_hidden, device="cuda", dtype=dtype),
+        # a lone quantizer (fxr.dynamic_quant_fp8, block_quant_fp8, quant_nvfp4): o_proj's [T, hidden] input
+        "y": lambda: torch.randn(tokens, hidden, device="cuda", dtype=dtype),
         "residual": lambda: torch.randn(tokens, width, device="cuda", dtype=dtype),
         "weight": lambda: (torch.rand(hidden, device="cuda") + 0.5).to(affine),
         "w": lambda: (torch.randn(hidden, hidden, device="cuda") * hidden**-0.5).to(dtype),  # fxr.linear

@@ -11,13 +11,14 @@ Quantized models (``--quant``), built from the plain one with the bench converte
 - ``block-fp8``: ``engine_model_fp8.to_block_fp8``, block FP8 (weights per 128 x 128 tile,
   activations per token and group of 128, ``fxr.linear_block_fp8``); the tiny shape widened to
   ``tiny_fp8`` (every dim a multiple of 128). The same declaration is passed: the attention
-  output's block quantization is dynamic and stays, with the report's reason;
+  output's block quantization is dynamic, so the attention does not take it (the report's
+  reason); it is ``fxr.block_quant_fp8`` alone;
 - ``nvfp4``: ``fp8_linears.to_nvfp4_linears``, NVFP4 (e2m1 values per block of 16, e4m3 block
   scales, float32 global input scales calibrated as ``fp8``'s). Its GEMM is a dequantizing
   reference (``F.linear`` of the dequantized input and weight in the model's dtype): NVFP4 GEMMs
   need Blackwell's FP4 tensor cores, so on Hopper this variant shows the fusions and their
-  numerics, and its step times are not NVFP4's. The attention output's quantization is NVFP4
-  and stays, with the report's reason.
+  numerics, and its step times are not NVFP4's. The attention output's quantization is NVFP4,
+  ``fxr.quant_nvfp4`` alone (the report says why the attention does not take it).
 
 Neither has a hand-fused twin (its linears are not the twin's).
 """

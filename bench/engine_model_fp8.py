@@ -8,8 +8,9 @@ and Qwen3-FP8's format, every linear of the decoder layers in FP8.
   quantizations: after the input norm (or add + norm), after attention, after the
   post-attention add + norm, after SiLU-and-mul. The rewriter fuses three of them into the op
   that produces their input (``fxr.rms_norm_block_quant_fp8`` / ``fused_add_rms_norm_block_quant_fp8``,
-  ``fxr.silu_and_mul_block_quant_fp8``); the one after attention stays (attention + FP8 is
-  another rule's).
+  ``fxr.silu_and_mul_block_quant_fp8``); the one after attention (the engine's attention op
+  has no twin that quantizes its output per group) becomes the quantizer alone,
+  ``fxr.block_quant_fp8``: one kernel where its torch code is six.
 - GEMM (``gemm=``): ``"fp8"`` (default), ``fxr.linear_block_fp8`` on the FP8 values and both
   scales: FP8 tensor cores on Ada / Hopper (our Triton kernel; cuBLASLt's block-scaled GEMM on
   Hopper), the dequantizing float32 reference elsewhere (``runtime/ops/linear_block_fp8.py``);
@@ -56,9 +57,11 @@ def to_block_fp8(model: EngineLlama, gemm: str = "fp8") -> EngineLlama:
 def expected_fusions(cfg: ModelConfig) -> dict[str, int]:
     """The block-FP8 ops the rewriter should leave in the model's graph: per layer, the quantized
     input norm (a plain norm in the first layer, add + norm after), the post-attention add + norm
-    and SiLU-and-mul; the final norm feeds no linear (no LM head)."""
+    and SiLU-and-mul, and the attention output's quantization alone; the final norm feeds no
+    linear (no LM head)."""
     return {
         "rms_norm_block_quant_fp8": 1,
         "fused_add_rms_norm_block_quant_fp8": 2 * cfg.num_layers - 1,
         "silu_and_mul_block_quant_fp8": cfg.num_layers,
+        "block_quant_fp8": cfg.num_layers,
     }

@@ -43,6 +43,11 @@ PIPELINE: tuple[Step, ...] = (
     # FP8, block FP8 and NVFP4 quantization of fused activations: of one [.., 2d] row, of act_mul's two operands
     RuleGroup("fuse_activation_quant", quant.ACTIVATION_RULES + quant_block.ACTIVATION_RULES + quant_nvfp4.ACTIVATION_RULES
               + quant_act_mul.RULES),
+    # a quantization left (none of the rules above fused it into what produced its input: an
+    # attention output, o_proj's input) -> the quantizer alone, one kernel: last of the quant
+    # rules, or it would take their sites; block before per token (a group is quantized as a
+    # row: the per-token pattern lies inside the block one)
+    RuleGroup("fuse_quant", quant_block.ALONE_RULES + quant.ALONE_RULES + quant_nvfp4.ALONE_RULES),
     # the GEMMs take in the small ops around them (graphs replayed as CUDA graphs, as select_gemm):
     # first the residual add of an add + norm into the GEMM that produces the addend (epilogue),
     # then every norm read only by a GEMM into that GEMM (prologue); before select_gemm, which

@@ -11,6 +11,20 @@ Norm + quant rules run before the plain norm rules (they contain them); activati
 rules run after SiLU-and-mul fused and match on ``fxr.silu_and_mul``: the static one through
 ``torch.fx.subgraph_rewriter`` (no wildcards are needed on top of a fused op), then through the
 node-walking matcher for the spellings exact matching misses (lifted 448, elided ``.float()``).
+
+A dynamic per-token quantization of anything else (an attention output, a GEMM's output, an
+input) is ``fxr.dynamic_quant_fp8`` alone: one kernel for the five to seven torch kernels of its
+code. That rule runs last of the quant rules (``fuse_quant``), after every rule that fuses a
+quantization into what precedes it, so it takes only the quantizations they left::
+
+    # before                                                 # after
+    a = attention(q, k, v).view(T, H * d)                    a = attention(q, k, v).view(T, H * d)
+    f = a.float()                                            q, s = torch.ops.fxr.dynamic_quant_fp8(a)
+    s = f.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+    q = (f / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+A static per-tensor quantization alone stays as written: one elementwise chain (cast, divide,
+clamp, cast), no reduction, which a fused kernel would not make shorter.
 """
 
 from __future__ import annotations
@@ -147,6 +161,21 @@ def silu_and_mul_dynamic_quant_replacement(x):
     return out[0], out[1]
 
 
+# quant_per_token(y) -> fxr.dynamic_quant_fp8(y)  (q, scales): y produced by anything the rules before left
+def dynamic_quant_pattern(y):
+    return quant_fp8_per_token(y)
+
+
+def dynamic_quant_replacement(y):
+    out = torch.ops.fxr.dynamic_quant_fp8(y)
+    return out[0], out[1]
+
+
+def rows_guard(b: Bindings) -> bool | str:
+    """A quantized value with a last dim (its rows: per token, per group): not a 0-d tensor."""
+    return True if b["y"].dim() >= 1 else "a 0-d value has no rows to quantize"
+
+
 # quant_static(norm(x)) -> fxr.rms_norm_quant_fp8(x, weight, eps, scale); cast-last twin: (.., scale, True)
 RMS_NORM_QUANT = Rule("rms_norm_quant_fp8", *rms_norm_quant(False), norm_scale_guard, WILDCARDS,
                       explain_shared=other_scales)
@@ -187,6 +216,8 @@ SILU_AND_MUL_QUANT_WALK = Rule(
 SILU_AND_MUL_DYNAMIC_QUANT = Rule(
     "silu_and_mul_dynamic_quant_fp8", silu_and_mul_dynamic_quant_pattern, silu_and_mul_dynamic_quant_replacement
 )
+# quant_per_token(y) -> fxr.dynamic_quant_fp8(y): the quantizer alone
+DYNAMIC_QUANT = Rule("dynamic_quant_fp8", dynamic_quant_pattern, dynamic_quant_replacement, rows_guard)
 
 # Before the norm rules (add + norm variants first, as there). Each cast-last twin after its
 # rule: in float32 the two orders are one computation, and the first takes it.
@@ -196,3 +227,5 @@ NORM_RULES: list[Rule] = [
 ]  # fmt: skip
 # After the activation rules.
 ACTIVATION_RULES: list[Rule] = [SILU_AND_MUL_QUANT, SILU_AND_MUL_QUANT_WALK, SILU_AND_MUL_DYNAMIC_QUANT]
+# Last of the quant rules (``fuse_quant``): the quantizations no rule fused into their producer.
+ALONE_RULES: list[Rule] = [DYNAMIC_QUANT]

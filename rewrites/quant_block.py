@@ -21,7 +21,10 @@ to ``[..., 1, H]`` is not an unflatten into groups).
 
 Patterns are composed from the norm, activation and collective patterns, so every spelling those
 cover is covered here; the rules run in the groups of ``rewrites/quant.py``'s (before the norm
-rules, after the activation rules; the all-reduce one before ``collective.RULES``).
+rules, after the activation rules; the all-reduce one before ``collective.RULES``). The quantizer
+of anything else (o_proj's input: an attention output) is ``fxr.block_quant_fp8(y, G)`` alone, in
+``fuse_quant``, the last quant group, before the per-token rule (a group is quantized as a row
+is: the per-token pattern lies inside this one).
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ GROUP = {"group": Scalar(int, lambda v: v > 0)}
 def group_guard(b: Bindings) -> bool | str:
     """The group divides the quantized dim: the norm's input's last dim."""
     return check_group(b["x"].shape[-1], b["group"]) or True
+
+
+def quant_group_guard(b: Bindings) -> bool | str:
+    """The group divides the quantized dim: the value's last dim."""
+    return check_group(b["y"].shape[-1] if b["y"].dim() else 0, b["group"]) or True
 
 
 def act_group_guard(b: Bindings) -> bool | str:
@@ -136,6 +144,16 @@ def gelu_tanh_and_mul_block_quant_replacement(x, group):
     return out[0], out[1]
 
 
+# quant_block(y, G) -> fxr.block_quant_fp8(y, G)  (q, scales): y produced by anything the rules before left
+def block_quant_pattern(y, group):
+    return quant_fp8_block(y, group)
+
+
+def block_quant_replacement(y, group):
+    out = torch.ops.fxr.block_quant_fp8(y, group)
+    return out[0], out[1]
+
+
 NORM = {**WILDCARDS, **GROUP}
 # quant_block(norm(x), G) -> fxr.rms_norm_block_quant_fp8(x, weight, eps, G); cast-last twin: (.., G, True)
 RMS_NORM_BLOCK_QUANT = Rule("rms_norm_block_quant_fp8", *rms_norm_block_quant(False), norm_group_guard, NORM)
@@ -166,6 +184,8 @@ GELU_TANH_AND_MUL_BLOCK_QUANT = Rule(
     "gelu_tanh_and_mul_block_quant_fp8", gelu_tanh_and_mul_block_quant_pattern,
     gelu_tanh_and_mul_block_quant_replacement, act_group_guard, GROUP,
 )  # fmt: skip
+# quant_block(y, G) -> fxr.block_quant_fp8(y, G): the quantizer alone
+BLOCK_QUANT = Rule("block_quant_fp8", block_quant_pattern, block_quant_replacement, quant_group_guard, GROUP)
 
 # Before the all-reduce rules (it contains the plain one).
 COLLECTIVE_RULES: list[Rule] = [ALL_REDUCE_ADD_RMS_NORM_BLOCK_QUANT]
@@ -175,3 +195,5 @@ NORM_RULES: list[Rule] = [ADD_RMS_NORM_BLOCK_QUANT, ADD_RMS_NORM_CAST_LAST_BLOCK
                           RMS_NORM_CAST_LAST_BLOCK_QUANT]  # fmt: skip
 # After the activation rules.
 ACTIVATION_RULES: list[Rule] = [SILU_AND_MUL_BLOCK_QUANT, GELU_AND_MUL_BLOCK_QUANT, GELU_TANH_AND_MUL_BLOCK_QUANT]
+# Last of the quant rules (``fuse_quant``), before quant.ALONE_RULES (per token: inside this pattern).
+ALONE_RULES: list[Rule] = [BLOCK_QUANT]

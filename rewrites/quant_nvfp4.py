@@ -14,7 +14,9 @@ the fused activations, so every spelling those cover is covered here::
 The block size is a wildcard (``quant_e2m1_blocks`` is the spec with the size a parameter) bound by
 the guard: 16, NVFP4's; a block of 32 (MXFP4's size, whose scales are powers of two) is refused
 with that reason. Norm rules run before the plain norm rules (they contain them); activation rules
-after SiLU / GELU-and-mul fused, on ``fxr.silu_and_mul`` / ``fxr.gelu_and_mul``.
+after SiLU / GELU-and-mul fused, on ``fxr.silu_and_mul`` / ``fxr.gelu_and_mul``. The quantizer of
+anything else (an attention output) is ``fxr.quant_nvfp4(y, g)`` alone, in ``fuse_quant``, the
+last quant group.
 """
 
 from __future__ import annotations
@@ -124,6 +126,16 @@ def gelu_approx_and_mul_nvfp4_replacement(x, global_scale, approximate):
     return out[0], out[1]
 
 
+# quant_nvfp4(y) -> fxr.quant_nvfp4(y, global_scale): y produced by anything the rules before left
+def quant_nvfp4_pattern(y, global_scale, block):
+    return quant_e2m1_blocks(y, global_scale, block)
+
+
+def quant_nvfp4_replacement(y, global_scale):
+    out = torch.ops.fxr.quant_nvfp4(y, global_scale)
+    return out[0], out[1]
+
+
 # quant_nvfp4(norm(x)) -> fxr.rms_norm_quant_nvfp4(x, weight, eps, g); cast-last twin: (.., g, True)
 RMS_NORM_NVFP4 = Rule(
     "rms_norm_quant_nvfp4", *rms_norm_nvfp4(False), all_of(nvfp4_guard, norm_guard), SCALARS
@@ -154,6 +166,8 @@ GELU_APPROX_AND_MUL_NVFP4 = Rule(
     "gelu_and_mul_quant_nvfp4", gelu_approx_and_mul_nvfp4_pattern, gelu_approx_and_mul_nvfp4_replacement, nvfp4_guard,
     {**BLOCK_SCALAR, "approximate": Scalar(str)},
 )  # fmt: skip
+# quant_nvfp4(y) -> fxr.quant_nvfp4(y, global_scale): the quantizer alone
+QUANT_NVFP4 = Rule("quant_nvfp4", quant_nvfp4_pattern, quant_nvfp4_replacement, nvfp4_guard, BLOCK_SCALAR)
 
 # Before the all-reduce rules (it contains the plain one).
 COLLECTIVE_RULES: list[Rule] = [ALL_REDUCE_ADD_RMS_NORM_NVFP4]
@@ -162,3 +176,5 @@ COLLECTIVE_RULES: list[Rule] = [ALL_REDUCE_ADD_RMS_NORM_NVFP4]
 NORM_RULES: list[Rule] = [ADD_RMS_NORM_NVFP4, ADD_RMS_NORM_CAST_LAST_NVFP4, RMS_NORM_NVFP4, RMS_NORM_CAST_LAST_NVFP4]
 # After the activation rules.
 ACTIVATION_RULES: list[Rule] = [SILU_AND_MUL_NVFP4, GELU_AND_MUL_NVFP4, GELU_APPROX_AND_MUL_NVFP4]
+# Last of the quant rules (``fuse_quant``): the quantizations no rule fused into their producer.
+ALONE_RULES: list[Rule] = [QUANT_NVFP4]

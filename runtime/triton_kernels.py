@@ -8,7 +8,7 @@ the others.
   cannot take, so that none runs the torch reference.
 - The FP8 ops that sgl-kernel and flashinfer serve as two kernels (or not at all): RMSNorm,
   add + RMSNorm, SiLU-and-mul, each fused with static or dynamic per-token FP8 (float8_e4m3fn)
-  quantization, in one kernel.
+  quantization, in one kernel; the per-token quantizer alone (the norm kernel without its norm).
 - The decode-size GEMM and what it fuses (``linear``, ``linear_silu_and_mul``, the norm
   prologue, the residual epilogue) live in :mod:`fxrewrite.runtime.triton_gemm`.
 
@@ -91,10 +91,12 @@ def _rms_norm_quant_kernel(
     HAS_RESIDUAL: tl.constexpr,
     DYNAMIC: tl.constexpr,
     CAST_LAST: tl.constexpr = False,
+    NORM: tl.constexpr = True,
 ):
     """One row per program: ``[sum = x + r]; y = w * (h * rsqrt(mean(h^2) + eps)).to(dtype)``
     with ``h = sum.float()`` (``CAST_LAST``: ``y = (w * h).to(dtype)``), rounded to the input
-    dtype as the reference does; then FP8."""
+    dtype as the reference does; then FP8. Without ``NORM``, ``y = x.float()``: the quantizer
+    alone (``fxr.dynamic_quant_fp8``)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -104,12 +106,13 @@ def _rms_norm_quant_kernel(
         r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
         tl.store(sum_ptr + row * n + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / n + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if not CAST_LAST:
-        h = h.to(dtype).to(tl.float32)
-    y = (w * h).to(dtype).to(tl.float32)
+    y = x.to(tl.float32)
+    if NORM:
+        h = y * tl.math.rsqrt(tl.sum(y * y, axis=0) / n + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if not CAST_LAST:
+            h = h.to(dtype).to(tl.float32)
+        y = (w * h).to(dtype).to(tl.float32)
     _quantize_store(y, q_ptr + row * n + cols, mask, s_ptr + row, scale_ptr, DYNAMIC)
 
 
@@ -237,9 +240,10 @@ def _outputs(x: Tensor, d: int, dynamic: bool) -> tuple[Tensor, Tensor]:
 
 
 def _rms_norm_quant(
-    x: Tensor, weight: Tensor, eps: float, scale: Tensor | None, residual: Tensor | None, cast_last: bool = False
+    x: Tensor, weight: Tensor | None, eps: float, scale: Tensor | None, residual: Tensor | None, cast_last: bool = False
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """(q, s or None when static, sum or None without residual), shaped as the op returns them."""
+    """(q, s or None when static, sum or None without residual), shaped as the op returns them;
+    ``weight`` None: no norm, the quantizer alone."""
     n = x.shape[-1]
     rows = x.view(-1, n)
     res = residual.view(-1, n) if residual is not None else rows
@@ -249,9 +253,9 @@ def _rms_norm_quant(
     block = triton.next_power_of_2(n)
     with device_of(x):
         _rms_norm_quant_kernel[(rows.shape[0],)](
-            rows, res, weight, total, q, s, s if dynamic else scale, rows.stride(0), res.stride(0), n, eps,
-            BLOCK=block, HAS_RESIDUAL=residual is not None, DYNAMIC=dynamic, CAST_LAST=cast_last,
-            num_warps=_warps(block),
+            rows, res, rows if weight is None else weight, total, q, s, s if dynamic else scale, rows.stride(0),
+            res.stride(0), n, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, DYNAMIC=dynamic,
+            CAST_LAST=cast_last, NORM=weight is not None, num_warps=_warps(block),
         )  # fmt: skip
     return (
         q.view(x.shape),
@@ -405,6 +409,11 @@ def silu_and_mul_quant_fp8(x: Tensor, scale: Tensor) -> Tensor:
 
 def silu_and_mul_dynamic_quant_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
     return _silu_and_mul_quant(x, None)  # type: ignore[return-value]
+
+
+def dynamic_quant_fp8(y: Tensor) -> tuple[Tensor, Tensor]:
+    q, s, _ = _rms_norm_quant(y, None, 0.0, None, None)
+    return q, s  # type: ignore[return-value]
 
 
 def act_mul_quant_fp8(a: Tensor, b: Tensor, scale: Tensor, activation: str = "silu") -> Tensor:

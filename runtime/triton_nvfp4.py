@@ -5,8 +5,8 @@ gated activation, and the NVFP4 quantizer after it, in one kernel.
     y = rms_norm(x, w, eps); q, s = quant_nvfp4(y, g)                        q, s = rms_norm_quant_nvfp4(x, w, eps, g)
 
 One kernel serves every op (``PRE`` picks what precedes the quantizer; ``PRE=0``, the quantizer
-alone, is :func:`quant_nvfp4` here: the unfused pair's second half in bench/bench_ops.py, and the
-GPU tests' bit-exact check). The value before the quantizer is rounded where the spec rounds it
+alone, is :func:`quant_nvfp4` here: ``fxr.quant_nvfp4``, the unfused pair's second half in
+bench/bench_ops.py, and the GPU tests' bit-exact check). The value before the quantizer is rounded where the spec rounds it
 (``runtime/ops/quant_nvfp4.py`` and the norm / activation references); the quantizer is the
 spec's step for step: IEEE products and divisions (``div_rn``), the scale rounded to e4m3 by the
 conversion (to nearest even), and the e2m1 code counted from the grid's midpoints, ``>`` where a
@@ -130,7 +130,7 @@ def _launch(x: Tensor, global_scale: Tensor, pre: int, n: int, weight: Tensor | 
 
 
 def quant_nvfp4(y: Tensor, global_scale: Tensor) -> tuple[Tensor, Tensor]:
-    """The quantizer alone (no op of its own: the unfused pair's second half, and GPU tests)."""
+    """The quantizer alone (``fxr.quant_nvfp4``; the unfused pair's second half, and GPU tests)."""
     return _launch(y, global_scale, NONE, y.shape[-1])  # type: ignore[return-value]
 
 

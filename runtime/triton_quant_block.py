@@ -7,7 +7,8 @@ one kernel; one kernel for all of them, the producer picked by a constexpr.
     q, s = quant_fp8_block(y, 128)
 
 A program holds one row's tile as ``[GROUPS, GROUP]`` (a group per tile row): for a norm the
-whole row (its sum of squares is one reduction), for an activation ``ACT_BLOCK`` columns of it.
+whole row (its sum of squares is one reduction), for an activation or the quantizer alone
+(``QUANT_ONLY``: ``fxr.block_quant_fp8``) ``ACT_BLOCK`` columns of it.
 The quantization is the spec's float32 steps in its order, IEEE where the spec is: ``s =
 div_rn(max(amax, 1e-12), 448)``, ``q = clamp(div_rn(y, s), -448, 448)`` rounded to nearest
 even, so the bytes and scales equal ``quant_fp8_block`` of ``y`` bit for bit. ``y`` is rounded
@@ -110,7 +111,8 @@ def launch(mode: int, x: Tensor, n: int, group: int, weight: Tensor | None = Non
     q, s = quant_block.block_outputs(x, group, shape)
     total = torch.empty_like(x) if residual is not None else None
     per_row = triton.next_power_of_2(n // group)
-    groups = per_row if mode <= ADD_RMS_NORM else max(1, min(per_row, ACT_BLOCK // group))
+    norm = mode in (RMS_NORM, ADD_RMS_NORM)  # a row's sum of squares: the row in one program
+    groups = per_row if norm else max(1, min(per_row, ACT_BLOCK // group))
     dummy = x
     with device_of(x):
         _block_quant_kernel[(rows, triton.cdiv(n // group, groups))](
@@ -155,7 +157,7 @@ def act_mul_block_quant_fp8(a: Tensor, b: Tensor, group: int, activation: str = 
     return q, s
 
 
-def block_quant_fp8(y: Tensor, group: int) -> tuple[Tensor, Tensor]:
+def block_quant_fp8(y: Tensor, group: int = quant_block.GROUP) -> tuple[Tensor, Tensor]:
     """``quant_fp8_block(y, group)`` alone (the quantizer the fused kernels end in)."""
     q, s, _ = launch(QUANT_ONLY, y, y.shape[-1], group)
     return q, s

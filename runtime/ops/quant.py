@@ -1,8 +1,11 @@
-"""FP8 (float8_e4m3fn, max 448) quantization fused with RMSNorm, add + RMSNorm and SiLU-and-mul.
+"""FP8 (float8_e4m3fn, max 448) quantization fused with RMSNorm, add + RMSNorm and SiLU-and-mul,
+and the dynamic per-token quantizer alone.
 
 Two quantizers, each written once: static per-tensor (:func:`quant_fp8_static`, scale given)
 and dynamic per-token (:func:`quant_fp8_per_token`, scale computed per row, shape [..., 1]).
-Every op is a norm or activation reference followed by one of them:
+Every op is a norm or activation reference followed by one of them, or (``fxr.dynamic_quant_fp8``,
+whose reference is :func:`quant_fp8_per_token` itself) the per-token quantizer of any value, one
+kernel for the five to seven torch kernels of its unfused code:
 
     # before                                              # after
     y = rms_norm(x, w, eps)                               q = torch.ops.fxr.rms_norm_quant_fp8(x, w, eps, scale)
@@ -255,6 +258,10 @@ def _silu_dynamic_quant_fake(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, _s(q)
 
 
+def _dynamic_quant_fake(y: Tensor) -> tuple[Tensor, Tensor]:
+    return _q(y), _s(y)
+
+
 # --------------------------------------------------------------------------- kernel constraints
 
 
@@ -329,6 +336,11 @@ def _triton_fused_add_dynamic_check(x: Tensor, residual: Tensor, weight: Tensor,
 def _triton_silu_check(x: Tensor, scale: Tensor | None = None) -> str | None:
     reason = check_act_and_mul(x, half_aligned=False)
     return reason or (check_scale(x, scale) if scale is not None else _fits_one_program(x.shape[-1] // 2))
+
+
+def _triton_dynamic_quant_check(y: Tensor) -> str | None:
+    """The quantizer alone: any float of 16 or 32 bits, rows at one stride, a row in one program."""
+    return constraints.check_rows_at_one_stride(y) or _fits_one_program(y.shape[-1])
 
 
 # --------------------------------------------------------------------------- kernels
@@ -461,6 +473,13 @@ DEFS: tuple[OpDef, ...] = (
             _triton_kernel("silu_and_mul_dynamic_quant_fp8", _triton_silu_check),
             Kernel("sgl_kernel", _sgl_silu_dynamic, _silu_dynamic_check, FP8),
         ),
+    ),
+    # the per-token quantizer of a value no norm or activation produced (an attention output)
+    OpDef(
+        "dynamic_quant_fp8",
+        quant_fp8_per_token,
+        _dynamic_quant_fake,
+        (_triton_kernel("dynamic_quant_fp8", _triton_dynamic_quant_check),),
     ),
 )
 OPS: tuple[str, ...] = providers.define_all(DEFS)

@@ -1,7 +1,8 @@
 """Block-wise FP8: per-token groups of ``group`` (128 in DeepSeek-V3 and the FP8 releases of Qwen3
 and others) along the last dim, float8_e4m3fn values, one float32 scale per group, fused with
 RMSNorm, add + RMSNorm, SiLU-and-mul and GELU-and-mul (all-reduce + add + RMSNorm + block FP8:
-``runtime/ops/collective.py``).
+``runtime/ops/collective.py``), and alone (``fxr.block_quant_fp8``, whose reference is
+:func:`quant_fp8_block` itself: the input of ``o_proj``, an attention output, in one kernel).
 
 The quantizer, :func:`quant_fp8_block`, is written as model code writes it (vLLM's native
 ``QuantFP8`` group path, the torch fallbacks of the fine-grained FP8 integrations), with the
@@ -143,6 +144,10 @@ def _gelu_fake(x: Tensor, group: int, approximate: str = "none") -> tuple[Tensor
     return block_outputs(x, group, _half_shape(x))
 
 
+def _quant_fake(y: Tensor, group: int = GROUP) -> tuple[Tensor, Tensor]:
+    return block_outputs(y, group)
+
+
 # --------------------------------------------------------------------------- kernel constraints
 
 
@@ -181,6 +186,11 @@ def _triton_norm_check(x: Tensor, weight: Tensor, eps: float, group: int, cast_l
 def _triton_fused_add_check(x: Tensor, residual: Tensor, weight: Tensor, eps: float, group: int,
                             cast_last: bool = False) -> str | None:  # fmt: skip
     return _triton_norm_check(x, weight, eps, group, cast_last, residual)
+
+
+def _triton_quant_check(y: Tensor, group: int = GROUP) -> str | None:
+    """The quantizer alone: contiguous rows of any width (a program takes some of a row's groups)."""
+    return _triton_rows(y) or check_group(y.shape[-1] if y.dim() else 0, group, power_of_two=True)
 
 
 def _triton_act_check(x: Tensor, group: int, approximate: str = "none") -> str | None:
@@ -232,5 +242,7 @@ DEFS: tuple[OpDef, ...] = (
         _gelu_fake,
         (_triton("gelu_and_mul_block_quant_fp8", _triton_act_check),),
     ),
+    # the quantizer of a value no norm or activation produced (an attention output)
+    OpDef("block_quant_fp8", quant_fp8_block, _quant_fake, (_triton("block_quant_fp8", _triton_quant_check),)),
 )
 OPS: tuple[str, ...] = providers.define_all(DEFS)

@@ -1,4 +1,5 @@
-"""NVFP4 quantization fused with RMSNorm, add + RMSNorm and SiLU / GELU-and-mul.
+"""NVFP4 quantization fused with RMSNorm, add + RMSNorm and SiLU / GELU-and-mul, and alone
+(``fxr.quant_nvfp4``, whose reference is :func:`quant_nvfp4` itself: one kernel for its ~25 torch ops).
 
 NVFP4 (the input format of Blackwell's FP4 tensor cores): values in e2m1 (sign, 2 exponent
 bits, 1 mantissa bit: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), one float8_e4m3fn scale per block
@@ -202,6 +203,10 @@ def _gelu_fake(x: Tensor, global_scale: Tensor, approximate: str = "none") -> tu
     return _quantized(x, x.shape[-1] // 2)
 
 
+def _quant_fake(y: Tensor, global_scale: Tensor) -> tuple[Tensor, Tensor]:
+    return _quantized(y, y.shape[-1])
+
+
 # --------------------------------------------------------------------------- kernel constraints
 
 
@@ -244,6 +249,11 @@ def _triton_act_check(x: Tensor, global_scale: Tensor, approximate: str = "none"
     return _check_rows(x, x.shape[-1] // 2 if x.dim() else 0) or check_global_scale(x, global_scale)
 
 
+def _triton_quant_check(y: Tensor, global_scale: Tensor) -> str | None:
+    """The quantizer alone: rows of any width (programs of columns) at one stride."""
+    return _check_rows(y, y.shape[-1] if y.dim() else 0) or check_global_scale(y, global_scale)
+
+
 def _triton_kernel(op: str, check: Callable[..., str | None]) -> Kernel:
     # e4m3 conversion in hardware (cvt.rn.satfinite.e4m3x2): Ada / Hopper and newer, as FP8
     return providers.triton_kernel(op, check, (8, 9), module=TRITON_MODULE)
@@ -260,5 +270,7 @@ DEFS: tuple[OpDef, ...] = (
           (_triton_kernel("silu_and_mul_quant_nvfp4", _triton_act_check),)),
     OpDef("gelu_and_mul_quant_nvfp4", gelu_and_mul_quant_nvfp4_reference, _gelu_fake,
           (_triton_kernel("gelu_and_mul_quant_nvfp4", _triton_act_check),)),
+    # the quantizer of a value no norm or activation produced (an attention output)
+    OpDef("quant_nvfp4", quant_nvfp4, _quant_fake, (_triton_kernel("quant_nvfp4", _triton_quant_check),)),
 )  # fmt: skip
 OPS: tuple[str, ...] = providers.define_all(DEFS)

@@ -47,19 +47,23 @@ def test_full_graph_rows_of_fxrewrite_and_the_twin(tmp_path: Path) -> None:
 
 QUANT_OPS = {
     "fp8": ("fused_add_rms_norm_quant_fp8 x3", "rms_norm_quant_fp8 x1", "silu_and_mul_quant_fp8 x2"),
-    "block-fp8": ("fused_add_rms_norm_block_quant_fp8 x3", "rms_norm_block_quant_fp8 x1", "silu_and_mul_block_quant_fp8 x2"),
-    "nvfp4": ("fused_add_rms_norm_quant_nvfp4 x3", "rms_norm_quant_nvfp4 x1", "silu_and_mul_quant_nvfp4 x2"),
+    # the quantizers alone (the attention outputs'), named whole: "fused: " or ", " before them
+    "block-fp8": ("fused_add_rms_norm_block_quant_fp8 x3", "rms_norm_block_quant_fp8 x1", "silu_and_mul_block_quant_fp8 x2",
+                  "fused: block_quant_fp8 x2"),
+    "nvfp4": ("fused_add_rms_norm_quant_nvfp4 x3", "rms_norm_quant_nvfp4 x1", "silu_and_mul_quant_nvfp4 x2",
+              ", quant_nvfp4 x2"),
 }
 # the report's sites per decoder layer (2 layers), as the notes list them
 PER_LAYER = {
     "fp8": "quant fusions per layer: add_rms_norm_quant_fp8 x1 layer 0, x2 layer 1; attention_quant_fp8 x1 layers 0-1; "
            "rms_norm_quant_fp8 x1 layer 0, x0 layer 1; silu_and_mul_quant_fp8 x1 layers 0-1",
-    "block-fp8": "quant fusions per layer: add_rms_norm_block_quant_fp8 x1 layer 0, x2 layer 1; rms_norm_block_quant_fp8 "
-                 "x1 layer 0, x0 layer 1; silu_and_mul_block_quant_fp8 x1 layers 0-1; near miss attention_quant_fp8 x2 "
-                 "(a dynamic quantization: its scale is reduced from the attention output",
-    "nvfp4": "quant fusions per layer: add_rms_norm_quant_nvfp4 x1 layer 0, x2 layer 1; rms_norm_quant_nvfp4 x1 layer 0, "
-             "x0 layer 1; silu_and_mul_quant_nvfp4 x1 layers 0-1; near miss attention_quant_fp8 x2 (a dynamic "
-             "quantization: its scale is reduced from the attention output",
+    "block-fp8": "quant fusions per layer: add_rms_norm_block_quant_fp8 x1 layer 0, x2 layer 1; block_quant_fp8 x1 "
+                 "layers 0-1; rms_norm_block_quant_fp8 x1 layer 0, x0 layer 1; silu_and_mul_block_quant_fp8 x1 layers "
+                 "0-1; near miss attention_quant_fp8 x2 (a dynamic quantization: its scale is reduced from the attention "
+                 "output",
+    "nvfp4": "quant fusions per layer: add_rms_norm_quant_nvfp4 x1 layer 0, x2 layer 1; quant_nvfp4 x1 layers 0-1; "
+             "rms_norm_quant_nvfp4 x1 layer 0, x0 layer 1; silu_and_mul_quant_nvfp4 x1 layers 0-1; near miss "
+             "attention_quant_fp8 x2 (a dynamic quantization: its scale is reduced from the attention output",
 }
 
 
@@ -86,7 +90,8 @@ def test_quantized_model_in_every_row(tmp_path: Path, quant: str) -> None:
     """``--quant``: eager and fxrewrite full time the same quantized model (the side-by-side
     process too, for fp8); the header names the format, the notes list the fused quantizations
     per layer (attention + FP8 for static FP8; for block FP8 and NVFP4 the attention output's
-    dynamic quantization stays, with the reason)."""
+    dynamic quantization is the quantizer alone, and the near miss says why the attention does
+    not take it)."""
     text = run_quant(tmp_path, quant, paired=quant == "fp8")
     assert f"- quantization ({quant}): " in text and "no hand-fused twin" in text
     assert "rel err vs float32 eager: the same quantized model, eager, every value that is not quantized in float32" in text

@@ -145,11 +145,15 @@ def test_every_layer_linear_is_converted(family: str) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_block_fp8_fuses_norm_and_activation_quantization_per_layer(family: str, dtype: torch.dtype) -> None:
+    """Two norm + quant and one SiLU-and-mul + quant sites a layer; the attention output (o_proj's
+    input, after no norm or activation) quantized by the quantizer alone."""
     r = compiled(family, "block-fp8", dtype)
     assert per_layer(r, "norm_block_quant") == TWO_PER_LAYER, r.report.table()
     assert per_layer(r, "mul_block_quant") == EACH_LAYER, r.report.table()
+    assert [s.module for s in r.report.sites if s.rule == "block_quant_fp8"] == [
+        f"layers.{i}.self_attn.o_proj" for i in range(LAYERS)]  # fmt: skip
     assert quant_ops(r) == {"rms_norm_block_quant_fp8": 1, "fused_add_rms_norm_block_quant_fp8": 2 * LAYERS - 1,
-                            "silu_and_mul_block_quant_fp8": LAYERS}  # fmt: skip
+                            "silu_and_mul_block_quant_fp8": LAYERS, "block_quant_fp8": LAYERS}  # fmt: skip
     assert per_layer(r, "merge_siblings") == TWO_PER_LAYER  # q/k/v, gate/up
 
 
@@ -179,12 +183,15 @@ def test_nvfp4_fuses_norm_and_activation_quantization_per_layer(family: str, dty
     """NVFP4 with shared global scales: ``cse`` leaves one quantization of each normed value, the
     norm + NVFP4 rules fuse it (two sites a layer); gate and up stay two GEMMs (each one call of
     the dequantizing reference, as each would be one FP4 GEMM), so the activation is ``act_mul``
-    and its NVFP4 quantization fuses into ``fxr.act_mul_quant_nvfp4`` (one site a layer)."""
+    and its NVFP4 quantization fuses into ``fxr.act_mul_quant_nvfp4`` (one site a layer); the
+    attention output's quantization is ``fxr.quant_nvfp4`` alone (one site a layer)."""
     r = compiled(family, "nvfp4", dtype)
     assert per_layer(r, "norm_quant_nvfp4") == TWO_PER_LAYER, r.report.table()
     assert per_layer(r, "mul_quant_nvfp4") == EACH_LAYER, r.report.table()
     assert quant_ops(r) == {"rms_norm_quant_nvfp4": 1, "fused_add_rms_norm_quant_nvfp4": 2 * LAYERS - 1,
-                            "act_mul_quant_nvfp4": LAYERS}  # fmt: skip
+                            "act_mul_quant_nvfp4": LAYERS, "quant_nvfp4": LAYERS}  # fmt: skip
+    assert [s.module for s in r.report.sites if s.rule == "quant_nvfp4"] == [
+        f"layers.{i}.self_attn.o_proj" for i in range(LAYERS)]  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -58,10 +58,15 @@ def test_repeated_quantizations_become_one_and_fuse_with_the_norm(dtype: torch.d
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_no_merge_across_an_in_place_write(dtype: torch.dtype) -> None:
     """Negative twin: the normed value is written between the quantizations: the first reads
-    it before, the others after; no quantization fuses (the norm has two readers), numerics as eager."""
+    it before, the others after; k and v (after the write) merge, q (before it) stays its own:
+    no quantization fuses with the norm (it has two readers), each fuses alone, in its place
+    (the first before the write), numerics as eager."""
     x = torch.randn(5, HIDDEN).to(dtype)
-    r = check(ThreeQuantizations(write=True).to(dtype), x, expect={"rms_norm": 1}, exact=True)
-    assert r.counts()["aten.amax"] == 2  # k and v (after the write) merge, q (before it) stays
+    r = check(ThreeQuantizations(write=True).to(dtype), x, expect={"rms_norm": 1, "dynamic_quant_fp8": 2}, exact=True)
+    order = list(r.graph.graph.nodes)
+    (write,) = [n for n in order if n.op == "call_method" and n.target == "mul_"]
+    first, second = sorted((n for n in order if n.target == torch.ops.fxr.dynamic_quant_fp8.default), key=order.index)
+    assert order.index(first) < order.index(write) < order.index(second)
 
 
 class ThreeNvfp4Quantizations(torch.nn.Module):

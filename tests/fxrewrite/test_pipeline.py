@@ -18,7 +18,7 @@ from fxrewrite.report import PassResult
 README = Path(__file__).resolve().parents[2] / "README.md"
 PASS_LIST = r"The pipeline \(`fxrewrite.pipeline\(config\)`\) is one ordered list of named passes:(.*?)\. Each pass"
 LIBRARY_GROUPS = ["fuse_rotary", "fuse_collective", "fuse_norm_quant", "fuse_norm", "fuse_activation",
-                  "fuse_activation_quant"]  # fmt: skip
+                  "fuse_activation_quant", "fuse_quant"]  # fmt: skip
 
 
 def double_pattern(x):
@@ -62,7 +62,7 @@ def test_gemm_fusion_puts_its_passes_around_select_gemm_in_the_replayed_modes() 
 def test_user_rules_follow_the_last_rule_group_in_every_mode() -> None:
     for mode in ("none", "piecewise"):
         got = names(Config(mode=mode, extra_rules=(DOUBLE,)))
-        assert got[got.index("user_rules") - 1] == ("select_gemm" if mode != "none" else "fuse_activation_quant")
+        assert got[got.index("user_rules") - 1] == ("select_gemm" if mode != "none" else "fuse_quant")
         assert got[got.index("user_rules") + 1] == "fold_rotary"
 
 

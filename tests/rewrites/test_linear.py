@@ -192,7 +192,7 @@ def test_a_rules_pass_hands_its_planned_calls_to_prebuild_before_verifying() -> 
 def test_the_default_library_selects_gemms_for_replayed_graphs_only(mode: str, expect: dict[str, int]) -> None:
     """Eagerly each linear would pay the custom op's dispatch on the host; replays do not."""
     groups = [name for name, _ in default_rule_groups(mode)]
-    assert ("select_gemm" in groups) == (mode != "none") and groups[-1] == ("select_gemm" if expect else "fuse_activation_quant")
+    assert ("select_gemm" in groups) == (mode != "none") and groups[-1] == ("select_gemm" if expect else "fuse_quant")
     r = compile_once(Projections(), torch.randn(4, 32), mode=mode, capture_sizes=(4, 8), progress=False,
                      merge_siblings=False, **compile_modes(False))  # fmt: skip
     assert r.report.fused_ops() == expect

@@ -90,9 +90,10 @@ def test_gate_and_up_merge_and_their_activation_fuses_with_its_quantization(dtyp
 def test_linears_reading_other_quantized_inputs_do_not_merge(dtype: torch.dtype) -> None:
     """Negative twin: up reads another input, gate the normed value: two quantizations, no siblings;
     gate and up stay two GEMMs, their product ``act_mul``, quantized by ``act_mul_block_quant_fp8``
-    (rewrites/quant_act_mul.py) where the merged pair's halves would be ``silu_and_mul``'s."""
+    (rewrites/quant_act_mul.py) where the merged pair's halves would be ``silu_and_mul``'s; the
+    other input's quantization fuses alone (``block_quant_fp8``)."""
     r = check(Mlp(up_reads="other").to(dtype), inputs(dtype),
-              expect={"rms_norm_block_quant_fp8": 1, "linear_block_fp8": 3,
+              expect={"rms_norm_block_quant_fp8": 1, "block_quant_fp8": 1, "linear_block_fp8": 3,
                       "act_mul_block_quant_fp8": 1})  # fmt: skip
     assert not sites(r, "merge_siblings")
 

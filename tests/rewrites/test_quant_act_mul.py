@@ -117,9 +117,10 @@ def test_per_token_quant_with_another_floor_is_not_fused() -> None:
     assert "`clamp` min: literal 1e-06 != 1e-12" in reasons(r, "act_mul_dynamic_quant_fp8")
 
 
-@pytest.mark.parametrize("quant", ["static", "block", "nvfp4"])
-def test_product_also_read_unquantized_fuses_only_act_mul(quant: str) -> None:
-    """The product read besides its quantization: the fused op would not produce it."""
+@pytest.mark.parametrize(("quant", "alone"), [("static", None), ("block", "block_quant_fp8"), ("nvfp4", "quant_nvfp4")])
+def test_product_also_read_unquantized_fuses_act_mul_and_the_quantizer_apart(quant: str, alone: str | None) -> None:
+    """The product read besides its quantization: the fused op would not produce it; the
+    quantizer fuses alone (the static one is a plain elementwise chain: left as written)."""
     model = TwoLinearMlp(quant).to(BF16)
     quantize = model.quantize
 
@@ -127,7 +128,7 @@ def test_product_also_read_unquantized_fuses_only_act_mul(quant: str) -> None:
         return quantize(y), y
 
     model.quantize = both
-    check(model, inputs(BF16), expect={"act_mul": 1}, exact=True, **TWO_GEMMS)
+    check(model, inputs(BF16), expect={"act_mul": 1, **({alone: 1} if alone else {})}, exact=True, **TWO_GEMMS)
 
 
 def test_broadcast_operand_forms_no_act_mul_and_no_quant_op() -> None:

@@ -169,14 +169,15 @@ def padded(y: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tenso
 
 
 def test_a_group_that_does_not_divide_the_row_is_not_fused() -> None:
-    """Padding sits between the norm and the split: the block rule does not match, the norm fuses."""
+    """Padding sits between the norm and the split: the norm + block rule does not match, the
+    norm fuses, and the padded row's quantization alone."""
 
     def fn(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return padded(rms_norm(x, w))
 
     x, w = torch.randn(4, 200).to(BF16), (1 + 0.1 * torch.randn(200)).to(BF16)
-    r = check(fn, x, w, expect={"rms_norm": 1}, dynamic=False, exact=True)
-    assert not [s for s in sites(r) if "block" in s.rule]
+    r = check(fn, x, w, expect={"rms_norm": 1, "block_quant_fp8": 1}, dynamic=False, exact=True)
+    assert [s.rule for s in sites(r)] == ["rms_norm", "block_quant_fp8"]
 
 
 def strided_groups(y: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +191,8 @@ def strided_groups(y: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, tor
 
 @pytest.mark.parametrize("kind", ["norm", "silu"])
 def test_strided_groups_are_not_fused(kind: str) -> None:
-    r = compiled(kind, BF16, False, {UNFUSED[kind]: 1}, quant=strided_groups)
+    """Not a block quantization: the rows of the transposed view are quantized per token, alone."""
+    r = compiled(kind, BF16, False, {UNFUSED[kind]: 1, "dynamic_quant_fp8": 1}, quant=strided_groups)
     assert not [s for s in sites(r) if "block" in s.rule]
 
 
@@ -213,9 +215,9 @@ def test_a_norm_whose_weight_does_not_span_the_row_is_refused_by_the_guard() -> 
         return quant_fp8_block(rms_norm(x, w))
 
     x, w = torch.randn(4, HIDDEN).to(BF16), torch.randn(4, 1).to(BF16)  # a per-row "weight"
-    r = check(fn, x, w, expect={"rms_norm": 1}, dynamic=False, exact=True)
-    # the normed value fuses without its weight (a per-row factor is not a norm weight)
-    assert [s.rule for s in sites(r)] == ["rms_norm_unweighted"]
+    r = check(fn, x, w, expect={"rms_norm": 1, "block_quant_fp8": 1}, dynamic=False, exact=True)
+    # the normed value fuses without its weight (a per-row factor is not a norm weight), the quantizer alone
+    assert [s.rule for s in sites(r)] == ["rms_norm_unweighted", "block_quant_fp8"]
     assert reasons(r, "rms_norm_block_quant_fp8") == ["guard: weight shape (4, 1) != normalized dim (256,)"]
 
 

@@ -48,6 +48,8 @@ QUANTS: dict[str, Callable[[torch.Tensor], Any]] = {
     "block": quant_fp8_block,
     "nvfp4": lambda y: quant_nvfp4(y, GLOBAL_SCALE),
 }
+# a quantizer left alone (its norm refused): the op it fuses into by itself (static: none, a plain chain)
+ALONE = {"static": None, "per-token": "dynamic_quant_fp8", "block": "block_quant_fp8", "nvfp4": "quant_nvfp4"}
 # quantizer: (norm op, add + norm op, rule of the norm, rule of the add + norm)
 FUSED = {
     "static": ("rms_norm_quant_fp8", "fused_add_rms_norm_quant_fp8", "rms_norm_cast_last_quant_fp8",
@@ -127,13 +129,15 @@ def test_the_llama_order_stays_round_then_scale(quant: str) -> None:
 @pytest.mark.parametrize("quant", list(FUSED))
 def test_a_float64_weight_is_refused_by_the_guard(quant: str) -> None:
     """``(w64 * normed).to(bf16)`` runs the product in float64: no op computes that; the quant
-    rule refuses it with the reason, and only the normed value fuses (weightless, in float32)."""
+    rule refuses it with the reason, and only the normed value fuses (weightless, in float32),
+    and the quantizer alone (but the static one, a plain elementwise chain)."""
     model = NormQuant(quant).to(BF16)
     model.weight.data = model.weight.data.double()
-    r = check(model, *inputs(BF16), expect={"rms_norm": 1}, exact=True)
+    alone = [ALONE[quant]] if ALONE[quant] else []
+    r = check(model, *inputs(BF16), expect={"rms_norm": 1, **dict.fromkeys(alone, 1)}, exact=True)
     why = "guard: weight dtype torch.float64: the product would not run in float32"
     assert reasons(r, FUSED[quant][2]) == [why]
-    assert [s.rule for s in sites(r)] == ["rms_norm_float32"]
+    assert [s.rule for s in sites(r)] == ["rms_norm_float32", *alone]
 
 
 @pytest.mark.parametrize("quant", list(FUSED))
@@ -145,6 +149,7 @@ def test_a_cast_to_another_dtype_is_refused_by_the_guard(quant: str) -> None:
         return QUANTS[quant]((w * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6))).to(torch.float16))
 
     x, w = inputs(BF16)[0], (1 + 0.1 * torch.randn(HIDDEN)).to(BF16)
-    r = check(fn, x, w, expect={"rms_norm": 1}, exact=True)
+    alone = [ALONE[quant]] if ALONE[quant] else []
+    r = check(fn, x, w, expect={"rms_norm": 1, **dict.fromkeys(alone, 1)}, exact=True)
     assert reasons(r, FUSED[quant][2]) == ["guard: casts back to torch.float16, input is torch.bfloat16"]
-    assert [s.rule for s in sites(r)] == ["rms_norm_float32"]  # the normed value alone, in float32
+    assert [s.rule for s in sites(r)] == ["rms_norm_float32", *alone]  # the normed value in float32, the quantizer

@@ -190,15 +190,16 @@ def test_global_scale_not_one_float32_element_is_not_fused(kind: str, scale: tor
     assert set(reasons(r, FUSED[kind][1][-1])) == {f"guard: global scale must be one float32 element, got {got}"}
 
 
-def test_quantized_norm_whose_output_is_also_used_fuses_only_the_norm() -> None:
-    """The norm's output read besides the quantization: the fused op would not produce it."""
+def test_quantized_norm_whose_output_is_also_used_fuses_the_norm_and_the_quantizer_apart() -> None:
+    """The norm's output read besides the quantization: the fused op would not produce it; the
+    norm and the quantizer alone fuse, each its own op."""
 
     def both(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
         y = rms_norm(x, w, 1e-6)
         return (*quant_nvfp4(y, g), y)
 
     x, w = inputs(BF16)[0], torch.randn(64, dtype=BF16)
-    r = check(both, x, w, torch.tensor([150.0]), expect={"rms_norm": 1}, dynamic=False, exact=True)
+    r = check(both, x, w, torch.tensor([150.0]), expect={"rms_norm": 1, "quant_nvfp4": 1}, dynamic=False, exact=True)
     assert reasons(r, "rms_norm_quant_nvfp4") == ["internal node `y` has 1 user(s) outside the match (`output`)"]
 
 

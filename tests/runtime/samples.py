@@ -23,10 +23,11 @@ def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.bfloat16)
 def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> list[Any]:
     """Arguments of ``op`` on CPU: ``x`` (and ``residual``) of ``shape``, a [hidden] weight, eps
     1e-6, a static FP8 scale 0.02, an NVFP4 global scale 300, GELU's tanh approximation, the norms'
-    ``cast_last`` order, a
-    gated norm's gate (grouped, gate first, SiLU), act_mul's ``a`` and ``b`` of ``shape``, the
-    default process group's name, rotary arguments from :mod:`rotary_samples`, MoE arguments from
-    :mod:`moe_samples`, a linear's [hidden, hidden] matrix ``w`` and [hidden] bias, a fused norm's ``norm_weight`` near 1, block FP8's group (32 where the row allows)."""
+    ``cast_last`` order, a gated norm's gate (grouped, gate first, SiLU), act_mul's ``a`` and ``b``
+    of ``shape``, a lone quantizer's ``y`` of ``shape``, the default process group's name, rotary
+    arguments from :mod:`rotary_samples`, MoE arguments from :mod:`moe_samples`, a linear's
+    [hidden, hidden] matrix ``w`` and [hidden] bias, a fused norm's ``norm_weight`` near 1, block
+    FP8's group (32 where the row allows)."""
     values = {
         "weight": lambda: rand(gen, shape[-1], dtype=dtype) * 0.5,
         "norm_weight": lambda: 1.0 + rand(gen, shape[-1], dtype=dtype) * 0.1,
@@ -67,7 +68,7 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
         values["w"] = lambda: rand(gen, 2 * shape[-1], shape[-1], dtype=dtype) * shape[-1] ** -0.5
         values["bias"] = lambda: rand(gen, 2 * shape[-1], dtype=dtype)
         values["rotated"] = lambda: 2 * shape[-1]
-    return [rand(gen, *shape, dtype=dtype) if name in ("x", "residual", "a", "b") else values[name]() for name in names]
+    return [rand(gen, *shape, dtype=dtype) if name in ("x", "y", "residual", "a", "b") else values[name]() for name in names]
 
 
 def with_arg(op: OpDef, args: list[Any], name: str, value: Any) -> list[Any]:

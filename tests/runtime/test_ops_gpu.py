@@ -78,6 +78,7 @@ def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torc
         "residual": activation,
         "a": activation,  # act_mul: two operands of one shape
         "b": activation,
+        "y": activation,  # the per-token quantizer alone
         "act_first": lambda: False,
         "weight": lambda: (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(dtype),
         "norm_weight": lambda: (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(dtype),

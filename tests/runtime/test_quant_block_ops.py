@@ -118,7 +118,9 @@ def test_triton_checks_refuse_what_the_kernel_cannot_take() -> None:
 def op_args(name: str, shape: tuple[int, ...], dtype: torch.dtype, group: int, device: str = "cpu",
             exact: bool = False, cast_last: bool = False) -> tuple[object, ...]:  # fmt: skip
     """Arguments of op ``name`` for a ``shape`` output (activations: an input of twice its width;
-    norms: ``cast_last``, their order of weight and rounding)."""
+    norms: ``cast_last``, their order of weight and rounding; the quantizer alone: ``y``, ``group``)."""
+    if name == "block_quant_fp8":
+        return rows(shape, dtype, device, exact), group
     wide = name not in NORMS
     x = rows((*shape[:-1], 2 * shape[-1]) if wide else shape, dtype, device, exact)
     w = (1 + 0.1 * torch.randn(shape[-1])).to(dtype).to(device)

@@ -26,7 +26,7 @@ from fxrewrite.runtime.ops import quant_nvfp4 as nv
 from fxrewrite.runtime.ops.activation import gelu_and_mul_reference, silu_and_mul_reference
 from fxrewrite.runtime.ops.norm import rms_norm_reference
 from fxrewrite.runtime.providers import OpDef
-from test_quant_nvfp4_ops import GRID, MIDPOINTS, ONE, same_bytes, with_six  # this folder
+from test_quant_nvfp4_ops import FUSED, GRID, MIDPOINTS, ONE, same_bytes, with_six  # this folder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -112,7 +112,7 @@ def intermediate(op: OpDef, args: list[object]) -> torch.Tensor:
 @pytest.mark.parametrize("cast_last", [False, True], ids=["round-then-scale", "scale-then-round"])
 @pytest.mark.parametrize(("tokens", "hidden"), SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("op", nv.DEFS, ids=lambda op: op.name)
+@pytest.mark.parametrize("op", FUSED, ids=lambda op: op.name)
 def test_fused_op_served_by_triton(kernels: types.ModuleType, op: OpDef, dtype: torch.dtype, tokens: int,
                                    hidden: int, gen: torch.Generator, cast_last: bool) -> None:  # fmt: skip
     """The norms in either order of weight and rounding (``cast_last``: torch.rms_norm's)."""
@@ -134,7 +134,7 @@ def test_fused_op_served_by_triton(kernels: types.ModuleType, op: OpDef, dtype: 
         same_bytes(got[2:], want[2:])  # the residual sum
 
 
-@pytest.mark.parametrize("op", nv.DEFS, ids=lambda op: op.name)
+@pytest.mark.parametrize("op", FUSED, ids=lambda op: op.name)
 def test_call_the_kernel_refuses_falls_back_with_its_reason(kernels: types.ModuleType, op: OpDef,
                                                             gen: torch.Generator) -> None:  # fmt: skip
     force("triton")

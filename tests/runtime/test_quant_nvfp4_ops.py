@@ -155,6 +155,8 @@ def test_mismatch_accepts_one_step_and_refuses_two() -> None:
 
 # -- the fused ops and their Triton kernel ------------------------------------------------------
 
+FUSED = [op for op in nv.DEFS if op.name != "quant_nvfp4"]  # the quantizer alone: test_quant_alone_ops.py
+
 
 def as_tuple(out: object) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)  # type: ignore[return-value]
@@ -173,7 +175,7 @@ def arg(op: OpDef, args: list[object], name: str) -> object:
     return args[list(inspect.signature(op.reference).parameters).index(name)]
 
 
-@pytest.mark.parametrize("op", nv.DEFS, ids=lambda op: op.name)
+@pytest.mark.parametrize("op", FUSED, ids=lambda op: op.name)
 def test_reference_is_the_unfused_code_then_the_quantizer(gen: torch.Generator, op: OpDef) -> None:
     args = op_args(op, (3, 64), gen)
     got = as_tuple(getattr(torch.ops.fxr, op.name)(*args))
@@ -193,7 +195,7 @@ def test_reference_is_the_unfused_code_then_the_quantizer(gen: torch.Generator, 
 @pytest.mark.parametrize("cast_last", [False, True], ids=["round-then-scale", "scale-then-round"])
 @pytest.mark.parametrize("shape", [(1, 64), (5, 48), (2, 3, 128), (4, 1024)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("op", nv.DEFS, ids=lambda op: op.name)
+@pytest.mark.parametrize("op", FUSED, ids=lambda op: op.name)
 def test_kernel_gives_the_spec_bytes(triton_nvfp4: types.ModuleType, gen: torch.Generator, op: OpDef,
                                      dtype: torch.dtype, shape: tuple[int, ...], cast_last: bool) -> None:  # fmt: skip
     """The quantized bytes are the spec's of what the kernel quantized (``y_out``), always; that
@@ -250,7 +252,7 @@ def test_kernel_reads_rows_at_a_stride(triton_nvfp4: types.ModuleType, gen: torc
 
 
 def test_checks_refuse_what_the_kernel_cannot_serve(gen: torch.Generator) -> None:
-    norm, add, silu, gelu = nv.DEFS
+    norm, add, silu, gelu = FUSED
     x, w, g = rand(gen, 2, 64), rand(gen, 64), torch.tensor([300.0])
     assert triton_check(norm)(x, w, EPS, g) is None
     assert triton_check(norm)(rand(gen, 2, 40), rand(gen, 40), EPS, g) == "40 values a row, not a multiple of 16"
