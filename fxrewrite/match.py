@@ -347,6 +347,9 @@ def _check(m: Match) -> tuple[str | None, fx.Node | None]:
                 return why, g
             names = ", ".join(f"`{u.name}`" for u in outside[:3])
             return f"internal node `{g.name}` has {len(outside)} user(s) outside the match ({names})", g
+    written = _written_between(m, inside)
+    if written is not None:
+        return written
     unknown = [name for name, g in m.bindings.items()
                if isinstance(g, fx.Node) and meta.value(g) is None and name not in m.rule.scalars]  # fmt: skip
     if unknown and m.rule.guard is not None:
@@ -364,6 +367,38 @@ def _check(m: Match) -> tuple[str | None, fx.Node | None]:
                 early[0],
             )
     return None, None
+
+
+def _storage(n: fx.Node) -> fx.Node:
+    """The node whose storage ``n`` shares: through views and in-place ops (``x.mul_(2)``
+    returns ``x``) to the first that owns it."""
+    while n.args and isinstance(n.args[0], fx.Node) and (meta.is_view(n) or n.args[0] in meta.written_args(n)):
+        n = n.args[0]
+    return n
+
+
+def _written_between(m: Match, inside: set[fx.Node]) -> tuple[str, fx.Node] | None:
+    """A node outside the match, between its first node and its anchor, that writes in place a
+    value the match reads (a binding or an internal node, or storage one of them shares): the
+    matched code read it before and after the write, the replacement would read it once, at the
+    anchor. (reason, writer) or None."""
+    start, end = min(_position(n) for n in inside), _position(m.anchor)
+    read = [b for b in m.bindings.values() if isinstance(b, fx.Node)] + list(inside)
+    for root in {_storage(n) for n in read}:
+        stack, seen = [root], {root}
+        while stack:
+            n = stack.pop()
+            for u in n.users:
+                if u in seen:
+                    continue
+                writes = n in meta.written_args(u)
+                if writes and u not in inside and start < _position(u) < end:
+                    return (f"`{root.name}` is written in place by `{u.name}` between the nodes that read it "
+                            f"(the fused op would read it once, at `{m.anchor.name}`)", u)  # fmt: skip
+                if writes or meta.is_view(u):
+                    seen.add(u)
+                    stack.append(u)
+    return None
 
 
 def inplace_blocker(m: Match) -> str | None:

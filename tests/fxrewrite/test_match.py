@@ -548,3 +548,53 @@ def test_one_pass_tries_each_anchor_once(monkeypatch: pytest.MonkeyPatch) -> Non
     r = check_rewrite(blocks, t(), t(), rules=[ADD_RELU], expect={"fxrtest.add_relu": 16, "aten.relu": 0})
     assert r.counts_before()["torch.relu"] == 16
     assert len(tried) == 16 and len(set(tried)) == 16
+
+
+# -- a value written in place inside the matched span ---------------------------------------------
+
+
+def _norm_of(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def write_between(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x * 1.0
+    var = h.pow(2).mean(-1, keepdim=True)
+    h.mul_(2)  # the norm's statistic read h before the write, its product after
+    return w * (h * torch.rsqrt(var + 1e-6))
+
+
+def write_through_a_view_between(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x * 1.0
+    var = h.pow(2).mean(-1, keepdim=True)
+    h.view(-1).mul_(2)
+    return w * (h * torch.rsqrt(var + 1e-6))
+
+
+def write_before(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x * 1.0
+    h.mul_(2)
+    return _norm_of(h, w)
+
+
+def write_after(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x * 1.0
+    out = _norm_of(h, w)
+    h.mul_(2)
+    return out, h
+
+
+@pytest.mark.parametrize(("fn", "fused"), [(write_between, False), (write_through_a_view_between, False),
+                                           (write_before, True), (write_after, True)])  # fmt: skip
+def test_a_value_written_in_place_between_its_reads_is_not_matched(fn: Callable[..., Any], fused: bool) -> None:
+    """An RMSNorm whose input is overwritten (directly or through a view) between the mean that
+    reads it and the product that reads it again is not one norm of one value: the match is
+    refused with the writer named, and the output equals eager; written before or after the
+    norm's reads, it fuses."""
+    r = compile_once(fn, torch.randn(4, 64), torch.randn(64))
+    assert r.report.rules() == ({"rms_norm": 1} if fused else {})
+    torch.testing.assert_close(r.output, r.eager, rtol=1e-5, atol=1e-5)  # a tensor, or (norm, h)
+    if not fused:
+        why = [n.reason for n in r.report.near_misses if n.rule == "rms_norm"]
+        assert why == ["`h` is written in place by `mul_` between the nodes that read it (the fused op would read it "
+                       "once, at `mul_2`)"], why  # fmt: skip
