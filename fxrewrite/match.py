@@ -381,23 +381,17 @@ def _written_between(m: Match, inside: set[fx.Node]) -> tuple[str, fx.Node] | No
     """A node outside the match, between its first node and its anchor, that writes in place a
     value the match reads (a binding or an internal node, or storage one of them shares): the
     matched code read it before and after the write, the replacement would read it once, at the
-    anchor. (reason, writer) or None."""
-    start, end = min(_position(n) for n in inside), _position(m.anchor)
-    read = [b for b in m.bindings.values() if isinstance(b, fx.Node)] + list(inside)
-    for root in {_storage(n) for n in read}:
-        stack, seen = [root], {root}
-        while stack:
-            n = stack.pop()
-            for u in n.users:
-                if u in seen:
-                    continue
-                writes = n in meta.written_args(u)
-                if writes and u not in inside and start < _position(u) < end:
-                    return (f"`{root.name}` is written in place by `{u.name}` between the nodes that read it "
-                            f"(the fused op would read it once, at `{m.anchor.name}`)", u)  # fmt: skip
-                if writes or meta.is_view(u):
-                    seen.add(u)
-                    stack.append(u)
+    anchor. (reason, writer) or None. Walks the nodes between (a match spans a few)."""
+    start = min(_position(n) for n in inside)
+    read = {_storage(b) for b in m.bindings.values() if isinstance(b, fx.Node)} | {_storage(n) for n in inside}
+    n = m.anchor.prev
+    while n.op != "root" and _position(n) > start:
+        if n not in inside:
+            for w in meta.written_args(n):
+                if isinstance(w, fx.Node) and (root := _storage(w)) in read:
+                    return (f"`{root.name}` is written in place by `{n.name}` between the nodes that read it "
+                            f"(the fused op would read it once, at `{m.anchor.name}`)", n)  # fmt: skip
+        n = n.prev
     return None
 
 
