@@ -27,6 +27,7 @@ near miss the report shows.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -378,17 +379,25 @@ def _storage(n: fx.Node) -> fx.Node:
 
 
 def _written_between(m: Match, inside: set[fx.Node]) -> tuple[str, fx.Node] | None:
-    """A node outside the match, between its first node and its anchor, that writes in place a
-    value the match reads (a binding or an internal node, or storage one of them shares): the
-    matched code read it before and after the write, the replacement would read it once, at the
-    anchor. (reason, writer) or None. Walks the nodes between (a match spans a few)."""
-    start = min(_position(n) for n in inside)
-    read = {_storage(b) for b in m.bindings.values() if isinstance(b, fx.Node)} | {_storage(n) for n in inside}
+    """A node outside the match that writes in place a value the match takes (a binding, or
+    storage it shares) after a matched node read it and before the anchor: the matched code read
+    it before and after the write, the replacement reads it once, at the anchor. (reason,
+    writer) or None. The match's own values are not checked here: a writer of one is a user
+    outside the match, which containment refuses. Walks the nodes between (a match spans a few)."""
+    first_read: dict[fx.Node, float] = {}  # storage -> position of the first matched node reading it
+    for b in m.bindings.values():
+        readers = [_position(u) for u in b.users if u in inside] if isinstance(b, fx.Node) else []
+        if readers:
+            root = _storage(b)
+            first_read[root] = min(first_read.get(root, math.inf), *readers)
+    if not first_read:
+        return None
+    start = min(first_read.values())
     n = m.anchor.prev
     while n.op != "root" and _position(n) > start:
         if n not in inside:
             for w in meta.written_args(n):
-                if isinstance(w, fx.Node) and (root := _storage(w)) in read:
+                if isinstance(w, fx.Node) and _position(n) > first_read.get(root := _storage(w), math.inf):
                     return (f"`{root.name}` is written in place by `{n.name}` between the nodes that read it "
                             f"(the fused op would read it once, at `{m.anchor.name}`)", n)  # fmt: skip
         n = n.prev

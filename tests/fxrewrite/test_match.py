@@ -584,13 +584,21 @@ def write_after(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return out, h
 
 
+def write_to_what_only_the_anchor_reads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h, w2 = x * 1.0, w * 1.0
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    w2.mul_(2)  # inside the matched span, but the weight is read once, by the last node
+    return w2 * normed
+
+
 @pytest.mark.parametrize(("fn", "fused"), [(write_between, False), (write_through_a_view_between, False),
-                                           (write_before, True), (write_after, True)])  # fmt: skip
+                                           (write_before, True), (write_after, True),
+                                           (write_to_what_only_the_anchor_reads, True)])  # fmt: skip
 def test_a_value_written_in_place_between_its_reads_is_not_matched(fn: Callable[..., Any], fused: bool) -> None:
     """An RMSNorm whose input is overwritten (directly or through a view) between the mean that
     reads it and the product that reads it again is not one norm of one value: the match is
     refused with the writer named, and the output equals eager; written before or after the
-    norm's reads, it fuses."""
+    norm's reads, or where only the last node reads it (its weight), it fuses."""
     r = compile_once(fn, torch.randn(4, 64), torch.randn(64))
     assert r.report.rules() == ({"rms_norm": 1} if fused else {})
     torch.testing.assert_close(r.output, r.eager, rtol=1e-5, atol=1e-5)  # a tensor, or (norm, h)
