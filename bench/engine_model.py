@@ -511,11 +511,21 @@ class EngineLlama(nn.Module):
 
 
 def rope_cache(cfg: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
-    """``[max_positions, head_dim]`` float32: ``cat(cos(p * f), sin(p * f))``, f = theta^(-2i/d)."""
+    """``[max_positions, head_dim]`` float32: ``cat(cos(p * f), sin(p * f))``, f = theta^(-2i/d),
+    in float64 on the CPU with one thread, then moved to ``device``. The same bits in every
+    process: the compile cache compares this table bit for bit (the RoPE fold reads it), and
+    torch's CPU cos gives other bits on a worker thread than on the main one (7e-9 apart in
+    float64, seen on torch 2.13), so a split that varies by process varied the table."""
     half = cfg.head_dim // 2
-    freqs = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float64, device=device) / half)
-    angles = torch.arange(cfg.max_positions, dtype=torch.float64, device=device)[:, None] * freqs[None, :]
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        freqs = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float64) / half)
+        angles = torch.arange(cfg.max_positions, dtype=torch.float64)[:, None] * freqs[None, :]
+        table = torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+    finally:
+        torch.set_num_threads(threads)
+    return table.to(device)
 
 
 @torch.no_grad()

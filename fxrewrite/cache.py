@@ -69,13 +69,16 @@ FORMAT = 1  # the layout of an entry; another value misses
 @dataclasses.dataclass
 class CacheStats:
     """What the cache did for one backend: graphs loaded and the seconds their passes took when
-    they were stored, less the loads; graphs stored; graphs not stored, by reason."""
+    they were stored, less the loads; graphs stored; graphs not stored, by reason; entries found
+    under their key but not used, by reason (a value the passes read has changed: a warm start
+    that misses says why)."""
 
     hits: int = 0
     saved_s: float = 0.0
     misses: int = 0
     stored: int = 0
     not_stored: dict[str, int] = dataclasses.field(default_factory=dict)
+    not_used: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class CompileCache:
@@ -111,6 +114,10 @@ class CompileCache:
         log.info("fxrewrite compile cache: graph not stored: %s", why)
         self.stats.not_stored[why] = self.stats.not_stored.get(why, 0) + 1
 
+    def _not_used(self, why: str) -> None:
+        self.stats.misses += 1
+        self.stats.not_used[why] = self.stats.not_used.get(why, 0) + 1
+
 
 class CachedGraph:
     """One Dynamo graph's entry: :meth:`load` before the passes, :meth:`store` after them.
@@ -139,7 +146,7 @@ class CachedGraph:
                 raise ValueError("not an entry of this format and key")
             if (why := self._changed_reads(entry["reads"])) is not None:
                 log.info("fxrewrite compile cache: entry %s not used: %s", path.name, why)
-                self.cache.stats.misses += 1
+                self.cache._not_used(why)
                 return None
             tensors: dict[str, torch.Tensor] = {}
             if entry["tensors"]:
@@ -149,7 +156,7 @@ class CachedGraph:
         except Exception as e:  # noqa: BLE001 - a damaged entry is a miss; the graph is stored again
             log.warning("fxrewrite compile cache: ignoring the unreadable entry %s (%s: %s); it will be written again",
                         path, type(e).__name__, e)  # fmt: skip
-            self.cache.stats.misses += 1
+            self.cache._not_used(f"unreadable ({type(e).__name__})")
             return None
         for name, value in constants.items():
             if not hasattr(self.gm, name):

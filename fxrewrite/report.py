@@ -218,14 +218,15 @@ class Report:
         return "\n".join(out)
 
     def cache_lines(self) -> list[str]:
-        """``cache hit: N graphs, saved X s``, and what was stored or not (empty with the
-        cache off)."""
+        """``cache hit: N graphs, saved X s``, entries found but not used and why, and what was
+        stored or not (empty with the cache off)."""
         c = self.cache
         if not c:
             return []
         lines = [f"cache hit: {c['hits']} graphs, saved {c['saved_s']:.2f} s"] if c["hits"] else []
         if c["stored"] or c["misses"]:
             lines.append(f"cache miss: {c['misses']} graphs, stored {c['stored']}")
+        lines += [f"cache: entry found, not used ({n}x): {why}" for why, n in c["not_used"].items()]
         lines += [f"cache: not stored ({n}x): {why}" for why, n in c["not_stored"].items()]
         return lines
 

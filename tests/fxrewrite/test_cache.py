@@ -9,6 +9,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -116,11 +117,15 @@ def test_a_changed_value_the_passes_read_misses(tmp_path: Path) -> None:
     backend = cached(tmp_path)
     out = run(backend, model, *x)
     assert backend.report.cache["hits"] == 0 and backend.report.cache["misses"] == 1
+    # the miss says which value changed: the entry was found under the key and not used
+    [why] = backend.report.cache["not_used"]
+    assert re.fullmatch(r"the value of \w*inv_freq\w* differs from the one the passes read", why), why
+    assert f"cache: entry found, not used (1x): {why}" in backend.report.cache_lines()
     with torch.no_grad():
         assert_close(out, models.hidden_states(model(*x)))
     again = cached(tmp_path)
     run(again, model, *x)
-    assert again.report.cache["hits"] == 1  # stored over the old entry
+    assert again.report.cache["hits"] == 1 and not again.report.cache["not_used"]  # stored over the old entry
 
 
 def test_hint_changes_hit_but_dtype_and_static_shape_changes_miss(tmp_path: Path) -> None:
@@ -151,6 +156,7 @@ def test_damaged_entries_are_ignored_with_a_warning_and_written_again(tmp_path: 
         with caplog.at_level(logging.WARNING, logger="fxrewrite"):
             out = run(backend, model, *x)
         assert "ignoring the unreadable entry" in caplog.text
+        assert [why.split(" (")[0] for why in backend.report.cache["not_used"]] == ["unreadable"]
         caplog.clear()
         assert backend.report.cache == {**backend.report.cache, "hits": 0, "stored": 1}
         assert torch.equal(out, expected)
