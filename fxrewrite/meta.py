@@ -80,6 +80,71 @@ def hint(v: Any) -> Any:
     return v
 
 
+UNBACKED_STAND_IN = 7  # what a size read from data (an unbacked symbol) is checked at, within its range
+
+
+def check_value(v: Any) -> Any:
+    """A concrete value to check a site at: :func:`hint`, or for an expression of unbacked
+    symbols (a count read from data: tokens routed to an expert, the length of a ``nonzero``)
+    its value at :func:`_stand_ins`. None when those break one of the graph's runtime asserts
+    that tie the symbols, or the expression cannot be evaluated."""
+    h = hint(v)
+    if h is not None or not isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return h
+    try:
+        env = v.node.shape_env
+        expr = env.replace(v.node.expr)
+        values = _stand_ins(env, expr.free_symbols)
+        if values is None:
+            return None
+        return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(v)](expr.xreplace(values))
+    except Exception:  # noqa: BLE001 - an expression sympy cannot evaluate here: no value
+        return None
+
+
+def _stand_ins(env: Any, symbols: set[Any]) -> dict[Any, Any] | None:
+    """``symbols``, and every symbol the graph's runtime asserts tie them to, at concrete
+    values: backed symbols at their hints; an unbacked one that an assert equates with a known
+    value solved from it (several summing to one value get equal shares: the sizes of a split);
+    the others at ``UNBACKED_STAND_IN`` clamped into their range. None when the asserts that
+    tie them do not all hold there."""
+    import sympy
+
+    values: dict[Any, Any] = dict(getattr(env, "backed_var_to_val", None) or env.var_to_val)
+    asserts = [ra.expr for ras in env.deferred_runtime_asserts.values() for ra in ras]
+    tied, wanted, grew = [], set(symbols), True
+    while grew:
+        grew = False
+        for a in asserts:
+            if a not in tied and a.free_symbols & wanted:
+                tied.append(a)
+                wanted |= a.free_symbols
+                grew = True
+    for a in tied:
+        if isinstance(a, sympy.Eq):
+            values.update(_shares(sympy.expand((a.lhs - a.rhs).xreplace(values))))
+    for sym in wanted - values.keys():
+        r = env.var_to_range[sym]
+        values[sym] = sympy.Max(r.lower, sympy.Min(UNBACKED_STAND_IN, r.upper))
+    in_range = all(env.var_to_range[s].lower <= values[s] <= env.var_to_range[s].upper
+                   for s in wanted if s in env.var_to_range)  # fmt: skip
+    return values if in_range and all(a.xreplace(values) is sympy.true for a in tied) else None
+
+
+def _shares(e: Any) -> dict[Any, int]:
+    """Values of the symbols of ``e`` (``c * (x1 + ... + xn) + k``, all coefficients equal)
+    that make it zero, in equal shares; empty when ``e`` has another form or no such values."""
+    unknowns = sorted(e.free_symbols, key=str)
+    if not unknowns:
+        return {}
+    c = e.coeff(unknowns[0])
+    k = e.xreplace(dict.fromkeys(unknowns, 0))
+    if c == 0 or e != c * sum(unknowns) + k or not (-k / c).is_integer or -k / c < 0:
+        return {}
+    q, r = divmod(int(-k / c), len(unknowns))
+    return {u: q + (i < r) for i, u in enumerate(unknowns)}
+
+
 @functools.cache
 def _example_mode() -> Any:
     """One FakeTensorMode without a shape environment, for :func:`example`."""

@@ -158,13 +158,13 @@ def stats() -> VerifyStats:
 def _concrete_shape(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     shape, stride = [], []
     for s in t.shape:
-        h = meta.hint(s)
+        h = meta.check_value(s)
         if h is None:
-            raise _CannotVerify(f"size {s} has no hint")
+            raise _CannotVerify(f"size {s} has no hint, and its symbols have no values the graph's runtime asserts allow")
         shape.append(int(h))
     try:
         for s in t.stride():
-            h = meta.hint(s)
+            h = meta.check_value(s)
             stride.append(int(h) if h is not None else -1)
     except Exception:  # noqa: BLE001 - sparse / nested tensors have no strides
         stride = []
@@ -185,7 +185,7 @@ def _describe_value(v: Any) -> Any:
                 desc = _DESCRIBED[mv] = ("tensor", shape, stride, mv.dtype, _device(mv).type)
             return desc
         if isinstance(mv, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            return ("symbolic", type(mv).__name__, meta.hint(mv))
+            return ("symbolic", type(mv).__name__, meta.check_value(mv))
         if isinstance(mv, (int, float, bool)):
             return ("scalar", mv)
         raise _CannotVerify(f"`{v.name}` has no known value (meta {type(mv).__name__})")
@@ -256,9 +256,9 @@ def _materialize(node: fx.Node, gens: _Generators) -> Any:
         h = meta.hint(mv)
         return float(h) if h is not None else SYMBOLIC_EPS
     if isinstance(mv, (torch.SymInt, torch.SymBool)):
-        h = meta.hint(mv)
+        h = meta.check_value(mv)
         if h is None:
-            raise _CannotVerify(f"`{node.name}` is a symbolic {type(mv).__name__} without a hint")
+            raise _CannotVerify(f"`{node.name}` is a symbolic {type(mv).__name__} without a hint or an allowed stand-in")
         return h
     if isinstance(mv, (int, float, bool)):
         return mv

@@ -7,6 +7,9 @@ ordinary size, wrong on small rows, which verification draws on purpose.
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -362,3 +365,56 @@ def test_fp8_scales_are_judged_by_the_input_dtype_not_by_float32(factor: float, 
     if not fused:
         [rejected] = r.report.rejected
         assert rejected.reason.startswith("verify: out0: 32 of 32 scales off by more than 0.016"), rejected.reason
+
+
+# -- sizes read from data (unbacked symbols) ------------------------------------------------------
+
+
+class _NormOfRows(torch.nn.Module):
+    """RMSNorm of rows chosen at run time: ``pick(x, aux)`` gives rows of a size read from data."""
+
+    def __init__(self, pick: Any) -> None:
+        super().__init__()
+        self.pick, self.w = pick, torch.nn.Parameter(torch.rand(32) + 0.5)
+
+    def forward(self, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        h = self.pick(x, aux)
+        return self.w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _nonzero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return x[keep.nonzero().squeeze(-1)]
+
+
+def _split_rows(x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    a, b = sizes.tolist()
+    torch._check(a + b == x.shape[0])  # the split's sizes sum to the rows: a tie the check must keep
+    return torch.split(x, [a, b])[0]
+
+
+def _rows_of_a_product(x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    a, b = sizes.tolist()
+    torch._check(a * b == x.shape[0])  # a tie no equal shares satisfy
+    return x[:a]
+
+
+@pytest.mark.parametrize(("pick", "aux", "fused"), [
+    (_nonzero_rows, torch.rand(10) > 0.3, True),
+    (_split_rows, torch.tensor([4, 6]), True),
+    (_rows_of_a_product, torch.tensor([2, 5]), False),
+], ids=["nonzero", "split", "tied-by-a-product"])  # fmt: skip
+def test_a_site_of_a_size_read_from_data_is_checked_at_stand_in_sizes(
+    pick: Any, aux: torch.Tensor, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unbacked size is checked at a stand-in value from its range, or solved from the
+    runtime assert that ties it (a split's sizes summing to the rows); where no such values
+    satisfy the graph's asserts, the site is refused and says so."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
+    r = compile_once(_NormOfRows(pick), torch.randn(10, 32), aux, rules=[norm.RMS_NORM], verify=True)
+    assert r.report.rules() == ({"rms_norm": 1} if fused else {})
+    reasons = [x.reason for x in r.report.rejected]
+    assert len(reasons) == (not fused) and all(re.fullmatch(
+        r"verify: cannot check this site: size u\d+ has no hint, and its symbols have no values the graph's "
+        r"runtime asserts allow", why) for why in reasons)  # fmt: skip
+    assert_close(r.output, r.eager)
