@@ -176,6 +176,7 @@ class _Canon:
         self.graph = gm.graph
         self.fake_mode = meta.fake_mode_of(self.graph)
         self.changed = 0
+        self.visited: set[fx.Node] = set()
 
     # -- helpers ------------------------------------------------------------------------------
     def set(self, node: fx.Node, target: Any, args: tuple, kwargs: dict | None = None) -> None:
@@ -223,6 +224,7 @@ class _Canon:
         for node in list(self.graph.nodes):
             if node.op in ("call_function", "call_method") and node.graph is not None:
                 self.visit(node)
+            self.visited.add(node)
         return self.changed
 
     def visit(self, node: fx.Node) -> None:
@@ -334,8 +336,8 @@ class _Canon:
             return None
         if op is DIV and a == 1:
             return None
-        first = self.uncast(a, b)
-        args = (first, self.uncast(b, first))  # x.float() + y.float(): promotion makes one cast, not both
+        first = self.recast(self.uncast(a, b), b, node)
+        args = (first, self.recast(self.uncast(b, first), first, node))  # x.float() + y.float(): one cast, not both
         self.set(node, op, args)
         for old in {a, b} - set(args):
             if not old.users:  # a cast read nowhere else
@@ -355,6 +357,22 @@ class _Canon:
         if src is None or not meta.promotion_makes(src, x.args[1], o):
             return x
         return x.args[0]
+
+    def recast(self, x: Any, other: Any, node: fx.Node) -> Any:
+        """The widening cast of ``x`` that the arithmetic with ``other`` does anyway, where the
+        code computes that cast before ``node`` and reads it elsewhere: ``h = x.float();
+        v = h.pow(2).mean(-1); x * rsqrt(v)`` reads as ``h * rsqrt(v)``, so both reads of the
+        norm's input are one node whichever of them the code spells with the cast. The converse
+        of :meth:`uncast` (a cast read only here goes), so the two agree on one form."""
+        src = meta.tensor(x) if isinstance(x, fx.Node) else None
+        if src is None:
+            return x
+        o = meta.tensor(other) if isinstance(other, fx.Node) else other
+        for c in x.users:
+            if (c in self.visited and c.target is CAST and c.args[0] is x and c.args[1] != src.dtype
+                    and any(u is not node for u in c.users) and meta.promotion_makes(src, c.args[1], o)):  # fmt: skip
+                return c
+        return x
 
     def matmul(self, node: fx.Node) -> None:
         """``x @ w.t()`` (``.T``, ``.mT``, ``transpose(0, 1)``, ``permute(1, 0)``; ``matmul`` or

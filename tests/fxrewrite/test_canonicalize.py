@@ -207,6 +207,37 @@ def test_of_two_widening_casts_one_stays() -> None:
     assert calls(r, A.add.Tensor)[0].args == (placeholder(r, "x"), cast) and cast.args[0] is placeholder(r, "y")
 
 
+def _norm_reads_x_and_its_cast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # CPM-Ant's RMSNorm: the variance of x.float(), the product with x (promotion casts it again)
+    v = x.float().pow(2).mean(-1, keepdim=True)
+    return x * torch.rsqrt(v + 1e-6), x.double() * torch.rsqrt(v)  # the second: float64 casts x itself
+
+
+def test_arithmetic_reads_the_widening_cast_the_code_already_made() -> None:
+    """``x * r`` with ``x`` bfloat16 and ``r`` float32 computes ``x.float() * r``: where the code
+    made that cast before (the norm's variance reads it), the product reads it too, so both reads
+    of the norm's input are one node, as in the spelling that casts once and reads it twice."""
+    r = canon(_norm_reads_x_and_its_cast, x2d(dtype=torch.bfloat16),
+              expect={"prims.convert_element_type": 2, "aten.mul": 2})  # fmt: skip
+    to32, to64 = sorted(calls(r, CAST), key=lambda c: str(c.args[1]))
+    assert (to32.args[1], to64.args[1]) == (torch.float32, torch.float64)
+    first, second = calls(r, A.mul.Tensor)
+    assert first.args[0] is to32  # the promotion's cast, made explicit by the one computed before
+    # negative twin: promotion with float64 is not the float32 cast's dtype; x.double() stays its own
+    assert second.args[0] is to64 and to64.args[0] is placeholder(r, "x")
+
+
+def test_a_cast_computed_after_the_arithmetic_is_not_read_by_it() -> None:
+    """The cast must come before the product: one made after it stays the later reader's alone."""
+
+    def later(x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * r
+        return y, x.float().pow(2)
+
+    r = canon(later, x2d(dtype=torch.bfloat16), x2d(4, 1), expect={"prims.convert_element_type": 1})
+    assert calls(r, A.mul.Tensor)[0].args[0] is placeholder(r, "x")
+
+
 def test_the_cast_of_an_fp8_operand_stays() -> None:
     """``s.float() * x`` with ``s`` float8: float8 types do not promote (torch raises), so the cast
     is what makes the product legal, not something promotion would do (NVFP4's block scales)."""

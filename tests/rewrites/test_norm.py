@@ -53,8 +53,21 @@ def functional_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return w * h.to(x.dtype)
 
 
+class VarianceOfTheCastProductOfX(torch.nn.Module):
+    """CPM-Ant's: the variance of ``x.float()``, the product with ``x`` itself (promotion casts it)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.to(torch.float32).pow(2).mean(dim=-1, keepdim=True)
+        return (x * torch.rsqrt(variance + 1e-6)).to(x.dtype) * self.weight
+
+
 SPELLINGS: dict[str, Callable[[int], torch.nn.Module]] = {
     "hf-llama": LlamaRMSNorm,
+    "variance-of-the-cast-product-of-x": VarianceOfTheCastProductOfX,
     "weight-right-x*x-torch.mean": WeightRightTorchMean,
     "literal-eps-1/sqrt-type_as": LiteralEpsReciprocalSqrt,
 }
