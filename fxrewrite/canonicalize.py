@@ -16,9 +16,10 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
 * scalar-first arithmetic -> tensor first (``2 * x`` -> ``mul(x, 2)``, ``1 - x`` -> ``rsub``,
   ``c / x`` -> ``mul(reciprocal(x), c)``);
 * ``.float()`` / ``.half()`` / ``.to(dtype)`` / ``.to(other)`` / ``.type(dtype)`` / ``.type_as``
-  -> ``prims.convert_element_type``; casts to the dtype a tensor already has are removed, and so
-  is a widening cast of one operand of ``+ - * /`` that type promotion does anyway
-  (``h * w.float()`` with ``h`` float32 -> ``h * w``);
+  -> ``prims.convert_element_type``; casts to the dtype a tensor already has are removed; where
+  widening casts sit and which arithmetic reads them (``h * w.float()`` with ``h`` float32 ->
+  ``h * w``; ``rotate_half(x).float()`` -> ``rotate_half(x.float())``):
+  :mod:`fxrewrite.canonicalize_cast`;
 * ``x ** 2`` / ``x.pow(2)`` / ``torch.square(x)`` / ``x * x`` -> ``aten.pow.Tensor_Scalar(x, 2)``;
 * ``1 / sqrt(x)`` and ``reciprocal(sqrt(x))`` -> ``aten.rsqrt``; ``a / sqrt(x)`` -> ``a * rsqrt(x)``
   (equal up to rounding);
@@ -60,11 +61,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxrewrite import canonicalize_norm, canonicalize_shape, meta
+from fxrewrite.canonicalize_cast import CAST, earlier_cast, hoist, recast, uncast
 # the shape forms' targets, named here with the others rules use
 from fxrewrite.canonicalize_shape import FLATTEN, MAX, PERMUTE, RESHAPE, SLICE, UNFLATTEN  # noqa: F401
 
 A = torch.ops.aten
-CAST = torch.ops.prims.convert_element_type.default
 
 # The canonical targets rules can name.
 ADD, SUB, MUL, DIV, RSUB = A.add.Tensor, A.sub.Tensor, A.mul.Tensor, A.div.Tensor, A.rsub.Scalar
@@ -176,7 +177,6 @@ class _Canon:
         self.graph = gm.graph
         self.fake_mode = meta.fake_mode_of(self.graph)
         self.changed = 0
-        self.visited: set[fx.Node] = set()
 
     # -- helpers ------------------------------------------------------------------------------
     def set(self, node: fx.Node, target: Any, args: tuple, kwargs: dict | None = None) -> None:
@@ -224,7 +224,6 @@ class _Canon:
         for node in list(self.graph.nodes):
             if node.op in ("call_function", "call_method") and node.graph is not None:
                 self.visit(node)
-            self.visited.add(node)
         return self.changed
 
     def visit(self, node: fx.Node) -> None:
@@ -336,43 +335,13 @@ class _Canon:
             return None
         if op is DIV and a == 1:
             return None
-        first = self.recast(self.uncast(a, b), b, node)
-        args = (first, self.recast(self.uncast(b, first), first, node))  # x.float() + y.float(): one cast, not both
+        first = recast(uncast(a, b), b, node)
+        args = (first, recast(uncast(b, first), first, node))  # x.float() + y.float(): one cast, not both
         self.set(node, op, args)
         for old in {a, b} - set(args):
             if not old.users:  # a cast read nowhere else
                 self.graph.erase_node(old)
         return None
-
-    def uncast(self, x: Any, other: Any) -> Any:
-        """``x``'s source when ``x`` is a widening cast, read only here, that the arithmetic with
-        ``other`` would do anyway: ``h * w.float()`` with ``h`` float32 computes exactly ``h * w``
-        (mixed dtypes are computed in the promoted one), so the cast goes and every order of cast
-        and multiply in model code (``(w.float() * h)``, ``(h * w.to(h.dtype))``) reads as ``h * w``."""
-        if not (isinstance(x, fx.Node) and x.target is CAST and isinstance(x.args[0], fx.Node)):
-            return x
-        if len(x.users) != 1:
-            return x  # read elsewhere too: the cast stays, and patterns that share it still match
-        src, o = meta.tensor(x.args[0]), meta.tensor(other) if isinstance(other, fx.Node) else other
-        if src is None or not meta.promotion_makes(src, x.args[1], o):
-            return x
-        return x.args[0]
-
-    def recast(self, x: Any, other: Any, node: fx.Node) -> Any:
-        """The widening cast of ``x`` that the arithmetic with ``other`` does anyway, where the
-        code computes that cast before ``node`` and reads it elsewhere: ``h = x.float();
-        v = h.pow(2).mean(-1); x * rsqrt(v)`` reads as ``h * rsqrt(v)``, so both reads of the
-        norm's input are one node whichever of them the code spells with the cast. The converse
-        of :meth:`uncast` (a cast read only here goes), so the two agree on one form."""
-        src = meta.tensor(x) if isinstance(x, fx.Node) else None
-        if src is None:
-            return x
-        o = meta.tensor(other) if isinstance(other, fx.Node) else other
-        for c in x.users:
-            if (c in self.visited and c.target is CAST and c.args[0] is x and c.args[1] != src.dtype
-                    and any(u is not node for u in c.users) and meta.promotion_makes(src, c.args[1], o)):  # fmt: skip
-                return c
-        return x
 
     def matmul(self, node: fx.Node) -> None:
         """``x @ w.t()`` (``.T``, ``.mT``, ``transpose(0, 1)``, ``permute(1, 0)``; ``matmul`` or
@@ -477,30 +446,10 @@ class _Canon:
         if isinstance(dtype, torch.dtype) and self.dtype(x) == dtype:
             return self.drop(node, x)
         self.set(node, CAST, (x, dtype))
-        if (twin := _earlier_cast(node)) is not None:
+        if (twin := earlier_cast(node)) is not None:
             self.drop(node, twin)
-
-
-def _earlier_cast(node: fx.Node, within: int = 256) -> fx.Node | None:
-    """An earlier ``CAST`` of the same value to the same dtype that ``node`` (a canonical cast)
-    may read instead: model code that writes ``q.float()`` twice in one expression computes one
-    value, and a rule matches it once. Not where anything is written in place between the two
-    (within ``within`` nodes), or either cast, or a view of it, is written later."""
-    x = node.args[0]
-    if not isinstance(x, fx.Node):
-        return None
-    twins = {u for u in x.users if u is not node and u.op == "call_function" and u.target is CAST and u.args == node.args}
-    n = node.prev
-    for _ in range(within):
-        if n.op == "root":
-            return None
-        if meta.written_args(n):
-            return None
-        if n in twins:
-            return n if not meta.written_later(n) and not meta.written_later(node) else None
-        n = n.prev
-    return None
-
+        else:
+            hoist(self, node)
 
 
 def noop_source(node: fx.Node) -> fx.Node | None:

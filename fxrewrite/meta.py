@@ -298,6 +298,8 @@ def promotion_makes(src: torch.Tensor, dtype: torch.dtype, other: Any) -> bool:
         return torch.empty([1] * min(t.dim(), 1), dtype=dt, device="meta")
 
     if isinstance(other, torch.Tensor):
+        if other.dtype.is_floating_point and other.dtype.itemsize == 1:
+            return False  # float8 beside it: nothing promotes, the arithmetic raises
         other = like(other, other.dtype)
     elif not isinstance(other, (bool, int, float)):
         return False

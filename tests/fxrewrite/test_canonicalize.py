@@ -238,6 +238,37 @@ def test_a_cast_computed_after_the_arithmetic_is_not_read_by_it() -> None:
     assert calls(r, A.mul.Tensor)[0].args[0] is placeholder(r, "x")
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def _rotations(x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # x, c bfloat16 (Ernie 4.5 / DeepSeek-V4 cast after rotating, with tables in x's dtype)
+    hoisted = x.float() * c + _rotate_half(x).float() * c
+    rotated = _rotate_half(x)
+    read_elsewhere = x.float() * c + rotated.float() * c  # the bf16 rotation is returned too: it stays
+    return hoisted, read_elsewhere, rotated, (x * 2).float()  # x * 2 rounds: its cast stays after it
+
+
+def test_a_cast_after_a_rearrangement_goes_before_it_onto_the_cast_the_code_made() -> None:
+    """``rotate_half(x).float()`` next to ``x.float()`` reads as ``rotate_half(x.float())``: the
+    slices, negation, stack and flatten keep every value, so both are the same numbers, and the
+    rotation rules see one form whichever side of it the code upcasts."""
+    r = canon(_rotations, x2d(4, 8, dtype=torch.bfloat16), x2d(4, 8, dtype=torch.bfloat16))
+    x = placeholder(r, "x")
+    casts = calls(r, CAST)
+    [of_x] = [c for c in casts if c.args[0] is x]  # x.float() three times: one cast
+    flattens = calls(r, FLATTEN)
+    assert len(flattens) == 2  # the hoisted rotation in float32, the returned one in bf16
+    by_dtype = {meta.tensor(n).dtype: n for n in flattens}
+    hoisted, kept = by_dtype[torch.float32], by_dtype[torch.bfloat16]
+    assert not any(c.args[0] is hoisted for c in casts)  # the cast went before the rotation
+    assert any(c.args[0] is kept for c in casts)  # negative twin: the bf16 rotation is read elsewhere
+    assert any(n.target is A.slice.Tensor for n in of_x.users)  # the hoisted rotation slices the cast
+    # negative twin: (x * 2).float() keeps its cast after the product (a product rounds)
+    assert any(c.args[0].target is A.mul.Tensor for c in casts)
+
+
 def test_the_cast_of_an_fp8_operand_stays() -> None:
     """``s.float() * x`` with ``s`` float8: float8 types do not promote (torch raises), so the cast
     is what makes the product legal, not something promotion would do (NVFP4's block scales)."""

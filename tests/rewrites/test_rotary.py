@@ -11,6 +11,7 @@ tests/rewrites/test_rotary_families.py runs the real families.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -111,6 +112,24 @@ class GPTJRope(HFRope):
     def tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq
         return freqs.cos().repeat_interleave(2, -1).to(x.dtype), freqs.sin().repeat_interleave(2, -1).to(x.dtype)
+
+
+class UpcastAfterTurnRope(HFRope):
+    """Ernie 4.5 and DeepSeek-V4: the products in float32 from tables in x's dtype, the turned
+    half upcast after turning it (``turn(x).float()``), the sum cast back."""
+
+    def __init__(self, turn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__("bhtd")
+        self.turn = turn
+        self.interleaved = turn is rotate_every_two
+
+    def tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.interleaved:
+            return GPTJRope.tables(self, x, position_ids)
+        return super().tables(x, position_ids)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return ((x.float() * cos) + (self.turn(x).float() * sin)).to(x.dtype)
 
 
 class GatheredRope(GPTJRope):
@@ -224,6 +243,15 @@ def test_hf_decode_step_folds(layout: str, batch: int, dynamic: bool) -> None:
 def test_interleaved_pairs(model: torch.nn.Module) -> None:
     r = check(model, *qk(batch=None if isinstance(model, EngineRope) else 1), expect=PAIR)
     assert [n.args[-1] for n in r.graph.graph.nodes if n.target is rotary.ROTARY] == [False]  # not NeoX
+
+
+@pytest.mark.parametrize("turn", [rotate_half, rotate_every_two], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_the_turned_half_upcast_after_turning_folds(turn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype) -> None:
+    """``turn(x).float()`` beside ``x.float()`` is the same rotation as ``turn(x.float())``
+    (canonicalize moves the cast before the turn): the pair folds in bf16 as in float32."""
+    r = check(UpcastAfterTurnRope(turn), *qk(dtype=dtype), expect=PAIR, dynamic="lifted")
+    assert reasons(r, "rotary_embedding") == []
 
 
 @pytest.mark.parametrize("model", [HFRope, GPTJRope], ids=["neox", "interleaved"])
