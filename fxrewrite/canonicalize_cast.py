@@ -99,21 +99,17 @@ def uncast(x: Any, other: Any) -> Any:
 
 
 def recast(x: Any, other: Any, node: fx.Node) -> Any:
-    """The widening cast of ``x`` that ``node``'s arithmetic with ``other`` does anyway, where
-    the code computes that cast before ``node`` and reads it elsewhere: ``h = x.float();
+    """The widening cast of ``x`` to the dtype of ``other`` that ``node``'s arithmetic does
+    anyway, where the code computes that cast before ``node`` and reads it elsewhere: ``h = x.float();
     v = h.pow(2).mean(-1); x * rsqrt(v)`` reads as ``h * rsqrt(v)``, so both reads of the
     norm's input are one node whichever of them the code spells with the cast. The converse of
     :func:`uncast` (a cast read only here goes), so the two agree on one form."""
     src = meta.tensor(x) if isinstance(x, fx.Node) else None
-    if src is None:
-        return x
-    o = meta.tensor(other) if isinstance(other, fx.Node) else other
-    for dtype in {u.args[1] for u in x.users if u.op == "call_function" and u.target is CAST and u.args[0] is x}:
-        if _widens(src.dtype, dtype) and meta.promotion_makes(src, dtype, o):
-            c = _casts_of(x, dtype, node)
-            if c is not None and any(u is not node for u in c.users):
-                return c
-    return x
+    o = meta.tensor(other) if isinstance(other, fx.Node) else None
+    if src is None or o is None or not _widens(src.dtype, o.dtype) or not meta.promotion_makes(src, o.dtype, o):
+        return x  # only the cast to the other operand's own dtype: bf16 * float16 (float32) stays as written
+    c = _casts_of(x, o.dtype, node)
+    return c if c is not None and any(u is not node for u in c.users) else x
 
 
 def hoist(canon: Any, node: fx.Node) -> bool:
