@@ -514,8 +514,8 @@ def rope_cache(cfg: ModelConfig, device: torch.device | str | None = None) -> to
     """``[max_positions, head_dim]`` float32: ``cat(cos(p * f), sin(p * f))``, f = theta^(-2i/d),
     in float64 on the CPU with one thread, then moved to ``device``. The same bits in every
     process: the compile cache compares this table bit for bit (the RoPE fold reads it), and
-    torch's CPU cos gives other bits on a worker thread than on the main one (7e-9 apart in
-    float64, seen on torch 2.13), so a split that varies by process varied the table."""
+    with two threads torch 2.13's CPU cos gave the rows the second thread computes other bits in
+    about one process in four (up to 7e-9 apart in float64), so the table varied by process."""
     half = cfg.head_dim // 2
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
