@@ -23,7 +23,8 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
 * ``x ** 2`` / ``x.pow(2)`` / ``torch.square(x)`` / ``x * x`` -> ``aten.pow.Tensor_Scalar(x, 2)``;
 * ``1 / sqrt(x)`` and ``reciprocal(sqrt(x))`` -> ``aten.rsqrt``; ``a / sqrt(x)`` -> ``a * rsqrt(x)``
   (equal up to rounding);
-* ``F.silu(x)`` and ``x * sigmoid(x)`` -> ``aten.silu``; ``F.gelu`` -> ``aten.gelu``;
+* ``F.silu(x)`` and ``x * sigmoid(x)`` -> ``aten.silu``; ``F.gelu`` -> ``aten.gelu``; ``F.softplus`` ->
+  ``aten.softplus`` with its beta and threshold;
 * ``x.index_select(d, i)`` / ``torch.index_select`` -> ``aten.index_select`` with a negative dim;
 * ``F.linear`` -> ``aten.linear``; ``x @ w.t()`` (``.T``, ``.mT``, ``transpose``, ``permute``; ``matmul``
   or ``mm``) of a matrix ``w`` -> ``aten.linear(x, w)``;
@@ -72,6 +73,7 @@ ADD, SUB, MUL, DIV, RSUB = A.add.Tensor, A.sub.Tensor, A.mul.Tensor, A.div.Tenso
 POW, RSQRT, SQRT, RECIP = A.pow.Tensor_Scalar, A.rsqrt.default, A.sqrt.default, A.reciprocal.default
 MEAN, LINEAR = A.mean.dim, A.linear.default
 SILU, GELU, SIGMOID, NEG = A.silu.default, A.gelu.default, A.sigmoid.default, A.neg.default
+SOFTPLUS = A.softplus.default
 CLAMP, AMAX = A.clamp.default, A.amax.default
 INDEX_SELECT = A.index_select.default
 SUM, SOFTMAX, TOPK = A.sum.dim_IntList, A.softmax.int, A.topk.default
@@ -137,6 +139,7 @@ for _fn, _op in ((operator.add, ADD), (operator.sub, SUB), (operator.mul, MUL), 
 
 
 _INDEX_SELECT = {("call_function", torch.index_select), ("call_method", "index_select")}
+_SOFTPLUS = {("call_function", F.softplus), ("call_function", torch._C._nn.softplus), ("call_method", "softplus")}
 
 _CLAMP = {("call_function", f) for f in (torch.clamp, torch.clip, torch.clamp_min, torch.clamp_max)} | {
     ("call_method", m) for m in ("clamp", "clip", "clamp_min", "clamp_max")
@@ -275,6 +278,8 @@ class _Canon:
             if not isinstance(dim, int) or "out" in node.kwargs:
                 return None  # a named dim, or an out= buffer: kept as written
             return self.set(node, INDEX_SELECT, (x, self.neg_dim(x, dim), index))
+        if key in _SOFTPLUS and not node.kwargs.keys() - {"beta", "threshold"}:
+            return self.set(node, SOFTPLUS, node.args, node.kwargs)
         if key in (("call_function", F.gelu),):
             return self.set(node, GELU, (node.args[0],), {"approximate": node.kwargs.get("approximate", "none")})
         if key in (("call_function", F.linear), ("call_function", torch._C._nn.linear)):

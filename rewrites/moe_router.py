@@ -10,8 +10,8 @@
 A router is read from the top-k that chooses the experts (its ids read; its weights either its
 values or a ``gather`` of the scores at its ids):
 
-1. **Weights**: from there, single readers through casts, one softmax or sigmoid (top-k first,
-   then the activation of the chosen values), a renormalization (``w / (w.sum(-1, keepdim=True)
+1. **Weights**: from there, single readers through casts, one scoring: softmax, sigmoid or
+   sqrt(softplus) (top-k first, then the activation of the chosen values), a renormalization (``w / (w.sum(-1, keepdim=True)
    [+ eps | .clamp(min=eps)])``, ``/=`` too) and products with numbers (the routed scaling).
 2. **Logits**: a value the top-k's input and the gathered scores are both elementwise functions
    of (back along same-shaped values); the farthest back that the op can stand for: the router
@@ -19,7 +19,7 @@ values or a ``gather`` of the scores at its ids):
 3. **Region**: every node between the logits and the weights and ids (with in-place writes into
    them, the group mask's ``scatter_``); it may read only the logits, one ``[E]`` bias and
    numbers, and nothing outside reads its values but the weights and ids.
-4. **Arguments**: the one softmax or sigmoid in the region is the scoring; the top-k chooses
+4. **Arguments**: the one scoring in the region (softmax, sigmoid, sqrt(softplus)); the top-k chooses
    among the scores when that activation is upstream of its input, else among the logits; a
    ``[T, G, E/G]`` view with a top-``m`` (or max) per group and a top-``g`` over ``[T, G]``
    makes ``G`` groups of which ``g`` are kept, by the sum of their ``m`` best.
@@ -43,7 +43,7 @@ import torch
 import torch.fx as fx
 
 from fxrewrite import meta
-from fxrewrite.canonicalize import CAST, CLAMP, DIV, MUL, SIGMOID, SOFTMAX, SUM, TOPK, A
+from fxrewrite.canonicalize import CAST, CLAMP, DIV, MUL, SIGMOID, SOFTMAX, SOFTPLUS, SQRT, SUM, TOPK, A
 from fxrewrite.canonicalize_shape import RESHAPES
 from fxrewrite.runtime.ops.moe_route import moe_route_reference
 from fxrewrite.verify import agrees, extract_nodes
@@ -226,7 +226,7 @@ def _gather_args(n: fx.Node) -> tuple[fx.Node, int, fx.Node] | None:
 
 def _weights_chain(start: fx.Node) -> tuple[list[fx.Node], bool, float | fx.Node, fx.Node | None]:
     """The nodes from ``start`` (top-k values or gathered scores) to the weights the experts read:
-    casts, one softmax or sigmoid, renormalizations, products with numbers; and whether it
+    casts, one scoring (softmax, sigmoid, sqrt(softplus)), renormalizations, products with numbers; and whether it
     renormalizes, the scaling, the activation if any."""
     chain: list[fx.Node] = []
     renormalize, scaling, act = False, 1.0, None
@@ -244,7 +244,10 @@ def _weights_chain(start: fx.Node) -> tuple[list[fx.Node], bool, float | fx.Node
         factor = _number_factor(u, node)
         if u.target is CAST and u.args[1].is_floating_point:
             pass
-        elif act is None and not renormalize and (u.target is SIGMOID or u.target is SOFTMAX and u.args[1] == -1):
+        elif act is None and not renormalize and _softplus_of_sqrt(u) is not None:
+            chain.append(u)  # softplus, then the sqrt that makes the score
+            u = act = _softplus_of_sqrt(u)
+        elif act is None and not renormalize and scoring(u) is not None:
             act = u
             renormalize = renormalize or u.target is SOFTMAX
         elif isinstance(factor, fx.Node) and scaling == 1.0:
@@ -340,17 +343,39 @@ def _read(sel: Selection, logits: fx.Node) -> Router:
     if others or len(biases) > 1:
         bad = (others or biases)[0]
         raise Miss(f"the router reads `{bad.name}` beside its logits `{logits.name}` (one [E] bias at most)", bad)
-    acts = [n for n in nodes if n.target is SIGMOID or n.target is SOFTMAX and n.args[1] == -1]
+    acts = [n for n in nodes if scoring(n) is not None]
     if len(acts) != 1:
-        raise Miss(f"the router holds {len(acts)} softmax or sigmoid scorings, fxr.moe_route one", topk)
+        raise Miss(f"the router holds {len(acts)} softmax, sigmoid or sqrt-softplus scorings, fxr.moe_route one", topk)
     act = acts[0]
     chooses_scores = act in upstream(topk.args[0], inside)
     if act_after is not None and act is not act_after:
         raise Miss("the router scores the chosen values twice", act_after)
     groups = _groups(nodes, topk, e)
     return Router(topk, ids, weights, logits, biases[0] if biases else None, tuple(nodes), topk.args[1],
-                  "softmax" if act.target is SOFTMAX else "sigmoid", "scores" if chooses_scores else "logits",
+                  scoring(act), "scores" if chooses_scores else "logits",
                   *groups, sel.renormalize, sel.scaling, sel.dense)  # fmt: skip
+
+
+def scoring(n: fx.Node) -> str | None:
+    """The scoring ``n`` computes from its input (one of ``fxr.moe_route``'s), else None:
+    ``softmax`` over the last dim, ``sigmoid``, ``sqrtsoftplus`` (the sqrt of torch's default
+    softplus, beta 1 and threshold 20, read only there)."""
+    if n.target is SOFTMAX and n.args[1] == -1:
+        return "softmax"
+    if n.target is SIGMOID:
+        return "sigmoid"
+    sp = n.args[0] if n.target is SQRT else None
+    if isinstance(sp, fx.Node) and _softplus_of_sqrt(sp) is n:
+        return "sqrtsoftplus"
+    return None
+
+
+def _softplus_of_sqrt(n: fx.Node) -> fx.Node | None:
+    """The sqrt ``n`` feeds when ``n`` is torch's default softplus read only by a sqrt, else None."""
+    if n.target is not SOFTPLUS or tuple(n.args[1:]) != (1, 20) or len(n.users) != 1:
+        return None
+    [u] = n.users
+    return u if u.target is SQRT else None
 
 
 def upstream(n: fx.Node, inside: set[fx.Node]) -> set[fx.Node]:

@@ -1,7 +1,7 @@
 """The ``triton`` provider's mixture-of-experts router (``fxr::moe_route``): one launch, a program
 per chunk of tokens, each token's row of logits held in registers.
 
-    p = softmax(l) or sigmoid(l)                       # float32 scores
+    p = softmax(l), sigmoid(l) or sqrt(softplus(l))    # float32 scores
     c = (p or l) + bias                                # choice values; columns past E are -inf
     groups: g_score[g] = sum of the group's group_top best c; keep the topk_group best groups,
             c = -inf outside them
@@ -38,7 +38,7 @@ def _column(values, cols, j):
 @triton.jit
 def _moe_route_kernel(logits_ptr, logits_stride, bias_ptr, w_ptr, ids_ptr, T, E, routed_scaling,
                       TOKENS: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr, K_BLOCK: tl.constexpr,
-                      SIGMOID: tl.constexpr,
+                      SCORING: tl.constexpr,
                       SELECT_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr,
                       G_BLOCK: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP: tl.constexpr,
                       RENORMALIZE: tl.constexpr):  # fmt: skip
@@ -50,8 +50,13 @@ def _moe_route_kernel(logits_ptr, logits_stride, bias_ptr, w_ptr, ids_ptr, T, E,
     emask = e < E
     logits = tl.load(logits_ptr + t[:, None].to(tl.int64) * logits_stride + e[None, :],
                      mask=tmask[:, None] & emask[None, :], other=0.0).to(tl.float32)  # fmt: skip
-    if SIGMOID:
+    if SCORING == 1:  # sigmoid
         p = 1.0 / (1.0 + tl.exp(-logits))
+    elif SCORING == 2:  # sqrt(softplus): max(l, 0) + log1p(exp(-|l|)), l itself past torch's threshold 20
+        z = tl.exp(-tl.abs(logits))
+        u = 1.0 + z
+        log1p = tl.where(u == 1.0, z, tl.log(u) * z / (u - 1.0))  # log1p to a few ulps where z is small
+        p = tl.sqrt(tl.where(logits > 20.0, logits, tl.maximum(logits, 0.0) + log1p))
     else:
         shifted = tl.where(emask[None, :], logits, float("-inf"))
         p = tl.exp(shifted - tl.max(shifted, axis=1)[:, None])
@@ -127,7 +132,7 @@ def moe_route(
         with ctx:
             _moe_route_kernel[(triton.cdiv(tokens, chunk),)](
                 logits, logits.stride(0), bias, weights, ids, tokens, experts, float(routed_scaling), TOKENS=chunk,
-                E_BLOCK=e_block, K=top_k, K_BLOCK=triton.next_power_of_2(top_k), SIGMOID=scoring == "sigmoid",
+                E_BLOCK=e_block, K=top_k, K_BLOCK=triton.next_power_of_2(top_k), SCORING=route_ops.SCORINGS.index(scoring),
                 SELECT_LOGITS=select == "logits", HAS_BIAS=correction_bias is not None, N_GROUP=n_group,
                 G_BLOCK=triton.next_power_of_2(n_group), TOPK_GROUP=topk_group, GROUP_TOP=group_top, RENORMALIZE=renormalize,
             )  # fmt: skip

@@ -4,8 +4,9 @@ top-k selection, the chosen experts' weights.
     weights, ids = torch.ops.fxr.moe_route(router_logits, correction_bias, top_k, scoring, select,
                                            n_group, topk_group, group_top, renormalize, routed_scaling)
 
-``router_logits`` [..., E] (any float dtype; computed in float32). ``scoring``: "softmax" or
-"sigmoid" of the logits: the scores the weights are read from. ``select``: what top-k ranks:
+``router_logits`` [..., E] (any float dtype; computed in float32). ``scoring``: "softmax",
+"sigmoid" or "sqrtsoftplus" (``sqrt(softplus(l))``, DeepSeek-V4) of the logits: the scores the
+weights are read from. ``select``: what top-k ranks:
 "scores" or the raw "logits", plus ``correction_bias`` [E] when given (a bias that steers the
 choice only, never the weights). With ``n_group`` > 1 the experts form ``n_group`` equal groups;
 a group's score is the sum of its ``group_top`` best choice values, only the ``topk_group`` best
@@ -38,7 +39,7 @@ from torch import Tensor
 from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.providers import Kernel, OpDef
 
-SCORINGS: tuple[str, ...] = ("softmax", "sigmoid")
+SCORINGS: tuple[str, ...] = ("softmax", "sigmoid", "sqrtsoftplus")
 SELECTS: tuple[str, ...] = ("scores", "logits")
 TRITON_ROUTE = "fxrewrite.runtime.triton_route"
 """The ``triton`` provider's router kernel (imports Triton at the top)."""
@@ -76,6 +77,15 @@ def check_route_args(router_logits: Tensor, correction_bias: Tensor | None, top_
     return e
 
 
+def score(logits: Tensor, scoring: str) -> Tensor:
+    """The scores of float32 ``logits`` [T, E] by ``scoring`` (one of :data:`SCORINGS`)."""
+    if scoring == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if scoring == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.nn.functional.softplus(logits).sqrt()
+
+
 def moe_route_reference(
     router_logits: Tensor, correction_bias: Tensor | None, top_k: int, scoring: str = "softmax",
     select: str = "scores", n_group: int = 1, topk_group: int = 1, group_top: int = 2, renormalize: bool = False,
@@ -85,7 +95,7 @@ def moe_route_reference(
     e = check_route_args(router_logits, correction_bias, top_k, scoring, select, n_group, topk_group, group_top)
     lead = router_logits.shape[:-1]
     logits = router_logits.reshape(-1, e).float()
-    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    scores = score(logits, scoring)
     choice = scores if select == "scores" else logits
     if correction_bias is not None:
         choice = choice + correction_bias.float()

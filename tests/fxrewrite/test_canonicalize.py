@@ -316,6 +316,14 @@ def test_silu_forms_become_aten_silu() -> None:
     assert mul.args[1].target is A.sigmoid.default, "negative twin: x * sigmoid(y) is no silu"
 
 
+def test_softplus_forms_become_aten_softplus_with_beta_and_threshold() -> None:
+    """``F.softplus`` and ``nn.Softplus`` (DeepSeek-V4's router scoring under its sqrt) are one
+    op with both arguments bound, so a rule reads beta and threshold whichever way they were set."""
+    r = canon(lambda x: (F.softplus(x), torch.nn.Softplus()(x), F.softplus(x, beta=2.0), F.softplus(x, 1, 5)), x2d(),
+              expect={"aten.softplus": 4})  # fmt: skip
+    assert [n.args[1:] for n in calls(r, A.softplus.default)] == [(1, 20), (1.0, 20.0), (2.0, 20), (1, 5)]
+
+
 def _matmuls(x, w, v, w3):
     return (
         x @ w.t(), x @ w.T, x @ w.mT, torch.matmul(x, w.transpose(0, 1)), x.matmul(w.transpose(-1, -2)),

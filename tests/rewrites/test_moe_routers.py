@@ -90,6 +90,22 @@ def greedy_groups(m: Routed, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return weights * 16.0, ids
 
 
+def sqrt_softplus(m: Routed, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4: ``sqrt(softplus)`` scores, a bias for the choice, an eps on the sum, scaled."""
+    scores = F.softplus(F.linear(h.float(), m.router.float())).sqrt()
+    ids = torch.topk(scores + m.bias, m.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * m.scaling, ids
+
+
+def sqrt_softplus_beta2(m: Routed, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Negative twin: the sqrt of a softplus with another beta (not the op's scoring)."""
+    scores = F.softplus(F.linear(h.float(), m.router.float()), beta=2.0).sqrt()
+    ids = torch.topk(scores + m.bias, m.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
 def softplus_scores(m: Routed, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Negative twin of any scoring: softplus, which fxr.moe_route does not compute."""
     scores = F.softplus(F.linear(h.float(), m.router.float()))
@@ -122,6 +138,8 @@ ROUTERS = {  # router, fxr.moe_route's arguments after the logits and bias, the 
                        "softmax, top_k=2, biased, renormalize=True"),
     "greedy_groups": (greedy_groups, (2, "softmax", "scores", 4, 2, 1, False, 16.0),
                       "softmax, top_k=2, 2 of 4 groups by top-1, renormalize=False, scaling=16"),
+    "sqrt_softplus": (sqrt_softplus, (2, "sqrtsoftplus", "scores", 1, 1, 2, True, 2.5),
+                      "sqrtsoftplus, top_k=2, biased, renormalize=True, scaling=2.5"),
 }  # fmt: skip
 
 
@@ -160,11 +178,13 @@ def test_grouped_router_in_every_dynamic_mode(dynamic: bool | str) -> None:
     assert not r.report.near_misses
 
 
+SCORINGS_0 = "the router holds 0 softmax, sigmoid or sqrt-softplus scorings, fxr.moe_route one"
 NEGATIVE = {  # router, the router's near miss
     "grouped_biased_weights": (grouped_biased_weights, "the router's weights are not fxr.moe_route(sigmoid, top_k=2, "
                                                        "biased, renormalize=True)'s: max abs error"),
     "large_eps": (large_eps, "the router's weights are not fxr.moe_route(sigmoid, top_k=2, biased, renormalize=True)'s"),
-    "softplus_scores": (softplus_scores, "the router holds 0 softmax or sigmoid scorings, fxr.moe_route one"),
+    "softplus_scores": (softplus_scores, SCORINGS_0),
+    "sqrt_softplus_beta2": (sqrt_softplus_beta2, SCORINGS_0),
 }  # fmt: skip
 
 
@@ -229,8 +249,7 @@ def test_dense_scores_of_another_function_are_a_near_miss() -> None:
     """Negative twin: an exponential of the scattered values (not a sigmoid: exp(-inf) is 0 too,
     but the op does not compute it): the experts' SiLU-and-mul still fuses."""
     r = check(Dense(score=torch.exp), x(), expect={"silu_and_mul": 1})
-    assert [m.reason for m in misses(r, "moe_route")] == ["the router holds 0 softmax or sigmoid scorings, "
-                                                          "fxr.moe_route one"]  # fmt: skip
+    assert [m.reason for m in misses(r, "moe_route")] == [SCORINGS_0]
     assert r.counts()["aten.topk"] == 1
 
 

@@ -26,6 +26,7 @@ ROUTERS = {  # top_k, scoring, select, n_group, topk_group, group_top, renormali
     "glm-4.5": (8, "sigmoid", "scores", 1, 1, 2, True, True, 1.0),
     "biased-sigmoid": (4, "sigmoid", "scores", 1, 1, 2, True, True, 1.0),
     "biased-logits": (4, "sigmoid", "logits", 1, 1, 2, True, True, 1.0),
+    "deepseek-v4": (6, "sqrtsoftplus", "scores", 1, 1, 2, True, True, 1.5),
     "greedy-groups": (6, "softmax", "scores", 8, 3, 1, False, False, 16.0),
     "softmax": (2, "softmax", "scores", 1, 1, 2, True, False, 1.0),
     "top-k-softmax": (4, "softmax", "logits", 1, 1, 2, True, False, 1.0),

@@ -185,6 +185,7 @@ CASES = [  # tokens, experts, top_k, scoring, select, n_group, topk_group, group
     (5, 24, 2, "sigmoid", "scores", 4, 2, 2, False, True),  # 24 experts: a block wider than E, groups of 6
     (7, 16, 2, "softmax", "scores", 4, 2, 1, False, False),  # DeepSeek-V2's group-limited greedy
     (6, 10, 2, "sigmoid", "logits", 1, 1, 2, True, True),  # biased logits chosen, sigmoid weights
+    (12, 16, 2, "sqrtsoftplus", "scores", 1, 1, 2, True, True),  # DeepSeek-V4
 ]
 
 
@@ -198,6 +199,17 @@ def test_kernel_against_the_reference(triton_route: types.ModuleType, gen: torch
     w_ref, ids_ref = moe_route.moe_route_reference(*args)
     assert torch.equal(ids, ids_ref)  # both sorted, best first
     assert_close(w, w_ref)
+
+
+def test_kernel_sqrt_softplus_holds_its_precision_in_the_tails(triton_route: types.ModuleType) -> None:
+    """``sqrt(softplus(l))`` where ``log(1 + exp(l))`` would round to 0 (l = -30: the score is
+    3e-7, not 0), across torch's threshold (l > 20 is l itself) and past it; every expert chosen,
+    so the weights are the scores, best first."""
+    logits = torch.tensor([[-30.0, -20.0, -5.0, 0.0, 5.0, 19.5, 20.5, 40.0]])
+    w, ids = triton_route.moe_route(logits, None, 8, "sqrtsoftplus", "scores", 1, 1, 2, False, 1.0)
+    assert ids.tolist() == [list(range(7, -1, -1))]
+    want = torch.nn.functional.softplus(logits.double()).sqrt().flip(-1).float()
+    torch.testing.assert_close(w, want, rtol=4e-7, atol=0)
 
 
 def test_kernel_takes_the_lowest_expert_among_equals(triton_route: types.ModuleType) -> None:
@@ -216,3 +228,17 @@ def test_kernel_reads_half_logits_in_place_from_a_wider_projection(triton_route:
     w_ref, ids_ref = moe_route.moe_route_reference(*args)
     assert torch.equal(ids, ids_ref) and w.shape == (5, 2)
     assert_close(w, w_ref)
+
+
+def test_kernel_with_sqrt_softplus_compiles_for_hopper() -> None:
+    """``SCORING=2`` (DeepSeek-V4) built for sm90 by this Triton's NVIDIA backend: what the
+    interpreter lets through, the GPU's compiler may refuse. Its exp and sqrt are in the PTX (the
+    log is libdevice's, inlined)."""
+    from helpers.triton import compile_for_hopper
+
+    ptx = compile_for_hopper(
+        moe_route.TRITON_ROUTE, "_moe_route_kernel",
+        {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64", "routed_scaling": "fp32"},
+        {"TOKENS": 64, "E_BLOCK": 16, "K": 2, "K_BLOCK": 2, "SCORING": 2, "SELECT_LOGITS": False, "HAS_BIAS": True,
+         "N_GROUP": 1, "G_BLOCK": 1, "TOPK_GROUP": 1, "GROUP_TOP": 2, "RENORMALIZE": True})  # fmt: skip
+    assert re.search(r"\bex2\.approx", ptx) and re.search(r"\bsqrt\.", ptx)
