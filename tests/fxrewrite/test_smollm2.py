@@ -31,7 +31,7 @@ from fxrewrite.generate import (
     windows,
 )
 
-pytestmark = [pytest.mark.real, pytest.mark.xdist_group("smollm2")]  # one worker loads the model once
+pytestmark = pytest.mark.real
 
 TOKENS = 32
 PROMPTS, TEXT = models.SMOLLM2_PROMPTS, models.SMOLLM2_TEXT
