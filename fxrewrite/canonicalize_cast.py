@@ -63,19 +63,19 @@ def earlier_cast(node: fx.Node) -> fx.Node | None:
     x = node.args[0]
     if not isinstance(x, fx.Node):
         return None
-    twins = {u for u in x.users if u is not node and u.op == "call_function" and u.target is CAST and u.args == node.args}
-    twin = reached_unwritten(node, twins)
+    twin = reached_unwritten(node, _casts(x, node.args[1]) - {node})
     return twin if twin is not None and not meta.written_later(twin) and not meta.written_later(node) else None
+
+
+def _casts(x: fx.Node, dtype: Any) -> set[fx.Node]:
+    """The casts of ``x`` to ``dtype`` in the graph."""
+    return {u for u in x.users if u.op == "call_function" and u.target is CAST and u.args == (x, dtype)}
 
 
 def _casts_of(x: fx.Node, dtype: Any, node: fx.Node) -> fx.Node | None:
     """A cast of ``x`` to ``dtype`` that ``node`` can read in its place (:func:`reached_unwritten`)."""
-    casts = {u for u in x.users if u.op == "call_function" and u.target is CAST and u.args == (x, dtype)}
+    casts = _casts(x, dtype)
     return reached_unwritten(node, casts) if casts else None
-
-
-def _cast_to(x: fx.Node, dtype: Any) -> bool:
-    return any(u.op == "call_function" and u.target is CAST and u.args == (x, dtype) for u in x.users)
 
 
 def _widens(src: torch.dtype, dtype: Any) -> bool:
@@ -122,17 +122,17 @@ def hoist(canon: Any, node: fx.Node) -> bool:
     src = meta.tensor(y)
     if not isinstance(y, fx.Node) or src is None or not _widens(src.dtype, dtype):
         return False
-    chain: list[fx.Node] = []
+    chain: set[fx.Node] = set()
     sources: set[fx.Node] = set()
     stack = [y]
     while stack:
         n = stack.pop()
         if n in chain:
             continue
-        if n.op != "call_function" or n.target not in EXACT or (n is not y and _cast_to(n, dtype)):
+        if n.op != "call_function" or n.target not in EXACT or (n is not y and _casts(n, dtype)):
             sources.add(n)  # not a rearrangement, or one the code casts itself: where the walk stops
             continue
-        chain.append(n)
+        chain.add(n)
         stack.extend(a for a in n.all_input_nodes if meta.is_tensor(a))
     if len(sources) != 1 or y in sources:
         return False

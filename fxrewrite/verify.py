@@ -160,7 +160,8 @@ def _concrete_shape(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     for s in t.shape:
         h = meta.check_value(s)
         if h is None:
-            raise _CannotVerify(f"size {s} has no hint, and its symbols have no values the graph's runtime asserts allow")
+            raise _CannotVerify(f"size {s} has no hint, and its symbols have no values the graph's "
+                                "runtime asserts allow")
         shape.append(int(h))
     try:
         for s in t.stride():
@@ -258,7 +259,8 @@ def _materialize(node: fx.Node, gens: _Generators) -> Any:
     if isinstance(mv, (torch.SymInt, torch.SymBool)):
         h = meta.check_value(mv)
         if h is None:
-            raise _CannotVerify(f"`{node.name}` is a symbolic {type(mv).__name__} without a hint or an allowed stand-in")
+            raise _CannotVerify(f"`{node.name}` is a symbolic {type(mv).__name__} without a hint or an "
+                                "allowed stand-in")
         return h
     if isinstance(mv, (int, float, bool)):
         return mv

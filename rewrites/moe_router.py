@@ -11,16 +11,17 @@ A router is read from the top-k that chooses the experts (its ids read; its weig
 values or a ``gather`` of the scores at its ids):
 
 1. **Weights**: from there, single readers through casts, one scoring: softmax, sigmoid or
-   sqrt(softplus) (top-k first, then the activation of the chosen values), a renormalization (``w / (w.sum(-1, keepdim=True)
-   [+ eps | .clamp(min=eps)])``, ``/=`` too) and products with numbers (the routed scaling).
+   sqrt(softplus) (top-k first, then the activation of the chosen values), a renormalization
+   (``w / (w.sum(-1, keepdim=True) [+ eps | .clamp(min=eps)])``, ``/=`` too) and products with
+   numbers (the routed scaling).
 2. **Logits**: a value the top-k's input and the gathered scores are both elementwise functions
    of (back along same-shaped values); the farthest back that the op can stand for: the router
    GEMM's output, or what a softcap left of it.
 3. **Region**: every node between the logits and the weights and ids (with in-place writes into
    them, the group mask's ``scatter_``); it may read only the logits, one ``[E]`` bias and
    numbers, and nothing outside reads its values but the weights and ids.
-4. **Arguments**: the one scoring in the region (softmax, sigmoid, sqrt(softplus)); the top-k chooses
-   among the scores when that activation is upstream of its input, else among the logits; a
+4. **Arguments**: the one scoring in the region (softmax, sigmoid, sqrt(softplus)); the top-k
+   chooses among the scores when that activation is upstream of its input, else among the logits; a
    ``[T, G, E/G]`` view with a top-``m`` (or max) per group and a top-``g`` over ``[T, G]``
    makes ``G`` groups of which ``g`` are kept, by the sum of their ``m`` best.
 5. **Proof**: the region, copied into a standalone graph, and ``fxr.moe_route``'s reference run
@@ -226,8 +227,8 @@ def _gather_args(n: fx.Node) -> tuple[fx.Node, int, fx.Node] | None:
 
 def _weights_chain(start: fx.Node) -> tuple[list[fx.Node], bool, float | fx.Node, fx.Node | None]:
     """The nodes from ``start`` (top-k values or gathered scores) to the weights the experts read:
-    casts, one scoring (softmax, sigmoid, sqrt(softplus)), renormalizations, products with numbers; and whether it
-    renormalizes, the scaling, the activation if any."""
+    casts, one scoring (softmax, sigmoid, sqrt(softplus)), renormalizations, products with
+    numbers; and whether it renormalizes, the scaling, the activation if any."""
     chain: list[fx.Node] = []
     renormalize, scaling, act = False, 1.0, None
     node = start
@@ -244,9 +245,9 @@ def _weights_chain(start: fx.Node) -> tuple[list[fx.Node], bool, float | fx.Node
         factor = _number_factor(u, node)
         if u.target is CAST and u.args[1].is_floating_point:
             pass
-        elif act is None and not renormalize and _softplus_of_sqrt(u) is not None:
+        elif act is None and not renormalize and (root := _softplus_of_sqrt(u)) is not None:
             chain.append(u)  # softplus, then the sqrt that makes the score
-            u = act = _softplus_of_sqrt(u)
+            u = act = root
         elif act is None and not renormalize and scoring(u) is not None:
             act = u
             renormalize = renormalize or u.target is SOFTMAX
