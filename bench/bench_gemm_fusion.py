@@ -7,6 +7,10 @@ timing), median per call, with the time the weight read alone takes at the copy 
 Rows (8B: hidden 4096, 32/8 heads of 128, MLP 14336): qkv (norm + GEMM + RoPE against norm,
 GEMM, rotary), o_proj (GEMM + residual add against the GEMM alone: the add was in the fused add + norm),
 gate_up (norm + GEMM + SiLU-and-mul against norm, gated GEMM), down (GEMM + add against GEMM).
+The hand-off rows (``fxr.linear_add_rms_parts``: the GEMM that makes the residual stream's rows
+also stores ``s * g`` and each row's sums of squares, so the next GEMM's k loop only streams):
+o_proj with the add and the hand-off against the GEMM and the fused add + norm kernel it
+replaces, and qkv / gate_up reading a hand-off against the norm kernel and their GEMMs.
 """
 
 from __future__ import annotations
@@ -43,6 +47,13 @@ def cases(rows: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple[Cal
     pos = torch.randint(0, 4096, (rows,), device=d)
     cache = torch.randn(8192, dim, device=d, dtype=torch.float32)
 
+    eps = 1e-6
+    s, sg, parts = fxr.linear_add_rms_parts(a_o, w["o"], res, g)
+    res2 = res.clone()
+
+    def o_unfused() -> Any:
+        return fxr.fused_add_rms_norm(fxr.linear(a_o, w["o"]), res2, g, eps)
+
     def qkv_unfused() -> Any:
         y = fxr.linear(fxr.rms_norm(x, g, 1e-6), w["qkv"])
         q, k = y[:, : heads * dim], y[:, heads * dim : (heads + kv) * dim]
@@ -55,6 +66,21 @@ def cases(rows: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple[Cal
                                     qkv_unfused, bytes_of["qkv"]),
         "qkv: norm + GEMM": (lambda: fxr.rms_norm_linear(x, g, 1e-6, w["qkv"]),
                              lambda: fxr.linear(fxr.rms_norm(x, g, 1e-6), w["qkv"]), bytes_of["qkv"]),
+        "qkv: unweighted norm + GEMM (the k loop's sum of squares alone)": (
+            lambda: fxr.rms_norm_linear(x, None, 1e-6, w["qkv"]),
+            lambda: fxr.linear(fxr.rms_norm(x, None, 1e-6), w["qkv"]), bytes_of["qkv"]),
+        "gate_up: unweighted norm + GEMM + SiLU-and-mul": (
+            lambda: fxr.rms_norm_linear_silu_and_mul(x, None, 1e-6, w["gate_up"]),
+            lambda: fxr.linear_silu_and_mul(fxr.rms_norm(x, None, 1e-6), w["gate_up"]), bytes_of["gate_up"]),
+        "o_proj: GEMM + add + the next norm's hand-off": (lambda: fxr.linear_add_rms_parts(a_o, w["o"], res, g),
+                                                         o_unfused, bytes_of["o"]),
+        "qkv: GEMM reading a hand-off + RoPE": (
+            lambda: fxr.rms_norm_linear_rotary(sg, None, eps, w["qkv"], None, False, pos, cache, (heads + kv) * dim,
+                                               parts),
+            qkv_unfused, bytes_of["qkv"]),  # fmt: skip
+        "gate_up: GEMM reading a hand-off + SiLU-and-mul": (
+            lambda: fxr.rms_norm_linear_silu_and_mul(sg, None, eps, w["gate_up"], None, False, parts),
+            lambda: fxr.linear_silu_and_mul(fxr.rms_norm(x, g, eps), w["gate_up"]), bytes_of["gate_up"]),
         "o_proj: GEMM + add": (lambda: fxr.linear_add(a_o, w["o"], res), lambda: fxr.linear(a_o, w["o"]), bytes_of["o"]),
         "gate_up: norm + GEMM + SiLU-and-mul": (lambda: fxr.rms_norm_linear_silu_and_mul(x, g, 1e-6, w["gate_up"]),
                                                 lambda: fxr.linear_silu_and_mul(fxr.rms_norm(x, g, 1e-6), w["gate_up"]),

@@ -8,7 +8,8 @@ last rule group, cleanup last). Nothing registers itself at import time.
 from fxrewrite import cse
 from fxrewrite.passes import GraphPass, RuleGroup, Step
 from fxrewrite.rewrites import (activation, async_tp, attention_quant, collective, layernorm, linear, linear_fused,
-                                linear_rotary, merge, moe, norm, norm_variants, quant, quant_act_mul, quant_block,
+                                linear_rotary, merge, moe, norm, norm_hand_off, norm_variants, quant, quant_act_mul,
+                                quant_block,
                                 quant_nvfp4, rotary, rotary_tables, sequence_parallel)
 
 PIPELINE: tuple[Step, ...] = (
@@ -68,8 +69,11 @@ PIPELINE: tuple[Step, ...] = (
     # a folded rotation of q and k read straight from a qkv GEMM that took its norm -> that GEMM's
     # epilogue (a no-op outside the CUDA-graph modes: fuse_gemm_norm made no such GEMM)
     GraphPass("fuse_gemm_rotary", linear_rotary.fuse_gemm_rotary, switch="gemm_fusion", fusion=True),
+    # each norm GEMM reading a sum an add-GEMM made takes that GEMM's hand-off (s * g and the
+    # sums of squares by slot) and loses its k loop's squares: last, after the rotation took its GEMM
+    GraphPass("hand_off_norms", norm_hand_off.hand_off_norms, switch="gemm_fusion", fusion=True),
 )
 
 __all__ = ["PIPELINE", "activation", "async_tp", "attention_quant", "collective", "layernorm", "linear", "linear_fused",
-           "linear_rotary", "merge", "moe", "norm", "norm_variants", "quant", "quant_act_mul", "quant_block", "quant_nvfp4",
+           "linear_rotary", "merge", "moe", "norm", "norm_hand_off", "norm_variants", "quant", "quant_act_mul", "quant_block", "quant_nvfp4",
            "rotary", "rotary_tables", "sequence_parallel"]

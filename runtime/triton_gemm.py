@@ -15,6 +15,14 @@ the end: what an elementwise op after it needs. Its constexpr switches:
   accumulator in the epilogue (it distributes over the dot product).
 - ``RESIDUAL``: ``linear(x, w) + residual`` stored (into ``residual`` itself for the in-place op):
   the residual stream's add, in the epilogue of the GEMM that produces the addend.
+- ``HAND_OFF`` (with ``RESIDUAL``): the work of the next RMSNorm that needs whole rows, done
+  where the rows are made: the sum ``s`` rounded and stored, ``s * g`` (the norm's weight)
+  rounded and stored, and each row's sums of squares of ``s`` over blocks of ``PART`` columns
+  (float32, one slot per block: no atomics, no buffer to zero). ``PARTS`` > 0 is the reading
+  side: ``NORM`` whose sum of squares is the sum of a row's slots, so its k loop only streams
+  (``x * g`` is already the A operand, the per-row scale stays in the epilogue). The squares in
+  the k loop cost a third of a decode GEMM's time (bench/RESULTS.md, issue 30); the hand-off
+  costs the producing GEMM's epilogue a few stores.
 - ``HALF`` (rotary, NeoX halves of heads of ``2 * HALF`` columns): a program computes a block of
   a head's first half and the partner block ``HALF`` columns further (a second accumulator, as
   ``GATED`` has: each weight row is still read once), rounds both and rotates them by the angles
@@ -24,6 +32,8 @@ the end: what an elementwise op after it needs. Its constexpr switches:
     # before: three launches at decode                  # after: one each
     n = rms_norm(x, g, eps); y = linear(n, w)            y = rms_norm_linear(x, g, eps, w)
     s = linear(a, w_o); s += r (and a norm, in place)    r = linear_add_(a, w_o, r)
+    s = linear(a, w_o) + r; y = linear(rms_norm(s, g), w)   s, sg, parts = linear_add_rms_parts(a, w_o, r, g)
+                                                             y = rms_norm_linear(sg, None, eps, w, parts=parts)
 
 Rounding: the accumulator is float32 and is rounded once at the store (with ``GATED``, the gate,
 the SiLU and the product are each rounded to the dtype as ``silu_and_mul(linear(...))`` rounds
@@ -55,13 +65,16 @@ from fxrewrite.runtime.triton_kernels import device_of
 
 # Rows held by one program (tl.dot's smallest tile).
 SKINNY_ROWS: tl.constexpr = tl.constexpr(linear_ops.SKINNY_ROWS)
+# Columns per slot of a hand-off's sums of squares (the smallest BN: every program fills whole slots).
+PART: tl.constexpr = tl.constexpr(linear_ops.PART)
 
 
 @triton.jit(do_not_specialize=["rows", "eps"])  # one build per launch configuration serves 1 to 16 rows
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_ptr, rows, n, k, x_stride, w_stride,
-                          y_stride, r_stride, eps, rotated, BN: tl.constexpr, BK: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-                          NORM_WEIGHT: tl.constexpr, RESIDUAL: tl.constexpr, HALF: tl.constexpr = 0):  # fmt: skip
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_ptr, sg_ptr, parts_ptr, rows, n, k,
+                          x_stride, w_stride, y_stride, r_stride, eps, rotated, parts_n, BN: tl.constexpr,
+                          BK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+                          NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, RESIDUAL: tl.constexpr,
+                          HALF: tl.constexpr = 0, HAND_OFF: tl.constexpr = False, PARTS: tl.constexpr = 0):  # fmt: skip
     """Program p: ``y[:, p*BN : (p+1)*BN] = x @ w[p*BN : (p+1)*BN].T (+ bias)`` for all (at most
     16) rows at once, walking k in blocks of ``BK``: every weight element is read once.
 
@@ -71,7 +84,10 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
     ``HALF`` > 0 (rotary, heads of ``2 * HALF`` columns): program p computes ``BN`` columns of a
     head's first half and the ``BN`` columns ``HALF`` further (the pairs RoPE's NeoX layout
     rotates together) and, in the first ``rotated`` columns, rotates each pair by the angles of
-    its row's position: ``cos_sin = cs[pos[row]]`` (``HALF`` cosines, then ``HALF`` sines)."""
+    its row's position: ``cos_sin = cs[pos[row]]`` (``HALF`` cosines, then ``HALF`` sines).
+    ``HAND_OFF``: also ``sg = (y * g)`` and ``parts[row, j] = sum(y[row, j*PART : (j+1)*PART]^2)``
+    (``parts_n`` slots a row); ``PARTS`` (a power of two >= ``parts_n``): ``NORM``'s sum of
+    squares is ``sum(parts[row, :parts_n])``, not computed from ``x``."""
     pid = tl.program_id(0)
     if HALF > 0:
         first = (pid // (HALF // BN)) * (2 * HALF) + (pid % (HALF // BN)) * BN
@@ -83,7 +99,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
     if GATED or HALF > 0:  # a second block of columns: the up half, or the rotation's partners
         acc_up = tl.zeros([SKINNY_ROWS, BN], tl.float32)
         partner = n + cols if GATED else cols + HALF
-    if NORM:
+    if NORM and PARTS == 0:
         squares = tl.zeros([SKINNY_ROWS], tl.float32)
     for k0 in range(0, k, BK):
         ks = k0 + tl.arange(0, BK)
@@ -91,7 +107,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
         if not EVEN_K:
             x_mask, w_mask = x_mask & (ks < k)[None, :], w_mask & (ks < k)[None, :]
         x = tl.load(x_ptr + r[:, None] * x_stride + ks[None, :], mask=x_mask, other=0.0)
-        if NORM:
+        if NORM and PARTS == 0:
             xf = x.to(tl.float32)
             squares += tl.sum(xf * xf, axis=1)
             if NORM_WEIGHT:
@@ -104,6 +120,10 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
             acc_up += tl.dot(x, tl.trans(u))
     dtype = y_ptr.dtype.element_ty
     if NORM:
+        if PARTS > 0:
+            slots = tl.arange(0, PARTS)
+            squares = tl.sum(tl.load(parts_ptr + r[:, None] * parts_n + slots[None, :],
+                                     mask=(r < rows)[:, None] & (slots < parts_n)[None, :], other=0.0), axis=1)
         scale = tl.math.rsqrt(squares / k + eps)[:, None]
         acc = acc * scale
         if GATED or HALF > 0:
@@ -131,6 +151,14 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
     if RESIDUAL:
         acc += tl.load(r_ptr + r[:, None] * r_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + r[:, None] * y_stride + cols[None, :], acc.to(dtype), mask=mask)
+    if HAND_OFF:  # the next norm's share of this block: s * g, and the squares of s by slot
+        s = tl.where(mask, acc.to(dtype).to(tl.float32), 0.0)
+        g = tl.load(g_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+        tl.store(sg_ptr + r[:, None] * n + cols[None, :], (s * g[None, :]).to(dtype), mask=mask)
+        squares = tl.sum(tl.reshape(s * s, [SKINNY_ROWS, BN // PART, PART]), axis=2)
+        slot = pid * (BN // PART) + tl.arange(0, BN // PART)
+        tl.store(parts_ptr + r[:, None] * parts_n + slot[None, :], squares,
+                 mask=(r < rows)[:, None] & (slot < parts_n)[None, :])
 
 
 # --------------------------------------------------------------------------- launch configuration
@@ -167,9 +195,11 @@ def _sms(device: torch.device) -> int:
 @dataclasses.dataclass(frozen=True)
 class Fusion:
     """What a launch fuses around the GEMM: ``gated`` (SiLU-and-mul), ``norm`` (RMSNorm of ``x``
-    first, by ``norm_weight`` unless None, with ``eps``), ``residual`` (added before the store;
-    ``inplace``: stored into it), rotary (``cos_sin_cache`` [P, D] indexed by ``positions``, the
-    first ``rotated`` columns in heads of D rotated, NeoX halves)."""
+    first, by ``norm_weight`` unless None, with ``eps``; ``parts``: its sums of squares by slot,
+    handed off by the GEMM that made ``x``), ``residual`` (added before the store; ``inplace``:
+    stored into it; ``hand_off``: the next norm's ``s * g`` and sums of squares stored too, ``g``
+    in ``norm_weight``), rotary (``cos_sin_cache`` [P, D] indexed by ``positions``, the first
+    ``rotated`` columns in heads of D rotated, NeoX halves)."""
 
     gated: bool = False
     norm: bool = False
@@ -180,6 +210,8 @@ class Fusion:
     positions: Tensor | None = None
     cos_sin_cache: Tensor | None = None
     rotated: int = 0
+    parts: Tensor | None = None
+    hand_off: bool = False
 
     @property
     def half(self) -> int:
@@ -200,6 +232,7 @@ class _Launch:
     y_stride: int
     r_stride: int
     grid: int
+    parts_n: int
     meta: dict[str, int | bool]
 
 
@@ -222,15 +255,21 @@ def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion,
     meta = {"BN": bn, "BK": bk, "HAS_BIAS": bias is not None, "EVEN_K": k % bk == 0, "GATED": f.gated,
             "NORM": f.norm, "NORM_WEIGHT": f.norm_weight is not None, "RESIDUAL": f.residual is not None,
             "HALF": f.half, "num_warps": warps, "num_stages": stages}  # fmt: skip
+    parts_n = f.parts.shape[-1] if f.parts is not None else n // linear_ops.PART if f.hand_off else 0
+    if f.parts is not None:
+        meta["PARTS"] = triton.next_power_of_2(parts_n)
+    if f.hand_off:
+        meta["HAND_OFF"] = True
     grid = n // (2 * bn) if f.half else triton.cdiv(n, bn)
-    return _Launch(n, k, x_stride, r_stride if f.inplace else n, r_stride, grid, meta)
+    return _Launch(n, k, x_stride, r_stride if f.inplace else n, r_stride, grid, parts_n, meta)
 
 
 def skinny(x: Tensor, weight: Tensor, bias: Tensor | None = None, f: Fusion = PLAIN,
-           config: tuple[int, int, int, int] | None = None) -> Tensor:  # fmt: skip
+           config: tuple[int, int, int, int] | None = None) -> Any:  # fmt: skip
     """``linear(x, weight, bias)`` with the fusions ``f`` in one launch; ``config``: (BN, BK,
     warps, stages), by default :func:`skinny_config` / :func:`gated_config`. The residual's rows
-    must have unit stride (the op modules check it); the in-place form returns the residual."""
+    must have unit stride (the op modules check it); the in-place form returns the residual, the
+    hand-off ``(sum, sum * g, parts)``."""
     p = _plan(x, weight, bias, f, config)
     rows = _rows(x, p.k)
     if rows.stride(-1) != 1:
@@ -241,13 +280,20 @@ def skinny(x: Tensor, weight: Tensor, bias: Tensor | None = None, f: Fusion = PL
         out = residual
     else:
         out = torch.empty((rows.shape[0], p.n), dtype=x.dtype, device=x.device)
+    sg = torch.empty_like(out) if f.hand_off else None
+    parts = f.parts if f.parts is not None else (
+        torch.empty((rows.shape[0], p.parts_n), dtype=torch.float32, device=x.device) if f.hand_off else None)
     with device_of(x):
         _skinny_linear_kernel[(p.grid,)](
             rows, weight, _or(bias, weight), out, _or(f.norm_weight, weight), _or(residual, weight),
-            _or(f.positions, weight), _or(f.cos_sin_cache, weight), rows.shape[0], p.n, p.k, rows.stride(0),
-            weight.stride(0), p.y_stride, p.r_stride, f.eps, f.rotated, **p.meta,
+            _or(f.positions, weight), _or(f.cos_sin_cache, weight), _or(sg, weight), _or(parts, weight),
+            rows.shape[0], p.n, p.k, rows.stride(0), weight.stride(0), p.y_stride, p.r_stride, f.eps, f.rotated,
+            p.parts_n, **p.meta,
         )  # fmt: skip
-    return f.residual if f.inplace else out.view(*x.shape[:-1], p.n)  # type: ignore[return-value]
+    if f.hand_off:
+        shape = (*x.shape[:-1], p.n)
+        return out.view(shape), sg.view(shape), parts.view(*x.shape[:-1], p.parts_n)  # type: ignore[union-attr]
+    return f.residual if f.inplace else out.view(*x.shape[:-1], p.n)
 
 
 def _or(t: Tensor | None, other: Tensor) -> Tensor:
@@ -261,9 +307,10 @@ def _prepare(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion) -> tuple
     is)."""
     p = _plan(x, weight, bias, f)
     pointers = (x, weight, _or(bias, weight), x, _or(f.norm_weight, weight), _or(f.residual, weight),
-                _or(f.positions, weight), _or(f.cos_sin_cache, weight))  # fmt: skip
-    args = (*(t.dtype for t in pointers), linear_ops.SKINNY_ROWS, p.n, p.k, p.x_stride, weight.stride(0), p.y_stride,
-            p.r_stride, f.eps, f.rotated)  # fmt: skip
+                _or(f.positions, weight), _or(f.cos_sin_cache, weight), x if f.hand_off else weight)  # fmt: skip
+    parts = torch.float32 if f.hand_off or f.parts is not None else weight.dtype
+    args = (*(t.dtype for t in pointers), parts, linear_ops.SKINNY_ROWS, p.n, p.k, p.x_stride, weight.stride(0),
+            p.y_stride, p.r_stride, f.eps, f.rotated, p.parts_n)  # fmt: skip
     _bind_device(_skinny_linear_kernel, x.device)
 
     def build() -> Any:
@@ -272,7 +319,7 @@ def _prepare(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion) -> tuple
             _load(kernel)
         return kernel
 
-    return ("skinny_linear", x.device, args[:-2] + args[-1:], tuple(p.meta.items())), build  # eps: not built in
+    return ("skinny_linear", x.device, args[:-3] + args[-2:], tuple(p.meta.items())), build  # eps: not built in
 
 
 def _norm(norm_weight: Tensor | None, eps: float, **kw: Any) -> Fusion:
@@ -283,13 +330,16 @@ def _norm(norm_weight: Tensor | None, eps: float, **kw: Any) -> Fusion:
 _LAUNCH: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor | None, Fusion]]] = {
     "linear": lambda x, w, bias=None: (x, w, bias, PLAIN),
     "linear_silu_and_mul": lambda x, w, bias=None: (x, w, bias, Fusion(gated=True)),
-    "rms_norm_linear": lambda x, g, eps, w, bias=None, cast_last=False: (x, w, bias, _norm(g, eps)),
-    "rms_norm_linear_silu_and_mul": lambda x, g, eps, w, bias=None, cast_last=False: (
-        x, w, bias, _norm(g, eps, gated=True)),
-    "rms_norm_linear_rotary": lambda x, g, eps, w, bias, cast_last, positions, cos_sin_cache, rotated: (
-        x, w, bias, _norm(g, eps, positions=positions, cos_sin_cache=cos_sin_cache, rotated=rotated)),
+    "rms_norm_linear": lambda x, g, eps, w, bias=None, cast_last=False, parts=None: (
+        x, w, bias, _norm(g, eps, parts=parts)),
+    "rms_norm_linear_silu_and_mul": lambda x, g, eps, w, bias=None, cast_last=False, parts=None: (
+        x, w, bias, _norm(g, eps, gated=True, parts=parts)),
+    "rms_norm_linear_rotary": lambda x, g, eps, w, bias, cast_last, positions, cos_sin_cache, rotated, parts=None: (
+        x, w, bias, _norm(g, eps, positions=positions, cos_sin_cache=cos_sin_cache, rotated=rotated, parts=parts)),
     "linear_add": lambda x, w, residual: (x, w, None, Fusion(residual=residual)),
     "linear_add_": lambda x, w, residual: (x, w, None, Fusion(residual=residual, inplace=True)),
+    "linear_add_rms_parts": lambda x, w, residual, g: (x, w, None, Fusion(residual=residual, norm_weight=g,
+                                                                           hand_off=True)),
 }
 
 
@@ -333,19 +383,25 @@ def linear_silu_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -
 
 
 def rms_norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None = None,
-                    cast_last: bool = False) -> Tensor:  # fmt: skip
-    return skinny(*_LAUNCH["rms_norm_linear"](x, norm_weight, eps, weight, bias, cast_last))
+                    cast_last: bool = False, parts: Tensor | None = None) -> Tensor:  # fmt: skip
+    return skinny(*_LAUNCH["rms_norm_linear"](x, norm_weight, eps, weight, bias, cast_last, parts))
 
 
 def rms_norm_linear_silu_and_mul(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor,
-                                 bias: Tensor | None = None, cast_last: bool = False) -> Tensor:  # fmt: skip
-    return skinny(*_LAUNCH["rms_norm_linear_silu_and_mul"](x, norm_weight, eps, weight, bias, cast_last))
+                                 bias: Tensor | None = None, cast_last: bool = False,
+                                 parts: Tensor | None = None) -> Tensor:  # fmt: skip
+    return skinny(*_LAUNCH["rms_norm_linear_silu_and_mul"](x, norm_weight, eps, weight, bias, cast_last, parts))
 
 
 def rms_norm_linear_rotary(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
-                           cast_last: bool, positions: Tensor, cos_sin_cache: Tensor, rotated: int) -> Tensor:  # fmt: skip
+                           cast_last: bool, positions: Tensor, cos_sin_cache: Tensor, rotated: int,
+                           parts: Tensor | None = None) -> Tensor:  # fmt: skip
     return skinny(*_LAUNCH["rms_norm_linear_rotary"](x, norm_weight, eps, weight, bias, cast_last, positions,
-                                                     cos_sin_cache, rotated))  # fmt: skip
+                                                     cos_sin_cache, rotated, parts))  # fmt: skip
+
+
+def linear_add_rms_parts(x: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return skinny(*_LAUNCH["linear_add_rms_parts"](x, weight, residual, norm_weight))
 
 
 def linear_add(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:

@@ -31,6 +31,10 @@ from fxrewrite.runtime.providers import Kernel, OpDef
 SKINNY_ROWS = 16
 """Most rows the Triton kernel takes (one tile of ``tl.dot``); more go to cuBLAS."""
 
+PART = 32
+"""Columns per slot of a norm hand-off's sums of squares (``fxr.linear_add_rms_parts``): the
+Triton kernel's smallest block of output columns, so each program fills whole slots."""
+
 
 def linear_reference(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, w, bias)``: x [..., k], w [n, k], bias [n] -> [..., n]."""

@@ -14,8 +14,17 @@ cuBLAS (``fxr.rms_norm``, whichever library serves it), or cuBLAS with the add i
     h = fxr.linear_silu_and_mul(fxr.rms_norm(x, g, eps), w)   h = fxr.rms_norm_linear_silu_and_mul(x, g, eps, w)
     s = fxr.linear(a, w) + r                                  s = fxr.linear_add(a, w, r)
     r += fxr.linear(a, w)   (r dead otherwise)                r = fxr.linear_add_(a, w, r)
+    s = fxr.linear_add(a, w, r)                               s, sg, parts = fxr.linear_add_rms_parts(a, w, r, g)
+    y = fxr.rms_norm_linear(s, g, eps, w2)                    y = fxr.rms_norm_linear(sg, None, eps, w2, parts=parts)
     y = fxr.rms_norm_linear(x, g, eps, w, b)                  y = fxr.rms_norm_linear_rotary(x, g, eps, w, b,
     q, k = fxr.rotary_embedding(pos, y[:, :q] .., y[:, q:qk] .., cache, True)      False, pos, cache, qk)
+
+The hand-off (``linear_add_rms_parts``, and ``parts`` of the norm ops): the GEMM that makes the
+residual stream's rows also computes what the next norm needs of whole rows, ``s * g`` and each
+row's sums of squares over slots of ``PART`` columns, so that the GEMM reading the norm keeps a
+k loop that only streams its operands (squares summed in the k loop cost the decode GEMMs a
+third of their time: bench/RESULTS.md). ``parts`` given, a norm op's ``x`` is the weighted
+``s * g`` (its own weight None) and its per-row scale is ``rsqrt(sum(parts) / k + eps)``.
 
 ``rms_norm_linear_rotary`` also rotates the output's first ``rotated`` columns (q's heads, then
 k's; NeoX halves, heads of the cache's width) by ``cos_sin_cache[positions]``: the Triton kernel
@@ -40,34 +49,45 @@ from torch._subclasses.fake_tensor import is_fake
 
 from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.ops.activation import silu_and_mul_reference
-from fxrewrite.runtime.ops.linear import TRITON_GEMM, gated_check, gate_up_rows, skinny_check
-from fxrewrite.runtime.ops.norm import as_rows, rms_norm_reference
+from fxrewrite.runtime.ops.linear import PART, TRITON_GEMM, gated_check, gate_up_rows, skinny_check
+from fxrewrite.runtime.ops.norm import as_rows, rms_norm_reference, rms_norm_scaled
 from fxrewrite.runtime.ops.rotary import HEAD_DIMS, rotary_embedding_q_reference
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 # --------------------------------------------------------------------------- references (the spec)
 
 
+def normed(x: Tensor, norm_weight: Tensor | None, eps: float, cast_last: bool = False,
+           parts: Tensor | None = None) -> Tensor:  # fmt: skip
+    """``fxr.rms_norm(x, norm_weight, eps, cast_last)``; with ``parts`` (a hand-off's sums of
+    squares, [..., slots] float32) the row's scale is ``rsqrt(sum(parts) / k + eps)``."""
+    if parts is None:
+        return rms_norm_reference(x, norm_weight, eps, cast_last)
+    return rms_norm_scaled(x, torch.rsqrt(parts.sum(-1, keepdim=True) / x.shape[-1] + eps), norm_weight, cast_last)
+
+
 def rms_norm_linear_reference(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None = None,
-                              cast_last: bool = False) -> Tensor:  # fmt: skip
-    """``F.linear(rms_norm(x, norm_weight, eps, cast_last), w, bias)`` (``fxr.rms_norm``'s spec)."""
-    return F.linear(rms_norm_reference(x, norm_weight, eps, cast_last), w, bias)
+                              cast_last: bool = False, parts: Tensor | None = None) -> Tensor:  # fmt: skip
+    """``F.linear(rms_norm(x, norm_weight, eps, cast_last), w, bias)`` (``fxr.rms_norm``'s spec;
+    ``parts``: the norm's sums of squares, :func:`normed`)."""
+    return F.linear(normed(x, norm_weight, eps, cast_last, parts), w, bias)
 
 
 def rms_norm_linear_silu_and_mul_reference(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor,
-                                           bias: Tensor | None = None, cast_last: bool = False) -> Tensor:  # fmt: skip
+                                           bias: Tensor | None = None, cast_last: bool = False,
+                                           parts: Tensor | None = None) -> Tensor:  # fmt: skip
     """``silu_and_mul(rms_norm_linear(x, ...))``: w [2d, k] (gate rows, then up rows) -> [..., d]."""
     gate_up_rows(w)
-    return silu_and_mul_reference(rms_norm_linear_reference(x, norm_weight, eps, w, bias, cast_last))
+    return silu_and_mul_reference(rms_norm_linear_reference(x, norm_weight, eps, w, bias, cast_last, parts))
 
 
 def rms_norm_linear_rotary_reference(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None,
-                                     cast_last: bool, positions: Tensor, cos_sin_cache: Tensor,
-                                     rotated: int) -> Tensor:  # fmt: skip
+                                     cast_last: bool, positions: Tensor, cos_sin_cache: Tensor, rotated: int,
+                                     parts: Tensor | None = None) -> Tensor:  # fmt: skip
     """:func:`rms_norm_linear_reference`, its first ``rotated`` columns (q's heads, then k's) rotated
     as ``fxr.rotary_embedding`` rotates them: heads of ``D = cos_sin_cache.shape[-1]`` columns,
     NeoX halves, angles ``cos_sin_cache[positions]`` (x [..., k]: N rows, positions [N])."""
-    y = rms_norm_linear_reference(x, norm_weight, eps, w, bias, cast_last)
+    y = rms_norm_linear_reference(x, norm_weight, eps, w, bias, cast_last, parts)
     rows = y.reshape(-1, y.shape[-1])
     heads = rows[:, :rotated].reshape(rows.shape[0], -1, cos_sin_cache.shape[-1])
     turned = rotary_embedding_q_reference(positions, heads, cos_sin_cache, True)
@@ -84,19 +104,40 @@ def linear_add_inplace_reference(x: Tensor, w: Tensor, residual: Tensor) -> None
     residual.add_(F.linear(x, w))
 
 
+def hand_off(s: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(s, s * norm_weight, parts)``: what the next RMSNorm of ``s`` needs of whole rows, the
+    weighted rows (rounded to ``s``'s dtype) and each row's float32 sums of squares over slots
+    of ``PART`` columns (``parts [..., n / PART]``)."""
+    h = s.float()
+    return s, (h * norm_weight.float()).to(s.dtype), h.square().unflatten(-1, (-1, PART)).sum(-1)
+
+
+def linear_add_rms_parts_reference(x: Tensor, w: Tensor, residual: Tensor,
+                                   norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``s = F.linear(x, w) + residual`` and the next norm's hand-off (:func:`hand_off`):
+    ``rms_norm(s, g, eps)`` is ``fxr.rms_norm_linear``'s ``normed(s * g, None, eps, parts=parts)``."""
+    return hand_off(linear_add_reference(x, w, residual), norm_weight)
+
+
 def _norm_linear_fake(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None = None,
-                      cast_last: bool = False) -> Tensor:  # fmt: skip
+                      cast_last: bool = False, parts: Tensor | None = None) -> Tensor:  # fmt: skip
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 def _norm_gated_fake(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None = None,
-                     cast_last: bool = False) -> Tensor:  # fmt: skip
+                     cast_last: bool = False, parts: Tensor | None = None) -> Tensor:  # fmt: skip
     return x.new_empty((*x.shape[:-1], gate_up_rows(w)))
 
 
 def _norm_rotary_fake(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None,
-                      cast_last: bool, positions: Tensor, cos_sin_cache: Tensor, rotated: int) -> Tensor:  # fmt: skip
+                      cast_last: bool, positions: Tensor, cos_sin_cache: Tensor, rotated: int,
+                      parts: Tensor | None = None) -> Tensor:  # fmt: skip
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _hand_off_fake(x: Tensor, w: Tensor, residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    out = (*x.shape[:-1], w.shape[0])
+    return x.new_empty(out), x.new_empty(out), x.new_empty((*out[:-1], w.shape[0] // PART), dtype=torch.float32)
 
 
 def _linear_add_fake(x: Tensor, w: Tensor, residual: Tensor) -> Tensor:
@@ -121,14 +162,30 @@ def norm_weight_check(x: Tensor, norm_weight: Tensor | None) -> str | None:
     return None
 
 
+MAX_PARTS = 1024
+"""Most slots of a hand-off a norm op's Triton kernel sums per row (k up to 32768 columns)."""
+
+
+def parts_check(x: Tensor, parts: Tensor | None) -> str | None:
+    """A hand-off's sums of squares: none, or contiguous float32 ``[..., slots]`` rows matching
+    ``x``'s, at most :data:`MAX_PARTS` slots, on ``x``'s device."""
+    if parts is None:
+        return None
+    if parts.dtype != torch.float32 or not parts.is_contiguous() or parts.shape[:-1] != x.shape[:-1]:
+        return f"parts {parts.dtype}{tuple(parts.shape)} (contiguous={parts.is_contiguous()}) for input {tuple(x.shape)}"
+    if not 0 < parts.shape[-1] <= MAX_PARTS:
+        return f"{parts.shape[-1]} slots of squares: the kernel sums 1 to {MAX_PARTS}"
+    return constraints.check_same_device(x, parts)
+
+
 def _norm_check(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None = None,
-                cast_last: bool = False) -> str | None:  # fmt: skip
-    return skinny_check(x, w, bias) or norm_weight_check(x, norm_weight)
+                cast_last: bool = False, parts: Tensor | None = None) -> str | None:  # fmt: skip
+    return skinny_check(x, w, bias) or norm_weight_check(x, norm_weight) or parts_check(x, parts)
 
 
 def _norm_gated_check(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None = None,
-                      cast_last: bool = False) -> str | None:  # fmt: skip
-    return gated_check(x, w, bias) or norm_weight_check(x, norm_weight)
+                      cast_last: bool = False, parts: Tensor | None = None) -> str | None:  # fmt: skip
+    return gated_check(x, w, bias) or norm_weight_check(x, norm_weight) or parts_check(x, parts)
 
 
 def rotary_layout_check(x: Tensor, w: Tensor, positions: Tensor, cos_sin_cache: Tensor, rotated: int) -> str | None:
@@ -147,8 +204,10 @@ def rotary_layout_check(x: Tensor, w: Tensor, positions: Tensor, cos_sin_cache: 
 
 
 def _norm_rotary_check(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None,
-                       cast_last: bool, positions: Tensor, cos_sin_cache: Tensor, rotated: int) -> str | None:  # fmt: skip
-    return _norm_check(x, norm_weight, eps, w, bias) or rotary_layout_check(x, w, positions, cos_sin_cache, rotated)
+                       cast_last: bool, positions: Tensor, cos_sin_cache: Tensor, rotated: int,
+                       parts: Tensor | None = None) -> str | None:  # fmt: skip
+    return (_norm_check(x, norm_weight, eps, w, bias, cast_last, parts)
+            or rotary_layout_check(x, w, positions, cos_sin_cache, rotated))
 
 
 def residual_check(x: Tensor, w: Tensor, residual: Tensor) -> str | None:
@@ -170,24 +229,38 @@ def _add_check(x: Tensor, w: Tensor, residual: Tensor) -> str | None:
     return skinny_check(x, w) or residual_check(x, w, residual)
 
 
+def _hand_off_check(x: Tensor, w: Tensor, residual: Tensor, norm_weight: Tensor) -> str | None:
+    """:func:`_add_check`, and the next norm's weight: ``[n]`` contiguous, ``x``'s dtype, ``n`` a
+    multiple of ``PART`` (whole slots)."""
+    n = w.shape[0]
+    if n % PART:
+        return f"{n} output columns: the hand-off sums squares over slots of {PART}"
+    if norm_weight.dtype != x.dtype or tuple(norm_weight.shape) != (n,) or norm_weight.stride(0) != 1:
+        return f"norm weight {norm_weight.dtype}{tuple(norm_weight.shape)}: needs a contiguous [{n}] of {x.dtype}"
+    return _add_check(x, w, residual) or constraints.check_same_device(x, norm_weight)
+
 # --------------------------------------------------------------------------- above SKINNY_ROWS rows
 
 
 def _norm_cublas(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None = None,
-                 cast_last: bool = False) -> Tensor:  # fmt: skip
-    return F.linear(torch.ops.fxr.rms_norm.default(x, norm_weight, eps, cast_last), w, bias)
+                 cast_last: bool = False, parts: Tensor | None = None) -> Tensor:  # fmt: skip
+    """The norm kernel (torch's ops scaling by a hand-off's squares), then cuBLAS."""
+    if parts is None:
+        return F.linear(torch.ops.fxr.rms_norm.default(x, norm_weight, eps, cast_last), w, bias)
+    return F.linear(normed(x, norm_weight, eps, cast_last, parts), w, bias)
 
 
 def _norm_cublas_silu_and_mul(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None = None,
-                              cast_last: bool = False) -> Tensor:  # fmt: skip
-    return torch.ops.fxr.silu_and_mul.default(_norm_cublas(x, norm_weight, eps, w, bias, cast_last))
+                              cast_last: bool = False, parts: Tensor | None = None) -> Tensor:  # fmt: skip
+    return torch.ops.fxr.silu_and_mul.default(_norm_cublas(x, norm_weight, eps, w, bias, cast_last, parts))
 
 
 def _norm_cublas_rope(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None,
-                      cast_last: bool, positions: Tensor, cos_sin_cache: Tensor, rotated: int) -> Tensor:  # fmt: skip
+                      cast_last: bool, positions: Tensor, cos_sin_cache: Tensor, rotated: int,
+                      parts: Tensor | None = None) -> Tensor:  # fmt: skip
     """The norm, cuBLAS, then flashinfer's rotation in place on the output's q and k columns (as
     two [N, heads * D] strided views: all heads but the last, and the last)."""
-    y = _norm_cublas(x, norm_weight, eps, w, bias, cast_last)
+    y = _norm_cublas(x, norm_weight, eps, w, bias, cast_last, parts)
     rows, d = y.view(-1, y.shape[-1]), cos_sin_cache.shape[-1]
     rope = providers.library("flashinfer.rope")
     rope.apply_rope_with_cos_sin_cache_inplace(positions, rows[:, : rotated - d], rows[:, rotated - d : rotated], d,
@@ -196,7 +269,8 @@ def _norm_cublas_rope(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tens
 
 
 def _rope_check(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None,
-                cast_last: bool, positions: Tensor, cos_sin_cache: Tensor, rotated: int) -> str | None:  # fmt: skip
+                cast_last: bool, positions: Tensor, cos_sin_cache: Tensor, rotated: int,
+                parts: Tensor | None = None) -> str | None:  # fmt: skip
     """flashinfer's in-place rotation on the GEMM's output rows: its head sizes, half dtypes, a
     position per row, at least two heads to rotate (it takes them as q and k)."""
     d = cos_sin_cache.shape[-1]
@@ -226,7 +300,12 @@ def _addmm_(x: Tensor, w: Tensor, residual: Tensor) -> None:
         rows.addmm_(x.reshape(-1, x.shape[-1]), w.t())
 
 
-def _same_dtype(x: Tensor, w: Tensor, residual: Tensor) -> str | None:
+def _addmm_parts(x: Tensor, w: Tensor, residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """cuBLAS with the add in its epilogue, then the hand-off in torch's ops."""
+    return hand_off(_addmm(x, w, residual), norm_weight)
+
+
+def _same_dtype(x: Tensor, w: Tensor, residual: Tensor, *_: object) -> str | None:
     if not x.dtype == w.dtype == residual.dtype:
         return f"dtypes {x.dtype}, {w.dtype}, {residual.dtype} differ"
     return None
@@ -255,5 +334,8 @@ DEFS: tuple[OpDef, ...] = (
     OpDef("linear_add_", linear_add_inplace_reference, _inplace_fake,
           (_triton("linear_add_", _add_check), Kernel("torch", _addmm_, _same_dtype, label="cublas_addmm")),
           mutates_args=("residual",)),
+    OpDef("linear_add_rms_parts", linear_add_rms_parts_reference, _hand_off_fake,
+          (_triton("linear_add_rms_parts", _hand_off_check),
+           Kernel("torch", _addmm_parts, _same_dtype, label="cublas_addmm+hand_off"))),
 )  # fmt: skip
 OPS: tuple[str, ...] = providers.define_all(DEFS)

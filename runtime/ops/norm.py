@@ -57,7 +57,14 @@ def rms_norm_reference(
     if round_scale:
         y = x * scale.to(x.dtype)
         return y if weight is None else weight * y
-    h = h * scale
+    return rms_norm_scaled(x, scale, weight, cast_last)
+
+
+def rms_norm_scaled(x: Tensor, scale: Tensor, weight: Tensor | None, cast_last: bool = False) -> Tensor:
+    """:func:`rms_norm_reference` from the per-row float32 ``scale`` on: ``x * scale``, the
+    weight applied in the ``cast_last`` order (shared with the norms whose statistics another
+    op computed, ``fxr.rms_norm_linear(..., parts=...)``)."""
+    h = x.float() * scale
     if weight is None:
         return h.to(x.dtype)
     if cast_last:

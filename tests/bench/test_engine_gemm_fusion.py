@@ -17,9 +17,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 CFG = tiny(num_layers=4, hidden_size=1024, intermediate_size=3584, num_heads=8, num_kv_heads=2, head_dim=128)
 # per layer: qkv with its norm and RoPE, o with its add, gate_up with its norm and SiLU-and-mul,
-# down with its add; the final norm reads the last add's sum alone
+# down with its add; each add but the last hands the next norm its squares (hand_off_norms); the
+# final norm reads the last add's sum alone
 FUSED = {"rms_norm_linear_rotary": CFG.num_layers, "rms_norm_linear_silu_and_mul": CFG.num_layers,
-         "linear_add_": 2 * CFG.num_layers, "rms_norm": 1}  # fmt: skip
+         "linear_add_rms_parts": 2 * CFG.num_layers - 1, "linear_add_": 1, "rms_norm": 1}  # fmt: skip
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -49,12 +49,13 @@ def test_the_library_in_its_order_with_gemms_selected_for_replayed_graphs_only(m
 def test_gemm_fusion_puts_its_passes_around_select_gemm_in_the_replayed_modes() -> None:
     for mode in ("none", "piecewise", "full"):
         got = names(Config(mode=mode, gemm_fusion=True))
-        if mode == "none":  # fuse_gemm_rotary listed, a no-op: no GEMM there took its norm
-            assert [n for n in got if n != "fuse_gemm_rotary"] == names(Config(mode=mode))
+        if mode == "none":  # fuse_gemm_rotary, hand_off_norms listed, no-ops: no GEMM there took its norm
+            assert [n for n in got if n not in ("fuse_gemm_rotary", "hand_off_norms")] == names(Config(mode=mode))
             continue
         at = got.index("select_gemm")
         assert got[at - 2:at + 1] == ["fuse_gemm_residual", "fuse_gemm_norm", "select_gemm"]
-        assert got[got.index("fold_rotary") + 1] == "fuse_gemm_rotary"
+        at = got.index("fold_rotary")
+        assert got[at + 1 : at + 3] == ["fuse_gemm_rotary", "hand_off_norms"]
         groups = [n for n, _ in default_rule_groups(mode, Config(gemm_fusion=True))]
         assert groups[-3:] == ["fuse_gemm_residual", "fuse_gemm_norm", "select_gemm"]
 

@@ -87,8 +87,13 @@ class Decoder(torch.nn.Module):
 
 
 # per layer: the norm into qkv, the add into o, the norm into gate_up (and its activation), the
-# add into down; the final add + norm: the add into the last down, the norm alone (no GEMM reads it)
-FUSED = {"rms_norm_linear": 2, "rms_norm_linear_silu_and_mul": 2, "linear_add_": 4, "rms_norm": 1}
+# add into down; the final add + norm: the add into the last down, the norm alone (no GEMM reads
+# it). Then each add whose sum a norm GEMM reads hands that norm its squares (hand_off_norms): all
+# but the last down's; the first qkv's norm reads the embedding and keeps its prologue.
+FUSED = {"rms_norm_linear": 2, "rms_norm_linear_silu_and_mul": 2, "linear_add_rms_parts": 3, "linear_add_": 1,
+         "rms_norm": 1}  # fmt: skip
+# the same before hand_off_norms: a norm without weight hands off nothing
+PROLOGUES = {"rms_norm_linear": 2, "rms_norm_linear_silu_and_mul": 2, "linear_add_": 4, "rms_norm": 1}
 
 
 @DYNAMIC
@@ -109,7 +114,7 @@ def test_a_batch_dimension_changes_nothing() -> None:
 def test_the_other_norm_orders_fuse_too(order: str) -> None:
     """OLMo2's order (the weight multiplies in float32; bf16, where it is another computation)
     and a norm without weight."""
-    r = check(Decoder(order, dtype=BF16), IDS, expect=FUSED, **FULL)
+    r = check(Decoder(order, dtype=BF16), IDS, expect=FUSED if order == "cast_last" else PROLOGUES, **FULL)
     names = {s.rule for s in sites(r)}
     if order == "cast_last":
         assert {"rms_norm_cast_last_linear", "rms_norm_cast_last_linear_silu_and_mul",
@@ -135,7 +140,8 @@ def test_transformers_decoders_get_four_fused_gemms_per_layer(family: str) -> No
     from fxrewrite import models
 
     model = models.build(family, layers=2)
-    expect = {"rms_norm_linear_rotary": 2, "rms_norm_linear_silu_and_mul": 2, "linear_add_": 4, "rms_norm": 1}
+    expect = {"rms_norm_linear_rotary": 2, "rms_norm_linear_silu_and_mul": 2, "linear_add_rms_parts": 3,
+              "linear_add_": 1, "rms_norm": 1}  # fmt: skip
     check(model, *models.example_inputs(model), expect=expect, capture_sizes=(8,), **FULL)
 
 
@@ -162,8 +168,8 @@ def test_a_biased_o_proj_keeps_its_add_and_norm() -> None:
     """Negative twin: an o_proj with a bias (cuBLAS would need a second kernel for it above the
     decode sizes) keeps the add + norm, and the gate_up after it its plain linear; the down
     projections' adds still fuse."""
-    expect = {"fused_add_rms_norm_": 2, "linear": 2, "linear_silu_and_mul": 2, "rms_norm_linear": 2, "linear_add_": 2,
-              "rms_norm": 1}  # fmt: skip
+    expect = {"fused_add_rms_norm_": 2, "linear": 2, "linear_silu_and_mul": 2, "rms_norm_linear": 2,
+              "linear_add_rms_parts": 1, "linear_add_": 1, "rms_norm": 1}  # fmt: skip
     check(Decoder(o_bias=True), IDS, expect=expect, **FULL)
 
 
@@ -187,18 +193,18 @@ def test_a_norm_read_by_two_gemms_stays_a_norm() -> None:
 
 def test_a_residual_read_after_its_add_gets_a_new_tensor() -> None:
     """Negative twin of the in-place form: the stream after the first attention block is read
-    later, so its add writes a new tensor (``linear_add``) there and in place elsewhere."""
-    r = check(Decoder(leak=True), IDS, expect={**FUSED, "linear_add_": 3, "linear_add": 1}, **FULL)
-    (functional,) = [s for s in sites(r) if s.rule.startswith("linear_add") and not s.inplace]
+    later, so its add writes a new tensor (``linear_add``) there and in place elsewhere (then
+    handed off like the others: the hand-off writes a new tensor)."""
+    r = check(Decoder(leak=True), IDS, expect=FUSED, **FULL)
+    (functional,) = [s for s in sites(r) if s.rule.startswith("linear_add_rms_norm") and not s.inplace]
     assert "read later" in functional.note
 
 
 def test_a_residual_that_is_a_graph_input_gets_a_new_tensor() -> None:
     """Negative twin of the in-place form: the first residual is the model's input, which the
     graph may not overwrite."""
-    r = check(Decoder(embed=False), torch.randn(5, HIDDEN), expect={**FUSED, "linear_add_": 3, "linear_add": 1},
-              **FULL)  # fmt: skip
-    (functional,) = [s for s in sites(r) if s.rule.startswith("linear_add") and not s.inplace]
+    r = check(Decoder(embed=False), torch.randn(5, HIDDEN), expect=FUSED, **FULL)
+    (functional,) = [s for s in sites(r) if s.rule.startswith("linear_add_rms_norm") and not s.inplace]
     assert "is a graph input" in functional.note
 
 
@@ -211,3 +217,50 @@ def test_the_residual_guard_wants_the_outputs_dtype_and_shape() -> None:
         "residual shape (1, 4) != the linear's output (5, 4)")  # a broadcast add
     assert linear_fused.residual_guard({"x": x, "w": torch.randn(8), "residual": torch.randn(5)}) == (
         "weight is 1-D, not a matrix")
+
+
+# --------------------------------------------------------------------------- the norms' hand-off
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_each_add_hands_the_next_norm_its_squares(dtype: torch.dtype) -> None:
+    """hand_off_norms: every norm GEMM reading an add-GEMM's sum reads that GEMM's hand-off
+    (``s * g`` and the squares), its own weight gone; numerics against eager (check)."""
+    r = check(Decoder(dtype=dtype), IDS, expect=FUSED, **FULL)
+    assert len(sites(r, "linear_add_rms_parts")) == 3
+    readers = [n for n in r.graph.graph.nodes if n.kwargs.get("parts") is not None]
+    assert len(readers) == 3 and all(n.args[1] is None for n in readers)
+    assert [n.target for n in readers] == [torch.ops.fxr.rms_norm_linear_silu_and_mul.default,
+                                           torch.ops.fxr.rms_norm_linear.default,
+                                           torch.ops.fxr.rms_norm_linear_silu_and_mul.default]  # fmt: skip
+
+
+def test_a_norm_without_weight_keeps_its_prologue() -> None:
+    """Negative twin: the hand-off stores ``s * g``; a weightless norm keeps the squares in its
+    GEMM, each such site a near miss with the reason."""
+    r = check(Decoder("none", dtype=BF16), IDS, expect=PROLOGUES, **FULL)
+    assert reasons(r, "linear_add_rms_parts") == ["the norm has no weight: the hand-off stores s * g"] * 3
+
+
+def test_a_sum_read_by_two_norms_hands_off_once() -> None:
+    """Negative twin: two norm GEMMs of one sum (parallel attention and MLP, each with its own
+    norm weight): the first takes the hand-off, the second keeps its prologue (a near miss)."""
+
+    class Parallel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(32, HIDDEN)
+            self.o = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+            self.norm_a, self.norm_b = Norm(), Norm()
+            self.a = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+            self.b = torch.nn.Linear(HIDDEN, 2 * INTER, bias=False)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.embed(ids)
+            s = self.o(torch.tanh(h)) + h
+            gate, up = self.b(self.norm_b(s)[0]).chunk(2, dim=-1)
+            return self.a(self.norm_a(s)[0]) + (F.silu(gate) * up).sum(-1, keepdim=True) + s
+
+    r = check(Parallel(), IDS, expect={"linear_add_rms_parts": 1, "rms_norm_linear": 1,
+                                       "rms_norm_linear_silu_and_mul": 1}, **FULL)  # fmt: skip
+    assert reasons(r, "linear_add_rms_parts") == ["the sum hands off to another norm"]

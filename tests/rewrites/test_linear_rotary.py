@@ -16,9 +16,10 @@ RULE = "rms_norm_linear_rotary"
 @DYNAMIC
 def test_the_qkv_gemm_rotates_q_and_k(dynamic: bool | str) -> None:
     """Two engine layers: each qkv GEMM takes its norm and the rotation (the first layer's
-    residual is the model's input: a new tensor for its add)."""
+    residual is the model's input: a new tensor for its add); each add but the last hands the
+    next norm its squares (the second qkv reads a hand-off and still rotates)."""
     torch.manual_seed(0)
-    expect = {RULE: 2, "rms_norm_linear_silu_and_mul": 2, "linear_add": 1, "linear_add_": 3, "rms_norm": 1}
+    expect = {RULE: 2, "rms_norm_linear_silu_and_mul": 2, "linear_add_rms_parts": 3, "linear_add_": 1, "rms_norm": 1}
     r = check(EngineDecoder(), *tokens()[:2], expect=expect, dynamic=dynamic, **FULL)
     assert [s.rule for s in sites(r, RULE)] == [RULE, RULE] and not reasons(r, RULE)
 

@@ -90,3 +90,27 @@ def test_fused_kernels_built_ahead_are_the_ones_launched(gen: torch.Generator) -
     for op, args in real.items():
         run(op, args)
     assert len(cache) == built
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16, 17, 512])
+@pytest.mark.parametrize("reader", ["rms_norm_linear", "rms_norm_linear_silu_and_mul", "rms_norm_linear_rotary"])
+def test_the_hand_off_and_its_readers(reader: str, rows: int, gen: torch.Generator) -> None:
+    """o_proj's GEMM with the add and the next norm's hand-off, then a norm GEMM reading it, at
+    the 8B layer's shapes: no further from the float32 norm-and-GEMM of the sum than the unfused
+    bf16 ops; the Triton kernels up to 16 rows, cuBLAS and torch's ops above."""
+    if providers.library(linear.TRITON_GEMM) is None:
+        pytest.skip("triton is not importable here")
+    _, n, w_rows, k = next(c for c in CASES if c[0] == reader)
+    args = args_of(reader, rows, n, w_rows, k, gen, BF16)
+    a = torch.randn(rows, 4096, device="cuda", generator=gen).to(BF16)
+    w_o = (torch.randn(4096, 4096, device="cuda", generator=gen) * 4096**-0.5).to(BF16)
+    s, sg, parts = torch.ops.fxr.linear_add_rms_parts(a, w_o, args[0], args[1])
+    got = getattr(torch.ops.fxr, reader)(sg, None, *args[2:], parts=parts)
+    spec_of = next(d for d in linear_fused.DEFS if d.name == reader).reference
+    exact = spec_of(s.float(), *[t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float32
+                                  else t for t in args[1:]])  # fmt: skip
+    spec = spec_of(s, *args[1:])
+    label = "triton" if rows <= 16 else "cublas_addmm+hand_off"
+    assert providers.served()["linear_add_rms_parts"] == {"fallbacks": {}, label: 1}
+    assert providers.served()[reader]["fallbacks"] == {}
+    assert rel_err(got, exact) <= 1.05 * rel_err(spec, exact) + 1e-3, (rel_err(got, exact), rel_err(spec, exact))

@@ -236,3 +236,110 @@ def test_the_residual_check_passes_fake_tensors_and_refuses_shared_memory() -> N
     assert residual_check(x, w, r) is None
     shared = torch.randn(8 * 64 + 8 * 32)
     assert residual_check(shared[: 8 * 64].view(8, 64), w, shared[8 * 64 :].view(8, 32)) == "residual and input share memory"
+
+
+# --------------------------------------------------------------------------- the norm's hand-off
+
+
+def hand_off_operands(gen: torch.Generator, rows: tuple[int, ...], k: int, n: int, m: int,
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:  # fmt: skip
+    """o_proj's operands (x [.., k], w [n, k], the residual [.., n]), the next norm's weight
+    [n] and the next GEMM's weight [m, n]."""
+    t = operands(gen, rows, k, n, dtype)
+    t["g"], t["w2"] = 1 + rand(gen, n, dtype=dtype, scale=0.1), rand(gen, m, n, dtype=dtype, scale=n**-0.5)
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_the_hand_off_is_the_sum_and_its_norm(gen: torch.Generator, dtype: torch.dtype) -> None:
+    """``linear_add_rms_parts``: the sum exactly as ``linear_add``, ``s * g`` rounded once, the
+    squares by slots of 32 columns; a norm op reading it computes the norm of the sum (within
+    one rounding of the dtype: it rounds ``s * g`` where the unfused norm rounds ``s * scale``)."""
+    t = hand_off_operands(gen, (2, 3), 64, 96, 40, dtype)
+    x, w, r, g, w2 = t["x"], t["w"], t["r"], t["g"], t["w2"]
+    s, sg, parts = torch.ops.fxr.linear_add_rms_parts(x, w, r, g)
+    torch.testing.assert_close(s, lf.linear_add_reference(x, w, r), rtol=0, atol=0)
+    torch.testing.assert_close(sg, (s.float() * g.float()).to(dtype), rtol=0, atol=0)
+    assert parts.shape == (2, 3, 3) and parts.dtype == torch.float32
+    torch.testing.assert_close(parts.sum(-1), s.float().square().sum(-1), rtol=1e-6, atol=0)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for op in ("rms_norm_linear", "rms_norm_linear_silu_and_mul"):
+        w_op = w2 if op == "rms_norm_linear" else w2[:40]
+        got = getattr(torch.ops.fxr, op)(sg, None, EPS, w_op, None, False, parts)
+        torch.testing.assert_close(got, getattr(torch.ops.fxr, op)(s, g, EPS, w_op), **tol)
+    # a hand-off's squares are what scales: other squares give another answer
+    other = torch.ops.fxr.rms_norm_linear(sg, None, EPS, w2, None, False, parts * 4)
+    torch.testing.assert_close(other, torch.ops.fxr.rms_norm_linear(s, g, EPS, w2) / 2, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_the_hand_off_cublas_path_is_the_reference(gen: torch.Generator, dtype: torch.dtype) -> None:
+    """Above 16 rows: cuBLAS's addmm then the hand-off in torch's ops; the norm ops scale by the
+    squares they are given, then cuBLAS."""
+    t = hand_off_operands(gen, (40,), 64, 96, 32, dtype)
+    x, w, r, g, w2 = t["x"], t["w"], t["r"], t["g"], t["w2"]
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1.6e-2}
+    got, want = lf._addmm_parts(x, w, r, g), lf.linear_add_rms_parts_reference(x, w, r, g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+    _, sg, parts = want
+    torch.testing.assert_close(lf._norm_cublas(sg, None, EPS, w2, None, False, parts),
+                               lf.rms_norm_linear_reference(sg, None, EPS, w2, None, False, parts), rtol=0, atol=0)  # fmt: skip
+
+
+def test_the_hand_off_checks_refuse_what_the_kernel_cannot_serve(gen: torch.Generator) -> None:
+    t = hand_off_operands(gen, (5,), 64, 96, 32, BF16)
+    x, w, r, g = t["x"], t["w"], t["r"], t["g"]
+    assert lf._hand_off_check(x, w, r, g) is None
+    assert lf._hand_off_check(x, w[:80], r[:, :80], g[:80]) == "80 output columns: the hand-off sums squares over slots of 32"
+    assert lf._hand_off_check(x, w, r, g.float()) == (
+        "norm weight torch.float32(96,): needs a contiguous [96] of torch.bfloat16")
+    assert lf._hand_off_check(x, w, r[:1], g) == "residual torch.bfloat16(1, 96) != output torch.bfloat16(5, 96)"
+    parts = torch.zeros(5, 2)
+    assert lf._norm_check(x, None, EPS, t["w2"][:, :64], None, False, parts) is None
+    assert lf.parts_check(x, parts[:4]) == "parts torch.float32(4, 2) (contiguous=True) for input (5, 64)"
+    assert lf.parts_check(x, parts.double()) == "parts torch.float64(5, 2) (contiguous=True) for input (5, 64)"
+    assert lf.parts_check(x, torch.zeros(5, 1025)) == "1025 slots of squares: the kernel sums 1 to 1024"
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [((1,), 256, 256), ((5,), 200, 128), ((16,), 128, 192), ((2, 3), 128, 64)])
+def test_kernel_hand_off_and_its_readers(triton_gemm: types.ModuleType, gen: torch.Generator, rows: tuple[int, ...],
+                                         k: int, n: int) -> None:  # fmt: skip
+    """The producing kernel: the sum equal to ``linear_add``'s, ``s * g`` from it, the squares
+    of it by slot; each reading kernel (plain, gated, rotated) no further from the float32
+    spec of the unfused norm and GEMM than that spec in float16."""
+    t = hand_off_operands(gen, rows, k, n, 2 * 96, F16)
+    x, w, r, g, w2 = t["x"], t["w"], t["r"], t["g"], t["w2"]
+    s, sg, parts = triton_gemm.linear_add_rms_parts(x, w, r, g)
+    assert torch.equal(s, triton_gemm.linear_add(x, w, r))
+    assert torch.equal(sg, (s.float() * g.float()).to(F16))
+    torch.testing.assert_close(parts, s.float().square().unflatten(-1, (-1, 32)).sum(-1), rtol=1e-5, atol=1e-3)
+    exact_s = s.float()
+    for op, w_op in (("rms_norm_linear", w2), ("rms_norm_linear_silu_and_mul", w2)):
+        ref = getattr(lf, f"{op}_reference")
+        exact = ref(exact_s, g.float(), EPS, w_op.float())
+        got = getattr(triton_gemm, op)(sg, None, EPS, w_op, None, False, parts)
+        assert rel_err(got, exact) <= rel_err(ref(s, g, EPS, w_op), exact) + 2e-3, op
+    d = 32  # 6 heads of 32 columns: 4 q heads and a k head rotated, the v head as is
+    angles = torch.arange(100)[:, None] * 10000.0 ** (-torch.arange(d // 2) / (d // 2))[None, :]
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+    pos = torch.randint(0, 100, (s.numel() // n,), generator=gen)
+    w_qkv = w2[: 6 * d]
+    rotate = (EPS, w_qkv, None, False, pos, cache, 5 * d)
+    exact = lf.rms_norm_linear_rotary_reference(exact_s.reshape(-1, n), g.float(), EPS, w_qkv.float(), *rotate[2:])
+    got = triton_gemm.rms_norm_linear_rotary(sg.reshape(-1, n), None, *rotate, parts.reshape(-1, parts.shape[-1]))
+    spec = lf.rms_norm_linear_rotary_reference(s.reshape(-1, n), g, *rotate)
+    assert rel_err(got, exact) <= rel_err(spec, exact) + 2e-3
+
+
+def test_prepare_builds_the_hand_off_and_its_readers_apart(triton_gemm: types.ModuleType) -> None:
+    """The producing kernel and a reading one are builds of their own (the squares are not in
+    the reader's k loop: another kernel)."""
+    with FakeTensorMode():
+        x, g, w, r = (torch.empty(*s, dtype=BF16) for s in ((8, 4096), (4096,), (4096, 4096), (8, 4096)))
+        parts = torch.empty(8, 128)
+    hand_off = triton_gemm.prepare("linear_add_rms_parts", x, w, r, g)[0]
+    reader = triton_gemm.prepare("rms_norm_linear", x, None, EPS, w, None, False, parts)[0]
+    assert dict(hand_off[3])["HAND_OFF"] and dict(reader[3])["PARTS"] == 128
+    assert hand_off != triton_gemm.prepare("linear_add", x, w, r)[0]
+    assert reader != triton_gemm.prepare("rms_norm_linear", x, None, EPS, w)[0]
