@@ -56,6 +56,8 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
         # async TP (its GEMMs are "w", [hidden, hidden]): the all-gather's two forms, the plain linear
         "gather": lambda: True,
         "gated": lambda: False,
+        # the norm GEMMs' hand-off: none (their own squares; the hand-off: test_linear_fused_ops.py)
+        "parts": lambda: None,
     }
     values.update(block_fp8_gemm_args(shape, gen, dtype))
     for name in rotary_samples.NAMES:

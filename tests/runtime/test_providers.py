@@ -426,7 +426,7 @@ def assert_served_close(got: Any, want: Any) -> None:
 
 # Triton kernels built on tl.dot (the fused GEMMs' kernel in float16: tests/runtime/test_linear_fused_ops.py)
 INTERPRETER_BF16_DOT = ("linear", "linear_silu_and_mul", "rms_norm_linear", "rms_norm_linear_silu_and_mul",
-                        "rms_norm_linear_rotary", "linear_add", "linear_add_", "moe")  # fmt: skip
+                        "rms_norm_linear_rotary", "linear_add", "linear_add_", "linear_add_rms_parts", "moe")  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 256), (2, 3, 128)])
