@@ -255,7 +255,7 @@ def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion,
     meta = {"BN": bn, "BK": bk, "HAS_BIAS": bias is not None, "EVEN_K": k % bk == 0, "GATED": f.gated,
             "NORM": f.norm, "NORM_WEIGHT": f.norm_weight is not None, "RESIDUAL": f.residual is not None,
             "HALF": f.half, "num_warps": warps, "num_stages": stages}  # fmt: skip
-    parts_n = f.parts.shape[-1] if f.parts is not None else n // linear_ops.PART if f.hand_off else 0
+    parts_n = f.parts.shape[-1] if f.parts is not None else triton.cdiv(n, linear_ops.PART) if f.hand_off else 0
     if f.parts is not None:
         meta["PARTS"] = triton.next_power_of_2(parts_n)
     if f.hand_off:

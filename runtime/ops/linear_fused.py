@@ -107,9 +107,10 @@ def linear_add_inplace_reference(x: Tensor, w: Tensor, residual: Tensor) -> None
 def hand_off(s: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(s, s * norm_weight, parts)``: what the next RMSNorm of ``s`` needs of whole rows, the
     weighted rows (rounded to ``s``'s dtype) and each row's float32 sums of squares over slots
-    of ``PART`` columns (``parts [..., n / PART]``)."""
+    of ``PART`` columns (``parts [..., ceil(n / PART)]``, the last slot partial)."""
     h = s.float()
-    return s, (h * norm_weight.float()).to(s.dtype), h.square().unflatten(-1, (-1, PART)).sum(-1)
+    squares = F.pad(h.square(), (0, -h.shape[-1] % PART))
+    return s, (h * norm_weight.float()).to(s.dtype), squares.unflatten(-1, (-1, PART)).sum(-1)
 
 
 def linear_add_rms_parts_reference(x: Tensor, w: Tensor, residual: Tensor,
@@ -137,7 +138,7 @@ def _norm_rotary_fake(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tens
 
 def _hand_off_fake(x: Tensor, w: Tensor, residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     out = (*x.shape[:-1], w.shape[0])
-    return x.new_empty(out), x.new_empty(out), x.new_empty((*out[:-1], w.shape[0] // PART), dtype=torch.float32)
+    return x.new_empty(out), x.new_empty(out), x.new_empty((*out[:-1], -(-w.shape[0] // PART)), dtype=torch.float32)
 
 
 def _linear_add_fake(x: Tensor, w: Tensor, residual: Tensor) -> Tensor:
@@ -230,11 +231,8 @@ def _add_check(x: Tensor, w: Tensor, residual: Tensor) -> str | None:
 
 
 def _hand_off_check(x: Tensor, w: Tensor, residual: Tensor, norm_weight: Tensor) -> str | None:
-    """:func:`_add_check`, and the next norm's weight: ``[n]`` contiguous, ``x``'s dtype, ``n`` a
-    multiple of ``PART`` (whole slots)."""
+    """:func:`_add_check`, and the next norm's weight: ``[n]`` contiguous, ``x``'s dtype."""
     n = w.shape[0]
-    if n % PART:
-        return f"{n} output columns: the hand-off sums squares over slots of {PART}"
     if norm_weight.dtype != x.dtype or tuple(norm_weight.shape) != (n,) or norm_weight.stride(0) != 1:
         return f"norm weight {norm_weight.dtype}{tuple(norm_weight.shape)}: needs a contiguous [{n}] of {x.dtype}"
     return _add_check(x, w, residual) or constraints.check_same_device(x, norm_weight)
