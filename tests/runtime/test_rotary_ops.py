@@ -129,9 +129,9 @@ def test_flashinfer_check_names_what_it_cannot_serve() -> None:
 # --------------------------------------------------------------------------- the Triton provider
 
 HALF_AND_FLOAT = [torch.float16, torch.bfloat16, torch.float32]
-# (head size, rotary width): flashinfer's 128 and sizes it does not dispatch (DeepSeek-V4's 8-wide
-# rope slice, 32, Phi-2's 80), whole and partial
-HEADS = [(8, 8), (32, 32), (80, 80), (128, 128), (80, 32), (128, 64)]
+# (head size, rotary width): flashinfer's 128 and sizes it does not dispatch (DeepSeek-V4's rope
+# slice: 2 wide at bench/coverage.py's shape, 8 at the GPU runs'; 32, Phi-2's 80), whole and partial
+HEADS = [(2, 2), (8, 8), (32, 32), (80, 80), (128, 128), (80, 32), (128, 64)]
 
 
 def same(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -168,7 +168,8 @@ def test_triton_kernel_rotates_a_rope_slice_of_each_head(triton_rotary: types.Mo
     assert q.stride() == (200, 40, 1)
     cache, pos = rope_cache(40, 8), torch.randint(0, 40, (7,), generator=g, dtype=torch.int32)
     assert rotary._triton_check_q(pos, q, cache, is_neox) is None
-    same(triton_rotary.rotary_embedding_q(pos, q, cache, is_neox), rotary.rotary_embedding_q_reference(pos, q, cache, is_neox))
+    want = rotary.rotary_embedding_q_reference(pos, q, cache, is_neox)
+    same(triton_rotary.rotary_embedding_q(pos, q, cache, is_neox), want)
     for a, b in zip(triton_rotary.rotary_embedding(pos, q, k, cache, is_neox),
                     rotary.rotary_embedding_reference(pos, q, k, cache, is_neox)):  # fmt: skip
         same(a, b)
@@ -247,7 +248,8 @@ def test_triton_check_takes_what_flashinfer_refuses() -> None:
 
 
 def _fake_flashinfer_rope() -> types.ModuleType:
-    """``flashinfer.rope`` on CPU: the reference under 0.7.2's signature (tests/runtime/test_providers.py has the full emulation)."""
+    """``flashinfer.rope`` on CPU: the reference under 0.7.2's signature (test_providers.py
+    emulates all of flashinfer)."""
     fi = types.ModuleType("flashinfer.rope")
 
     def apply(positions, query, key, head_size, cos_sin_cache, is_neox=True):  # type: ignore[no-untyped-def]
@@ -263,7 +265,8 @@ def test_dispatch_order_flashinfer_then_triton_then_torch(registry: providers._R
                                                           flashinfer: bool) -> None:  # fmt: skip
     """Flashinfer serves its head sizes in 16-bit floats; Triton the rest (head size 8, float32)
     and all of it where flashinfer does not import; the reference only what neither takes."""
-    assert [k.provider for k in rotary.ROTARY_KERNELS] == [k.provider for k in rotary.ROTARY_Q_KERNELS] == ["flashinfer", "triton"]
+    for kernels in (rotary.ROTARY_KERNELS, rotary.ROTARY_Q_KERNELS):
+        assert [k.provider for k in kernels] == ["flashinfer", "triton"]
     registry.modules.update({"flashinfer.rope": _fake_flashinfer_rope() if flashinfer else None,
                              rotary.TRITON_ROTARY: triton_rotary})  # fmt: skip
     pair, single = (next(op for op in rotary.DEFS if op.name == name) for name in ("rotary_embedding", "rotary_embedding_q"))
@@ -281,17 +284,25 @@ def test_dispatch_order_flashinfer_then_triton_then_torch(registry: providers._R
     assert providers.served()["rotary_embedding_q"] == {**expected, "torch": 1, "fallbacks": refused}
 
 
-def test_triton_kernel_compiles_for_hopper() -> None:
+# (dtype, head size, rotary width, heads per program, interleaved): partial NeoX bf16, a float32
+# 8-wide head, an fp16 head of one pair (blocks of one value)
+SM90_BUILDS = [("bf16", 80, 32, 16, False), ("fp32", 8, 8, 4, True), ("fp16", 2, 2, 8, True)]
+
+
+@pytest.mark.parametrize("dtype, d, r, heads, interleaved", SM90_BUILDS, ids=[b[0] for b in SM90_BUILDS])
+def test_triton_kernel_compiles_for_hopper(dtype: str, d: int, r: int, heads: int, interleaved: bool) -> None:
     """Built for sm90 by this Triton's front end and NVIDIA backend (what the interpreter lets
-    through, the compiler may refuse): partial NeoX bf16, and interleaved float32 at head size 8,
-    without FP fusion: no ``fma`` in the PTX (the products and sums round apart, as the spec's)."""
+    through, the compiler may refuse), without FP fusion as the launcher builds it: no ``fma`` in
+    the PTX, the products and sums rounded apart, as the spec's."""
     import re
 
     from helpers.triton import compile_for_hopper
 
-    for dtype, constexprs in (("bf16", {"D": 80, "HALF": 16, "BLOCK_HALF": 16, "BLOCK_PASS": 64, "HEADS": 16, "INTERLEAVED": False}),
-                              ("fp32", {"D": 8, "HALF": 4, "BLOCK_HALF": 4, "BLOCK_PASS": 0, "HEADS": 4, "INTERLEAVED": True})):  # fmt: skip
-        types_ = {"pos_ptr": "*i64", "cs_ptr": "*fp32", **{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "qo_ptr", "ko_ptr")}}
-        ptx = compile_for_hopper("fxrewrite.runtime.triton_rotary", "_rotary_kernel", types_, constexprs, enable_fp_fusion=False)
-        ops = set(re.findall(r"\b(?:mul|add|sub|fma)\.[a-z.]*f32\b", ptx))
-        assert ops == {"mul.rn.f32", "add.rn.f32", "sub.rn.f32"}, ops  # with FP fusion: fma.rn.f32
+    pass_block = 1 << (d - r - 1).bit_length() if d > r else 0
+    constexprs = {"D": d, "HALF": r // 2, "BLOCK_HALF": r // 2, "BLOCK_PASS": pass_block, "HEADS": heads,
+                  "INTERLEAVED": interleaved}  # fmt: skip
+    types_ = {"pos_ptr": "*i64", "cs_ptr": "*fp32", **{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "qo_ptr", "ko_ptr")}}
+    ptx = compile_for_hopper("fxrewrite.runtime.triton_rotary", "_rotary_kernel", types_, constexprs,
+                             enable_fp_fusion=False)  # fmt: skip
+    ops = set(re.findall(r"\b(?:mul|add|sub|fma)\.[a-z.]*f32\b", ptx))
+    assert ops == {"mul.rn.f32", "add.rn.f32", "sub.rn.f32"}, ops  # with FP fusion: fma.rn.f32
