@@ -1,8 +1,9 @@
 """The ``triton`` provider's rotary embedding (``fxr.rotary_embedding``, ``fxr.rotary_embedding_q``)
 for the calls flashinfer does not dispatch: head sizes other than 64, 128, 256 and 512 (32, 80,
-96, a 64-wide rope slice of a larger head...), float32 activations, a cache of 16-bit floats.
+96, DeepSeek-V4's 8-wide rope slice of a larger head...), float32 activations, a cache of 16-bit
+floats.
 
-    # the torch reference: about ten kernels per tensor       # one launch for q and k
+    # the torch reference: a kernel per step, per tensor      # one launch for q and k
     cos, sin = cos_sin_cache[positions].chunk(2, -1)           q, k = rotary_embedding(
     x1, x2 = q[..., :R/2], q[..., R/2:R]                           positions, q, k, cos_sin_cache, True)
     q = cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin, q[..., R:])
