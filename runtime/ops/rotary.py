@@ -14,14 +14,17 @@ rotates the first ``R`` features of every head of token ``n`` by the angles of p
 ``positions[n]``: ``cos_sin_cache[p] = cat(cos(p * f), sin(p * f))``, ``R/2`` frequencies ``f``.
 NeoX layout rotates feature ``i`` with ``i + R/2``; interleaved (GPT-J) rotates ``2i`` with ``2i+1``.
 Features past ``R`` pass through (partial rotary, as Phi-3 and GLM do). Functional: new tensors
-(flashinfer's kernel writes them; sgl-kernel's ``rotary_embedding`` works in place only, on a
-cache of the query's dtype, so it does not serve this op). ``fxr::rotary_embedding_q`` rotates
-one tensor, for models that rotate q alone or q and k at different places.
+(flashinfer's kernel writes them, at head sizes 64, 128, 256, 512 in 16-bit floats; our Triton
+kernel, ``runtime/triton_rotary.py``, at any other head size and in float32; sgl-kernel's
+``rotary_embedding`` works in place only, on a cache of the query's dtype, so it does not serve
+this op). ``fxr::rotary_embedding_q`` rotates one tensor, for models that rotate q alone or q and
+k at different places.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -112,35 +115,76 @@ def _rotary_fake(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor,
 HEAD_DIMS: tuple[int, ...] = (64, 128, 256, 512)  # flashinfer 0.7.2 dispatches these head sizes
 
 
+def _check_heads(positions: Tensor, cos_sin_cache: Tensor, xs: tuple[Tensor, ...],
+                 head_sizes: tuple[int, ...] | None) -> str | None:  # fmt: skip
+    """What every kernel needs of the positions and of q / k: 1-D int32/int64 positions, one per
+    token; ``[N, H, D]`` tensors with a contiguous last dim (token and head strides are free);
+    D in ``head_sizes`` (a library's dispatch), else at most one Triton program's row; an even
+    rotary width ``R``, ``0 < R <= D``."""
+    if positions.dtype not in (torch.int32, torch.int64) or positions.dim() != 1:
+        return f"positions {positions.dtype}{tuple(positions.shape)}, needs 1-D int32/int64"
+    width = cos_sin_cache.shape[-1]
+    for x in xs:
+        if x.dim() != 3 or x.stride(-1) != 1:
+            return f"input {tuple(x.shape)} strides {x.stride()}: needs [N, H, D] with a contiguous last dim"
+        if x.shape[0] != positions.shape[0]:
+            return f"{positions.shape[0]} positions for {x.shape[0]} tokens"
+        if head_sizes is not None and x.shape[-1] not in head_sizes:
+            return f"head size {x.shape[-1]} not in {head_sizes}"
+        if head_sizes is None and (reason := constraints.check_triton_row(x.shape[-1])):
+            return reason
+        if width == 0 or width % 2 or width > x.shape[-1]:
+            return f"rotary width {width} for head size {x.shape[-1]}"
+    return None
+
+
 def check_rotary(positions: Tensor, cos_sin_cache: Tensor, *xs: Tensor) -> str | None:
-    """flashinfer's ``apply_rope_with_cos_sin_cache``: bf16/fp16 ``[N, H, D]`` tensors with a
-    contiguous last dim (token and head strides are free), D in :data:`HEAD_DIMS`, an even
-    rotary width of at most D, a float32 contiguous cache, int32/int64 positions, one device."""
+    """flashinfer's ``apply_rope_with_cos_sin_cache``: bf16/fp16 tensors of one dtype, D in
+    :data:`HEAD_DIMS`, a float32 contiguous cache, one device (and :func:`_check_heads`)."""
     reason = constraints.check_half(*xs) or constraints.check_same_device(positions, cos_sin_cache, *xs)
     if reason:
         return reason
     if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
         return f"cos_sin_cache {cos_sin_cache.dtype} (contiguous={cos_sin_cache.is_contiguous()}), needs contiguous float32"
-    if positions.dtype not in (torch.int32, torch.int64) or positions.dim() != 1:
-        return f"positions {positions.dtype}{tuple(positions.shape)}, needs 1-D int32/int64"
+    return _check_heads(positions, cos_sin_cache, xs, HEAD_DIMS)
+
+
+def check_triton_rotary(positions: Tensor, cos_sin_cache: Tensor, *xs: Tensor) -> str | None:
+    """Our Triton kernel (``runtime/triton_rotary.py``) takes what flashinfer's dispatch leaves:
+    any head size up to one program's row, float16, bfloat16 or float32 tensors (each its own
+    dtype), a cache of 16- or 32-bit floats with a contiguous last dim. It refuses other dtypes,
+    a cache of another layout, tensors on several devices, and what :func:`_check_heads` names
+    (layouts other than ``[N, H, D]`` with a contiguous last dim, an odd, zero or too wide
+    rotary width, positions that are not 1-D int32/int64, one per token)."""
+    reason = constraints.check_same_device(positions, cos_sin_cache, *xs)
+    if reason:
+        return reason
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.stride(-1) != 1 or constraints.check_float(cos_sin_cache):
+        return (f"cos_sin_cache {cos_sin_cache.dtype}{tuple(cos_sin_cache.shape)} strides {cos_sin_cache.stride()}: "
+                "needs [P, R] floats of 16 or 32 bits with a contiguous last dim")  # fmt: skip
     for x in xs:
-        if x.dim() != 3 or x.stride(-1) != 1:
-            return f"input {tuple(x.shape)} strides {x.stride()}: needs [N, H, D] with a contiguous last dim"
-        if x.shape[-1] not in HEAD_DIMS:
-            return f"head size {x.shape[-1]} not in {HEAD_DIMS}"
-        if cos_sin_cache.shape[-1] > x.shape[-1] or cos_sin_cache.shape[-1] % 2:
-            return f"rotary width {cos_sin_cache.shape[-1]} for head size {x.shape[-1]}"
-    return None
+        if reason := constraints.check_float(x):
+            return reason
+    return _check_heads(positions, cos_sin_cache, xs, None)
 
 
-def _check_pair(positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor, is_neox: bool) -> str | None:
+def _pair(check: Callable[..., str | None], positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor,
+          is_neox: bool) -> str | None:  # fmt: skip
+    """``check`` of the pair op's q and k, which share one head size."""
     if k.shape[-1] != q.shape[-1]:
         return f"q head size {q.shape[-1]} != k head size {k.shape[-1]}"
-    return check_rotary(positions, cos_sin_cache, q, k)
+    return check(positions, cos_sin_cache, q, k)
 
 
-def _check_q(positions: Tensor, q: Tensor, cos_sin_cache: Tensor, is_neox: bool) -> str | None:
-    return check_rotary(positions, cos_sin_cache, q)
+def _single(check: Callable[..., str | None], positions: Tensor, q: Tensor, cos_sin_cache: Tensor,
+            is_neox: bool) -> str | None:  # fmt: skip
+    return check(positions, cos_sin_cache, q)
+
+
+_check_pair = functools.partial(_pair, check_rotary)
+_check_q = functools.partial(_single, check_rotary)
+_triton_check_pair = functools.partial(_pair, check_triton_rotary)
+_triton_check_q = functools.partial(_single, check_triton_rotary)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -159,8 +203,17 @@ def flashinfer_rotary_q(positions: Tensor, q: Tensor, cos_sin_cache: Tensor, is_
 
 
 _FI = "flashinfer.rope"
-ROTARY_KERNELS = (Kernel("flashinfer", flashinfer_rotary, _check_pair, module=_FI),)
-ROTARY_Q_KERNELS = (Kernel("flashinfer", flashinfer_rotary_q, _check_q, module=_FI),)
+TRITON_ROTARY = "fxrewrite.runtime.triton_rotary"
+# flashinfer where it dispatches (its kernel, unmeasured against ours), our Triton kernel for the
+# rest (other head sizes, float32), the torch reference last.
+ROTARY_KERNELS = (
+    Kernel("flashinfer", flashinfer_rotary, _check_pair, module=_FI),
+    providers.triton_kernel("rotary_embedding", _triton_check_pair, module=TRITON_ROTARY),
+)
+ROTARY_Q_KERNELS = (
+    Kernel("flashinfer", flashinfer_rotary_q, _check_q, module=_FI),
+    providers.triton_kernel("rotary_embedding_q", _triton_check_q, module=TRITON_ROTARY),
+)
 
 # --------------------------------------------------------------------------- the ops
 

@@ -68,3 +68,9 @@ def triton_linear_block_fp8() -> Iterator[types.ModuleType]:
 def triton_gemm() -> Iterator[types.ModuleType]:
     """``fxrewrite.runtime.triton_gemm`` interpreted (tests/runtime/test_ops_gpu.py runs it compiled)."""
     yield from _interpreted("fxrewrite.runtime.triton_gemm", "_skinny_linear_kernel")
+
+
+@pytest.fixture(scope="module")
+def triton_rotary() -> Iterator[types.ModuleType]:
+    """``fxrewrite.runtime.triton_rotary`` interpreted (tests/runtime/test_rotary_gpu.py runs it compiled)."""
+    yield from _interpreted("fxrewrite.runtime.triton_rotary", "_rotary_kernel")

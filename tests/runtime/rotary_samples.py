@@ -34,3 +34,14 @@ def rotary_arg(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch
     if name in ("full_tables", "is_neox"):
         return True
     raise KeyError(name)
+
+
+def fused_qkv(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator,
+              nope: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """q ``[tokens, heads, head_dim]`` and k ``[tokens, kv_heads, head_dim]`` as the rules hand them
+    over: views of one fused qkv output (token stride ``(heads + 2 kv_heads) * width``), each head
+    the trailing ``head_dim`` features of ``width = nope + head_dim`` (DeepSeek's rope slice of a
+    larger head: head stride ``width``). On ``gen``'s device."""
+    width = nope + head_dim
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, width, generator=gen, device=gen.device).to(dtype)
+    return qkv[:, :heads, nope:], qkv[:, heads : heads + kv_heads, nope:]

@@ -409,7 +409,8 @@ def both_libraries(registry: providers._Registry, sgl_ops: None) -> providers._R
     """sgl-kernel and flashinfer emulated; Triton's kernels not importable (a test that wants
     them installs the ``triton_kernels`` fixture's module)."""
     registry.modules.update({"sgl_kernel": lib("sgl_kernel"), **flashinfer_modules()})
-    install(registry, **{providers.TRITON_MODULE: None, layernorm.TRITON_LAYER_NORM: None, quant_block.TRITON_MODULE: None})
+    install(registry, **{providers.TRITON_MODULE: None, layernorm.TRITON_LAYER_NORM: None, quant_block.TRITON_MODULE: None,
+                         rotary.TRITON_ROTARY: None})  # fmt: skip
     return registry
 
 
@@ -452,6 +453,7 @@ def test_every_op_through_each_emulated_provider(
         both_libraries.modules[layernorm.TRITON_LAYER_NORM] = request.getfixturevalue("triton_layernorm")
         both_libraries.modules[quant_nvfp4.TRITON_MODULE] = request.getfixturevalue("triton_nvfp4")
         both_libraries.modules[quant_block.TRITON_MODULE] = request.getfixturevalue("triton_quant_block")
+        both_libraries.modules[rotary.TRITON_ROTARY] = request.getfixturevalue("triton_rotary")
     providers.configure(provider)
     args = op_args(op, shape, gen)
     if provider == "flashinfer" and op in layernorm.DEFS:  # its LayerNorm takes float32 gamma and beta
@@ -508,7 +510,8 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
                          layernorm.TRITON_LAYER_NORM: None, "fxrewrite.runtime.triton_route": None,
                          "fxrewrite.runtime.triton_norms": None, quant_nvfp4.TRITON_MODULE: None,
                          quant_block.TRITON_MODULE: None, activation.TRITON_ACT_MUL: None,
-                         linear_block_fp8.TRITON_MODULE: None, linear.TRITON_GEMM: None})  # fmt: skip
+                         linear_block_fp8.TRITON_MODULE: None, linear.TRITON_GEMM: None,
+                         rotary.TRITON_ROTARY: None})  # fmt: skip
     assert providers.preload() == {
         "flashinfer": False,
         "flashinfer.activation": False,
@@ -524,6 +527,7 @@ def test_preload_imports_every_kernel_module(registry: providers._Registry) -> N
         "fxrewrite.runtime.triton_quant_block": False,
         "fxrewrite.runtime.triton_norms": False,
         "fxrewrite.runtime.triton_nvfp4": False,
+        "fxrewrite.runtime.triton_rotary": False,
         "fxrewrite.runtime.triton_route": False,
         "sgl_kernel": True,
         "torch.distributed": True,  # sequence parallelism's NCCL paths
