@@ -47,7 +47,9 @@ allows it, but the value becomes a kernel argument, frozen at capture: each call
 values (about 0.5 us each); a changed one makes the call eager, with a warning. An int input that
 sizes no input tensor is such a value too, not a second dynamic dimension: transformers'
 ``logits_to_keep`` is one where the model's ``forward`` is Dynamo's frame (Falcon's; Llama's is
-wrapped by ``can_return_tuple``, which inlines the default), read by the last piece's slice.
+wrapped by ``can_return_tuple``, which inlines the default), read by the last piece's slice. In a
+graph whose tensors are all static it is no token count either (it counts no input rows to pad; a
+slice from the end padded would keep the wrong rows): that graph has one graph, of its static shape.
 
 Containment: no capture problem reaches the caller unless ``Config.strict_capture`` (env
 ``FXREWRITE_STRICT=1``; the test suite turns it on) asks for errors. A piece holding any other

@@ -122,10 +122,14 @@ class Dispatch:
                 for s in free_symbols(values[i])}
         scalars = {s for i in captured_inputs if isinstance(values[i], torch.SymInt)
                    for s in free_symbols(values[i])} - fixed
-        # an int input that sizes no input tensor (transformers' logits_to_keep, where forward is
-        # Dynamo's frame) is a value, not a dimension: frozen at capture and checked per call, as a
-        # host scalar. Only without a dynamic tensor dim may such an int be the token count.
-        symbols = dims or scalars
+        # an int input that sizes no input tensor of the graph (transformers' logits_to_keep, where
+        # forward is Dynamo's frame) is a value, not a dimension, even where it is the only symbol
+        # (a graph of static shapes: one graph): frozen at capture and checked per call, as a host
+        # scalar. An int sizing an input that only eager pieces read (input_ids read by a piece run
+        # eagerly) is the token count where the captured pieces read no dynamic dim.
+        sizing = {s for v, st in zip(values, static) if not st and isinstance(v, torch.Tensor)
+                  for s in free_symbols(v)}
+        symbols = dims or (scalars & sizing)
         self.frozen = {v.node.expr: _concrete(v) for i, v in enumerate(values) if i in captured_inputs
                        and isinstance(v, torch.SymInt) and v.node.expr in scalars - symbols}  # fmt: skip
         self.reason: str | None = None
@@ -138,7 +142,8 @@ class Dispatch:
         self.sizes = tuple(sorted({s for s in sizes if s >= self.lo and (self.hi is None or s <= self.hi)
                                    and self.symbol is not None}))
         if self.symbol is not None and not self.sizes and self.reason is None:
-            self.reason = f"no capture size in the range of {self.symbol}: [{self.lo}, {self.hi}]"
+            self.reason = (f"no capture size ({', '.join(map(str, sizes))}) in the range Dynamo compiled the token "
+                           f"count {self.symbol} for: [{self.lo}, {self.hi if self.hi is not None else 'inf'}]")
         out = gm.graph.output_node().args[0]
         self.outputs = [self._out_spec(leaf) for leaf in tree_flatten(out)[0]]
         self.pad = pad and self.symbol is not None and all(o != "fixed" for o in self.outputs) and all(

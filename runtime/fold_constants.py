@@ -21,6 +21,16 @@ folded constant)::
     after:  %fxr_const_1 = get_attr[target=fxr_const_1]     # torch.tensor([-2]) on qkv's device
             %k = operator.getitem(%qkv, (Ellipsis, %fxr_const_1, slice(None, None, None)))
 
+A folded 0-dim value read where the op takes a number is given as the number: ``masked_fill``'s
+and ``index_fill``'s value (:func:`fxrewrite.runtime.hazards.read_on_host`). Their tensor
+overload reads it with ``.item()`` on every call, a device-to-host copy and sync that CUDA-graph
+capture refuses ("operation not permitted when stream is capturing"); the number overload is the
+same computation (ATen's tensor overload calls it with ``.item()``)::
+
+    before: %scalar_tensor = torch.scalar_tensor(-inf, device=cuda:0, dtype=torch.bfloat16)
+            %score_1 = torch.masked_fill(%score, %eq, %scalar_tensor)
+    after:  %score_1 = torch.masked_fill(%score, %eq, -inf)
+
 What folds: a creation op whose arguments are all Python values (``torch.tensor``, ``as_tensor``,
 ``scalar_tensor``, ``full``, ``zeros``, ``ones``, ``arange``, ``linspace``, ``eye``; ``new_*`` of a
 tensor and ``*_like`` of one of static shape, which read only its dtype, device and shape), then
@@ -50,7 +60,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from fxrewrite import meta
 from fxrewrite.report import PassResult
-from fxrewrite.runtime.hazards import host_lists, is_view, op_name
+from fxrewrite.runtime.hazards import host_lists, is_view, op_name, read_on_host
 
 log = logging.getLogger(__name__)
 
@@ -204,9 +214,37 @@ def _nodes(args: Any) -> list[fx.Node]:
     return out
 
 
+_NUMBER_OVERLOADS = {"Tensor": "Scalar", "int_Tensor": "int_Scalar", "Dimname_Tensor": "Dimname_Scalar"}
+
+
+def _as_numbers(node: fx.Node, value: torch.Tensor, folded: dict[fx.Node, torch.Tensor]) -> int:
+    """Give the 0-dim ``value`` of ``node`` as a number to the readers that take one (see the
+    module docstring; an ATen overload becomes its number twin, ``masked_fill.Tensor`` ->
+    ``masked_fill.Scalar``); how many."""
+    made = 0
+    for user in list(node.users):
+        read = read_on_host(user)
+        if user in folded or read is None or read[1] is not node:
+            continue
+        if isinstance(user.target, torch._ops.OpOverload):
+            twin = _NUMBER_OVERLOADS.get(user.target._overloadname)
+            overload = getattr(user.target.overloadpacket, twin, None) if twin else None
+            if overload is None:
+                continue
+            user.target = overload
+        slot, number = read[0], value.item()
+        if isinstance(slot, int):
+            user.args = (*user.args[:slot], number, *user.args[slot + 1:])
+        else:
+            user.kwargs = {**user.kwargs, slot: number}
+        made += 1
+    return made
+
+
 def fold_constants(gm: fx.GraphModule) -> PassResult:
     """Evaluate the tensors ``gm`` builds from Python values once and read them as constants;
-    make int-list indices device constants. ``matches``: constants read where calls were."""
+    make int-list indices device constants; pass a folded 0-dim value as a number where the op
+    reads it on the host. ``matches``: constants and numbers read where calls were."""
     folder = _Folder(gm)
     if folder.first is None:
         return PassResult()
@@ -219,6 +257,8 @@ def fold_constants(gm: fx.GraphModule) -> PassResult:
             matches += folder.index_lists(node)
     folded = folder.values
     for node, value in folded.items():
+        if value.dim() == 0:
+            matches += _as_numbers(node, value, folded)
         if any(u not in folded for u in node.users):  # the frontier: read by ops that stay
             node.replace_all_uses_with(folder.constant(value), delete_user_cb=lambda u: u not in folded)
             matches += 1

@@ -3,8 +3,10 @@
 Read-only analyses of the pieces :mod:`fxrewrite.split` cuts, for :mod:`fxrewrite.runtime.cudagraph`:
 
 * :func:`find_capture_hazards`: host syncs, copies between host and device (explicit, and the
-  implicit ones: a device tensor indexed with a Python list, a device op reading a host tensor),
-  data-dependent shapes. Each is a :class:`Hazard` with the op and its source line;
+  implicit ones: a device tensor indexed with a Python list, a device op reading a host tensor, an
+  op reading its device value on the host: ``masked_fill``'s), data-dependent shapes. Each is a
+  :class:`Hazard` with the op and its source line;
+* :func:`read_on_host`: the argument an op reads on the host (``masked_fill``'s value);
 * :func:`mutated_placeholders`: inputs a piece writes in place;
 * :func:`is_trivial`: a piece that launches nothing (not worth a graph);
 * :func:`failing_node`: the node of a piece that raised an exception (a capture that failed).
@@ -73,6 +75,10 @@ _HOST_FUNCTIONS = {torch.nonzero, torch.masked_select, torch.unique, torch.uniqu
 _TRANSFERS = {"to", "cuda", "cpu", "copy_", "_to_copy", "tensor", "as_tensor", "type"}
 _ITEMS = {"item", "_local_scalar_dense"}
 _INDEXING = (operator.getitem, operator.setitem)
+# ops whose tensor overload reads one argument on the host: ATen calls ``.item()`` on the 0-dim
+# value (CPU and CUDA kernels alike), a device-to-host copy and sync where it lives on the device
+_READ_ON_HOST = {"masked_fill": (2, "value"), "masked_fill_": (2, "value"), "index_fill": (3, "value"),
+                 "index_fill_": (3, "value")}  # fmt: skip
 
 
 def _qualified(target: Any) -> str:
@@ -139,6 +145,23 @@ def _on_device(value: Any) -> bool:
     return bool(_devices(value) - {"cpu", "meta"})
 
 
+def read_on_host(node: Node) -> tuple[int | str, Node] | None:
+    """The argument of ``node`` that its op reads on the host (its position, or its keyword, and
+    the node), where it is a node: the value of ``masked_fill`` and ``index_fill`` (a 0-dim tensor
+    is read with ``.item()``). None for other ops and for a number.
+
+        >>> gm = torch.fx.symbolic_trace(lambda x, m, v: x.masked_fill(m, v))
+        >>> read_on_host(list(gm.graph.nodes)[3])
+        (2, v)
+    """
+    slot = _READ_ON_HOST.get(op_name(node)) if node.op in ("call_function", "call_method") else None
+    if slot is None:
+        return None
+    pos, key = slot
+    where_, arg = (pos, node.args[pos]) if len(node.args) > pos else (key, node.kwargs.get(key))
+    return (where_, arg) if isinstance(arg, Node) else None
+
+
 def _host_tensor_read(node: Node) -> str | None:
     """The name of a host tensor (not a 0-dim scalar, which kernels take by value) that a device
     op reads: the op copies it to the device first, a pageable copy capture refuses."""
@@ -173,6 +196,9 @@ def _reason(node: Node, host_scalars: Collection[str]) -> str | None:
             _on_device(_value(arg0)) and host_lists(node.args[1])):
         return ("indexes a device tensor with a Python list: a host index tensor is built and copied "
                 "to the device on every call (a pageable copy capture forbids)")
+    if (read := read_on_host(node)) is not None and _on_device(_value(read[1])):
+        return (f"reads its value `{read[1].name}`, a device tensor, on the host (the op calls .item() on it: a "
+                "device-to-host copy and sync, which capture forbids; a Python number or a CPU scalar is not copied)")
     if name not in _TRANSFERS and (host := _host_tensor_read(node)) is not None:
         return f"a device op reading the host tensor `{host}`: it is copied to the device first (a pageable copy)"
     symbolic = (torch.Tensor, torch.SymInt, torch.SymBool)  # a SymFloat is a value, not a shape
@@ -190,7 +216,10 @@ def find_capture_hazards(gm: GraphModule, host_scalars: Collection[str] | None =
     copies between host and device (``.cpu()``, ``.to("cpu")`` of a device tensor,
     ``.to("cuda")`` / ``torch.tensor(..., device="cuda")`` from host memory), and the copies
     an op makes itself: a device tensor indexed with a Python list (``x[..., [-2], :]``), a
-    device op reading a host tensor of one or more dims.
+    device op reading a host tensor of one or more dims, and the reverse, ``masked_fill`` /
+    ``index_fill`` whose value is a 0-dim device tensor (ATen reads it with ``.item()``, a sync:
+    transformers' CPM-Ant fills its scores with ``torch.scalar_tensor(-inf, device=...)``;
+    :mod:`fxrewrite.runtime.fold_constants` passes such a value as a number where it is a constant).
 
     Allowed: ``.item()`` of a placeholder named in ``host_scalars``: Dynamo lifts float module
     attributes (RMSNorm eps, attention scaling) to CPU scalar tensors read with ``.item()``

@@ -11,6 +11,7 @@ and full the decode step replays a captured graph. Its negative twin: padding a 
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import pytest
@@ -78,6 +79,8 @@ def test_replayed_modes_capture_the_decode_step(mode: str) -> None:
     prefill, step = (g.runtime for g in backend.report.graphs)
     # the prompt graph's token count ranges over [2, inf): no capture size is in it, it runs eagerly
     assert prefill["replays"] == 0 and prefill["eager_reasons"] == {"unsupported": 1}
+    assert re.fullmatch(r"no capture size \(1\) in the range Dynamo compiled the token count s\d+ for: \[2, inf\]",
+                        prefill["reason"])
     assert step["static_shape"] and step["replays"] == TOKENS - 1 and step["eager_calls"] == 0
 
 

@@ -164,6 +164,21 @@ def record(model: nn.Module, inputs: Sequence[tuple[Any, ...]], dynamic: bool | 
     return graphs[0]
 
 
+def on_fake_device(gm: torch.fx.GraphModule, host: Sequence[str] = ()) -> torch.fx.GraphModule:
+    """``gm`` with every tensor value of its nodes' metadata (``example_value``, ``val``) moved to a
+    fake CUDA device, but those of the nodes named in ``host``: what the capture analyses
+    (:mod:`fxrewrite.runtime.hazards`) read of a graph traced on the GPU, on a CPU build of torch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for n in gm.graph.nodes:
+            for key in ("example_value", "val"):
+                v = n.meta.get(key)
+                if isinstance(v, torch.Tensor) and n.name not in host:
+                    n.meta[key] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda:0")
+    return gm
+
+
 def toy_inputs(sizes: Sequence[int], device: str = "cpu", hidden: int = 32) -> list[tuple[torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
     return [(torch.randn(n, hidden, generator=gen).to(device),) for n in sizes]

@@ -290,6 +290,26 @@ def test_an_int_input_is_a_value_frozen_at_capture_not_a_second_dim(keeps: Recor
     assert runner.stats()["eager_reasons"] == {"host_scalar_changed": 1}
 
 
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_an_int_input_of_a_graph_of_static_shapes_is_a_value_not_the_token_count(mode: str) -> None:
+    """Tensors of static shapes (a model that specializes its sequence, as transformers' CPM-Ant)
+    and an int slicing the output rows from the end: the int sizes no input, so it is a value
+    frozen at capture and the graph has one graph, of its static shape. Taken for the token count,
+    a call was padded to the next capture size and its rows sliced from the front: wrong rows (or,
+    where Dynamo's range of it held no capture size, CPM-Ant's [-9, 0], no graph at all)."""
+    x = torch.randn(8, 32)
+    torch._dynamo.mark_static(x)
+    rec = record(seeded(KeepsLast), [(x, 2), (x, 3)], dynamic=True)
+    runner = runner_for(rec, mode=mode)
+    d = runner.dispatch
+    assert d.symbol is None and d.reason is None
+    assert [s.kind for s in d.inputs if s.kind != "static"] == ["tensor", "host"]
+    for args in rec.calls:
+        torch.testing.assert_close(runner(*args), rec.gm(*args))
+    s = runner.stats()
+    assert s["static_shape"] and (s["replays"], s["eager_reasons"]) == (1, {"host_scalar_changed": 1})
+
+
 class MaskedAttention(torch.nn.Module):
     """A causal mask built in the first piece and broadcast to every head (stride 0, as
     transformers expands its mask over the batch), read by attention."""

@@ -16,8 +16,9 @@ from torch import nn
 
 import fxrewrite
 from fxrewrite.runtime import fold_constants as fc
-from fxrewrite.runtime.hazards import host_lists
+from fxrewrite.runtime.hazards import find_capture_hazards, host_lists, op_name
 from fxrewrite.testing import Compiled, assert_close, check_rewrite
+from helpers.graphs import on_fake_device
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -120,6 +121,67 @@ def test_arange_and_casts_fold_but_not_arange_of_the_token_count(dynamic: bool) 
     result = fold(f, torch.randn(5, 8), dynamic=dynamic)
     assert result.counts()["torch.arange"] == (1 if dynamic else 0)
     assert folded(result) == (1 if dynamic else 2)
+
+
+# --- a 0-dim constant read on the host: the value of masked_fill / index_fill (CPM-Ant's scores)
+
+def fill_scores(score: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scores filled where the mask is off with 0-dim tensors built on their device (transformers
+    5.19's CPM-Ant attention: ``torch.scalar_tensor(float("-inf"), device=..., dtype=...)``), the
+    mask compared with a CPU ``torch.tensor(False)``, an ``index_fill`` of a ``torch.full(())``, and
+    the ATen overload as a traced graph or a rule's replacement spells it."""
+    off = mask == torch.tensor(False)
+    neg = torch.scalar_tensor(float("-inf"), device=score.device, dtype=score.dtype)
+    score = torch.masked_fill(score, off, neg).softmax(-1)
+    score = torch.ops.aten.masked_fill.Tensor(score, off, torch.full((), 0.0, device=score.device))
+    score = score.masked_fill(off, value=torch.zeros((), device=score.device, dtype=score.dtype))
+    first = torch.tensor([0], device=score.device)
+    return score.index_fill(1, first, torch.full((), 0.5, device=score.device)) + neg.exp()  # neg: also a constant
+
+
+aten_fill = torch.ops.aten.masked_fill
+
+
+def value_reads(gm: torch.fx.GraphModule) -> list[Any]:
+    """What the fills read as their value: a number, or the node of a tensor."""
+    reads = [n for n in gm.graph.nodes if op_name(n) in ("masked_fill", "index_fill")]
+    return [n.args[2] if op_name(n) == "masked_fill" and len(n.args) > 2 else
+            n.kwargs["value"] if op_name(n) == "masked_fill" else n.args[3] for n in reads]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_a_constant_fill_value_is_passed_as_a_number(dtype: torch.dtype, dynamic: bool) -> None:
+    """On the GPU the tensor overload reads the value with ``.item()``, a sync CUDA-graph capture
+    refuses; the number overload computes the same. Before: 4 fills reading a tensor; after: each
+    reads its number, and no fill is a capture hazard on a (fake) device."""
+    score, mask = torch.randn(2, 4, 6, dtype=dtype), torch.rand(2, 4, 6) > 0.3
+    mask[..., 0] = True  # no row filled whole: its softmax would be NaN in both
+    result = fold(fill_scores, score, mask, absent=("torch.scalar_tensor", "torch.full", "torch.zeros"),
+                  expect={"torch.masked_fill": 1, "aten.masked_fill": 1, "method.masked_fill": 1,
+                          "method.index_fill": 1}, dynamic=dynamic)
+    before = result.counts_before()
+    assert before["torch.scalar_tensor"] == 1 and before["torch.full"] == 2 and before["aten.masked_fill"] == 1
+    (aten,) = [n for n in result.graph.graph.nodes if n.target in (aten_fill.Tensor, aten_fill.Scalar)]
+    assert aten.target is aten_fill.Scalar  # the Tensor overload would refuse the number
+    # 4 numbers, 3 constants
+    assert value_reads(result.graph) == [float("-inf"), 0.0, 0.0, 0.5] and folded(result) == 7
+    # what stays a constant: the CPU False (read by eq, a host scalar), the index, exp(-inf)
+    assert sorted((tuple(v.shape), str(v.dtype)) for v in constants(result).values()) == sorted(
+        [((), "torch.bool"), ((1,), "torch.int64"), ((), str(dtype))])
+    host = [name for name, v in constants(result).items() if v.dtype == torch.bool]
+    assert find_capture_hazards(on_fake_device(result.graph, host)) == []
+
+
+def test_a_fill_value_of_a_runtime_value_stays_and_is_a_capture_hazard_on_the_device() -> None:
+    def f(score: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.masked_fill(score, ~mask, score.amin())  # computed per call: no constant
+
+    result = fold(f, torch.randn(4, 6), torch.rand(4, 6) > 0.3)
+    (read,) = value_reads(result.graph)
+    assert isinstance(read, torch.fx.Node) and folded(result) == 0
+    (hazard,) = find_capture_hazards(on_fake_device(result.graph))
+    assert hazard.op == "call_function masked_fill" and f"reads its value `{read.name}`" in hazard.reason
 
 
 # --- a Python list indexing a tensor (Falcon's multi-query split)

@@ -15,8 +15,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fxrewrite.runtime.hazards import failing_node, find_capture_hazards, host_lists, is_trivial, mutated_placeholders
-from helpers.graphs import Recorded, TinyLlama, llama_inputs, record, seeded
+from fxrewrite.runtime.hazards import (
+    failing_node,
+    find_capture_hazards,
+    host_lists,
+    is_trivial,
+    mutated_placeholders,
+    read_on_host,
+)
+from helpers.graphs import Recorded, TinyLlama, llama_inputs, on_fake_device, record, seeded
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["dynamic", "static"])
@@ -145,14 +152,8 @@ def on_device(f: Callable[..., Any], *inputs: torch.Tensor, host: Sequence[str] 
     CUDA device but those of the nodes named in ``host`` (this CPU build of torch cannot run
     indexing on fake CUDA tensors)."""
     gm = torch.fx.symbolic_trace(f)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    FakeTensorProp(gm, mode).propagate(*inputs)
-    with mode:
-        for n in gm.graph.nodes:
-            v = n.meta.get("val")
-            if isinstance(v, torch.Tensor) and n.name not in host:
-                n.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda:0")
-    return gm
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
+    return on_fake_device(gm, host)
 
 
 def split_heads(fused_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,6 +185,33 @@ def test_hazards_flag_a_device_op_reading_a_host_tensor_but_not_a_host_scalar() 
     hazards = find_capture_hazards(on_device(f, torch.randn(4, 3), torch.tensor([0, 2]), host=("i", "sum_1")))
     assert [(h.node, h.reason) for h in hazards] == [
         ("getitem", "a device op reading the host tensor `i`: it is copied to the device first (a pageable copy)")]
+
+
+def fills(x: torch.Tensor, v: torch.Tensor, w: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    m = x > 0
+    return (x.masked_fill(m, v), torch.masked_fill(x, m, value=v), x.index_fill(0, i, v),  # v: on the device
+            x.masked_fill(m, w), x.masked_fill(m, -1.0), x.index_fill(0, i, 0.5))  # w: a CPU scalar; numbers
+
+
+def test_hazards_flag_a_fill_value_read_on_the_host_from_the_device() -> None:
+    """Why CPM-Ant's capture failed on the H100 ("operation not permitted when stream is
+    capturing"): ``masked_fill`` and ``index_fill`` read a 0-dim value tensor with ``.item()``, a
+    device-to-host copy and sync where it lives on the device. A CPU scalar is read on the host
+    without a copy, a number is an argument: neither is a hazard."""
+    inputs = torch.randn(4, 3), torch.tensor(1.0), torch.tensor(2.0), torch.tensor([0, 2])
+    gm = on_device(fills, *inputs, host=("w",))
+    hazards = find_capture_hazards(gm, host_scalars=())
+    assert [(h.node, h.op) for h in hazards] == [("masked_fill", "call_method masked_fill"),
+                                                 ("masked_fill_1", "call_function masked_fill"),
+                                                 ("index_fill", "call_method index_fill")]
+    assert hazards[0].reason.startswith("reads its value `v`, a device tensor, on the host")
+    assert "device-to-host copy and sync" in hazards[0].reason
+    nodes = {n.name: n for n in gm.graph.nodes}
+    reads = {name: read_on_host(nodes[name]) for name in
+             ("masked_fill", "masked_fill_1", "index_fill", "masked_fill_2", "masked_fill_3", "index_fill_1", "gt")}
+    assert reads == {"masked_fill": (2, nodes["v"]), "masked_fill_1": ("value", nodes["v"]),
+                     "index_fill": (3, nodes["v"]), "masked_fill_2": (2, nodes["w"]),
+                     "masked_fill_3": None, "index_fill_1": None, "gt": None}
 
 
 def test_failing_node_names_the_op_that_raised() -> None:
