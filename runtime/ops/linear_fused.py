@@ -42,6 +42,8 @@ against float32 is no larger than the spec's.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -240,12 +242,21 @@ def _hand_off_check(x: Tensor, w: Tensor, residual: Tensor, norm_weight: Tensor)
 # --------------------------------------------------------------------------- above SKINNY_ROWS rows
 
 
+def _rows_kernels(t: Tensor) -> Any:
+    """The Triton module's row kernels of the hand-off (:mod:`fxrewrite.runtime.triton_gemm`) for
+    ``t``'s contiguous rows on CUDA, else None (torch's ops compute the same)."""
+    return providers.library(TRITON_GEMM) if t.is_cuda and t.is_contiguous() else None
+
+
 def _norm_cublas(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None = None,
                  cast_last: bool = False, parts: Tensor | None = None) -> Tensor:  # fmt: skip
-    """The norm kernel (torch's ops scaling by a hand-off's squares), then cuBLAS."""
+    """The norm kernel, then cuBLAS; with a hand-off's squares, one Triton kernel scales the rows
+    (torch's ops where Triton is absent or a weight remains)."""
     if parts is None:
         return F.linear(torch.ops.fxr.rms_norm.default(x, norm_weight, eps, cast_last), w, bias)
-    return F.linear(normed(x, norm_weight, eps, cast_last, parts), w, bias)
+    kernels = _rows_kernels(x) if norm_weight is None and parts.is_contiguous() else None
+    rows = kernels.scale_rows(x, parts, eps) if kernels is not None else normed(x, norm_weight, eps, cast_last, parts)
+    return F.linear(rows, w, bias)
 
 
 def _norm_cublas_silu_and_mul(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None = None,
@@ -299,8 +310,11 @@ def _addmm_(x: Tensor, w: Tensor, residual: Tensor) -> None:
 
 
 def _addmm_parts(x: Tensor, w: Tensor, residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """cuBLAS with the add in its epilogue, then the hand-off in torch's ops."""
-    return hand_off(_addmm(x, w, residual), norm_weight)
+    """cuBLAS with the add in its epilogue, then the hand-off in one Triton kernel (torch's ops
+    where Triton is absent)."""
+    s = _addmm(x, w, residual)
+    kernels = _rows_kernels(s) if norm_weight.is_contiguous() else None
+    return kernels.hand_off_rows(s, norm_weight) if kernels is not None else hand_off(s, norm_weight)
 
 
 def _same_dtype(x: Tensor, w: Tensor, residual: Tensor, *_: object) -> str | None:
