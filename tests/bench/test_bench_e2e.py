@@ -43,8 +43,12 @@ def test_full_graph_rows_of_fxrewrite_and_the_twin(tmp_path: Path) -> None:
     assert re.search(r"- fxrewrite full, cache warm: cache hit: 3 graphs, saved [\d.]+ s", text)
     for what, goal in (("fxrewrite full / full, no rewrites", "1.25"), ("fxrewrite full, cache warm / full, no rewrites", "1.05")):
         assert re.search(rf"- first call, {re.escape(what)}: [\d.]+ \(goal <= {goal}\)", text), what
+    # the negative twin of --quant (the default, none): no format, no quantized op
+    assert "- quantization" not in text and "quant fusions per layer" not in text and "quant_fp8" not in text
+    assert "rel err vs float32 eager\n" in text
 
 
+SYSTEM_KEYS = {"eager": "eager", "fxrewrite full": "fxrewrite-full"}
 QUANT_OPS = {
     "fp8": ("fused_add_rms_norm_quant_fp8 x3", "rms_norm_quant_fp8 x1", "silu_and_mul_quant_fp8 x2"),
     # the quantizers alone (the attention outputs'), named whole: "fused: " or ", " before them
@@ -67,9 +71,9 @@ PER_LAYER = {
 }
 
 
-def run_quant(tmp_path: Path, quant: str) -> str:
+def run_quant(tmp_path: Path, quant: str, systems: str) -> str:
     out = tmp_path / f"e2e-{quant}.md"
-    argv = ["--shape", "tiny", "--device", "cpu", "--quant", quant, "--systems", "eager,fxrewrite-full", "--budget-s", "400",
+    argv = ["--shape", "tiny", "--device", "cpu", "--quant", quant, "--systems", systems, "--budget-s", "400",
             "--target-s", "0.01", "--min-reps", "1", "--warmup", "2", "--out", str(out)]  # fmt: skip
     done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -86,24 +90,17 @@ def finite_rows(text: str, systems: tuple[str, ...]) -> None:
 
 @pytest.mark.parametrize("quant", ["fp8", "block-fp8", "nvfp4"])
 def test_quantized_model_in_every_row(tmp_path: Path, quant: str) -> None:
-    """``--quant``: eager and fxrewrite full time the same quantized model; the header names the
-    format, the notes list the fused quantizations
+    """``--quant``: eager (FP8's run) and fxrewrite full time the same quantized model; the header
+    names the format, the notes list the fused quantizations
     per layer (attention + FP8 for static FP8; for block FP8 and NVFP4 the attention output's
     dynamic quantization is the quantizer alone, and the near miss says why the attention does
     not take it)."""
-    text = run_quant(tmp_path, quant)  # the side-by-side process: test_full_graph_rows_of_fxrewrite_and_the_twin
+    # the side-by-side process: test_full_graph_rows_of_fxrewrite_and_the_twin; the eager row once
+    systems = ("eager", "fxrewrite full") if quant == "fp8" else ("fxrewrite full",)
+    text = run_quant(tmp_path, quant, ",".join(SYSTEM_KEYS[s] for s in systems))
     assert f"- quantization ({quant}): " in text and "no hand-fused twin" in text
     assert "rel err vs float32 eager: the same quantized model, eager, every value that is not quantized in float32" in text
-    finite_rows(text, ("eager", "fxrewrite full"))
+    finite_rows(text, systems)
     notes = [line for line in text.splitlines() if line.startswith("- fxrewrite full: graph")]
     assert notes and all(op in " ".join(notes) for op in QUANT_OPS[quant]), notes
     assert any(PER_LAYER[quant] in line for line in notes), notes
-
-
-def test_plain_model_shows_no_quantization(tmp_path: Path) -> None:
-    """The negative twin: ``--quant none`` (the default, spelled out) names no format and no
-    quantized op."""
-    text = run_quant(tmp_path, "none")
-    finite_rows(text, ("eager", "fxrewrite full"))
-    assert "- quantization" not in text and "quant fusions per layer" not in text and "quant_fp8" not in text
-    assert "rel err vs float32 eager\n" in text
