@@ -166,6 +166,12 @@ def example(v: Any) -> Any:
         return torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
 
 
+def at_hints(args: Any) -> Any:
+    """``args`` (a node's arguments, nested) with every node as :func:`example` of its value:
+    what a call of the node will pass, for a kernel built ahead (``providers.prebuild``)."""
+    return fx.node.map_arg(args, lambda a: example(value(a)))
+
+
 def is_tensor(arg: Any) -> bool:
     """True if ``arg`` is a node that produces a tensor (from fake values or the pattern kind)."""
     if not isinstance(arg, fx.Node):

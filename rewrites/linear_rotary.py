@@ -208,8 +208,7 @@ def fuse_gemm_rotary(gm: fx.GraphModule, site_filter: SiteFilter | None = None) 
             result.rejected.append(Rejected(RULE, rot.name, meta.source_line(rot), refusal))
             continue
         sites.append((rot, gemm, rotated))
-    calls = [(FUSED, tuple(meta.example(meta.value(a)) if isinstance(a, fx.Node) else a
-                           for a in _fused_args(rot, gemm, rotated)), {}) for rot, gemm, rotated in sites]  # fmt: skip
+    calls = [(FUSED, meta.at_hints(tuple(_fused_args(rot, gemm, rotated))), {}) for rot, gemm, rotated in sites]
     if calls and (note := providers.prebuild(calls)):
         result.notes.append(note)
     for rot, gemm, rotated in sites:

@@ -108,15 +108,8 @@ def hand_off_norms(gm: fx.GraphModule, site_filter: SiteFilter | None = None) ->
         both = _replace(gm.graph, reader, producer, fake_mode)
         result.matches += 1
         result.sites.append(Site(RULE, both.name, meta.source_line(both), meta.module_path(both)))
-        calls += [(n.target, *_examples(n)) for n in (both, reader)]
+        calls += [(n.target, meta.at_hints(n.args), meta.at_hints(n.kwargs)) for n in (both, reader)]
     if calls and (note := providers.prebuild(calls)):
         result.notes.append(note)
     return result
 
-
-def _examples(n: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``n``'s arguments at their hints (what its first call will pass, for a build ahead)."""
-    def ex(a: Any) -> Any:
-        return meta.example(meta.value(a)) if isinstance(a, fx.Node) else a
-
-    return tuple(ex(a) for a in n.args), {k: ex(v) for k, v in n.kwargs.items()}
