@@ -26,10 +26,10 @@ from fxrewrite.cache import CompileCache
 from fxrewrite.canonicalize import canonicalize
 from fxrewrite.config import Config
 from fxrewrite.passes import GraphPass, Pass, PassManager, RuleGroup, Step, prepare_dump_dir
-from fxrewrite.report import PassResult, Report
+from fxrewrite.report import GraphReport, PassResult, Report
 from fxrewrite.rewrite import apply_rules, dead_code, graph_calls
 from fxrewrite.rule import Rule
-from fxrewrite.runtime import providers, unguarded
+from fxrewrite.runtime import by_size, providers, unguarded
 from fxrewrite.runtime.cudagraph import build_runner
 from fxrewrite.runtime.dispatch import check_capture_sizes
 from fxrewrite.runtime.fold_constants import fold_constants
@@ -242,25 +242,65 @@ class Backend:
                 node.meta["fxr_buffer"] = value  # module state (a buffer): tables may fold from it
             elif _lifted(node):  # a Python scalar, not a one-element input such as one token's positions
                 node.meta["fxr_real"] = value.detach().clone()  # its compile-time value (see meta.constant)
+        sizes = by_size.split_sizes(self.config)
+        one_rewrite = self._precompiling is not None and sizes is not None  # an artifact holds one graph
+        sizes = None if one_rewrite else sizes
+        large = by_size.copy_graph(gm) if sizes is not None else None  # before the passes rewrite gm
         cached = self._cache.graph(gm, example_inputs, self.config) if self._cache is not None else None
         identity = None  # aot_compile: the graph's part of the key, for the artifact's header
         if self._precompiling is not None:
             identity = precompile.Identity.of(gm, example_inputs, cached.graph_digest if cached is not None else None)
-        graph_report = cached.load() if cached is not None and not self.config.dump_dir else None
-        hit = graph_report is not None  # the rewritten graph is in gm, no pass ran
-        if graph_report is None:
-            pm = PassManager(pipeline(self.config), self.config.dump_dir, graph_id=len(self.graphs), lint=self.config.lint,
-                             strict=bool(self.config.strict))
-            graph_report = pm.run(gm)
-            if cached is not None:
-                cached.store(graph_report)
-        if self._cache is not None:
-            self.report.cache = dataclasses.asdict(self._cache.stats)
+        graph_id = len(self.graphs)
+        graph_report, hit = self._rewrite(gm, cached, self.config, graph_id)
+        if one_rewrite:
+            graph_report.notes.append("aot_compile keeps one rewrite of each graph: gemm_fusion serves every token "
+                                      "count (gemm_fusion_max_tokens is not applied)")
         self.graphs.append(gm)
         self.report.graphs.append(graph_report)
-        runner = build_runtime(self, gm, example_inputs, graph_report, prebuild=hit)
+        if large is not None and sizes is not None:
+            runner = self._by_size(gm, large, example_inputs, graph_report, sizes, hit)
+        else:
+            runner = build_runtime(self, gm, example_inputs, graph_report, prebuild=hit)
+        if self._cache is not None:
+            self.report.cache = dataclasses.asdict(self._cache.stats)
         if identity is not None and self._precompiling is not None:  # aot_compile: a graph torch can serialize
             return self._precompiling.cold(gm, example_inputs, runner, graph_report, identity, self.config)
+        return runner
+
+    def _rewrite(self, gm: fx.GraphModule, cached: Any, config: Config, graph_id: int | str) -> tuple[GraphReport, bool]:
+        """Rewrite ``gm`` in place for ``config``: from the compile cache's entry ``cached`` where
+        it holds one (and no dumps are asked for), else by the passes (then stored there). Returns
+        the graph's report and whether the cache served it."""
+        graph_report = cached.load() if cached is not None and not config.dump_dir else None
+        if graph_report is not None:
+            return graph_report, True
+        pm = PassManager(pipeline(config), config.dump_dir, graph_id=graph_id, lint=config.lint, strict=bool(config.strict))
+        graph_report = pm.run(gm)
+        if cached is not None:
+            cached.store(graph_report)
+        return graph_report, False
+
+    def _by_size(self, gm: fx.GraphModule, large: fx.GraphModule, example_inputs: list[Any], report: GraphReport,
+                 sizes: tuple[tuple[int, ...], tuple[int, ...]], hit: bool) -> Callable[..., Any]:  # fmt: skip
+        """The runner of a graph whose token counts two rewrites serve (``Config.gemm_fusion_max_tokens``,
+        :mod:`fxrewrite.runtime.by_size`): ``gm`` (rewritten) for the small counts, ``large`` (the
+        captured graph, copied before the passes) rewritten without ``gemm_fusion`` for the others.
+        A graph of static shapes, or one capture cannot serve, keeps one runner for every size."""
+        small = build_runner(gm, example_inputs, dataclasses.replace(self.config, capture_sizes=sizes[0]))
+        if small.dispatch is None or small.dispatch.symbol is None or small.dispatch.reason:
+            return build_runtime(self, gm, example_inputs, report, prebuild=hit)
+        config = by_size.without_gemm_fusion(self.config, sizes[1])
+        cached = self._cache.graph(large, example_inputs, config) if self._cache is not None else None
+        variant, large_hit = self._rewrite(large, cached, config, f"{len(self.graphs) - 1}.large")
+        variant.serves = f"{sizes[0][-1] + 1}+ tokens, gemm_fusion off"
+        report.serves = f"1-{sizes[0][-1]} tokens"
+        report.variants.append(variant)
+        for g, was_hit in ((gm, hit), (large, large_hit)):
+            if was_hit:
+                _build_ahead(g, report)
+        runner = by_size.BySize(small, build_runner(large, example_inputs, config), sizes[0][-1])
+        report.runtime = runner.stats()
+        self.runners.append(runner)
         return runner
 
     def compile(self, model: Any, *, dynamic: bool | None = True) -> Any:
@@ -333,14 +373,20 @@ def build_runtime(backend: Backend, gm: fx.GraphModule, example_inputs: list[Any
     its CUDA graph runner, listed in ``backend.runners``. ``prebuild``: no pass ran in this
     process (a cache hit, a precompiled graph), so the kernels of its fused ops are built now
     (on CUDA), as verification would have."""
-    if prebuild and _on_cuda(gm) and (note := _prebuild()(graph_calls(gm, _prebuild().wants))):
-        report.notes.append(note)
+    if prebuild:
+        _build_ahead(gm, report)
     runner: Any = gm
     if backend.config.mode != "none":
         runner = build_runner(gm, example_inputs, backend.config)
         report.runtime = runner.stats()
     backend.runners.append(runner)
     return runner
+
+
+def _build_ahead(gm: fx.GraphModule, report: GraphReport) -> None:
+    """The kernels of ``gm``'s fused ops built now (on CUDA), as verification would have."""
+    if _on_cuda(gm) and (note := _prebuild()(graph_calls(gm, _prebuild().wants))):
+        report.notes.append(note)
 
 
 def compile(model: Any, config: Config | None = None, *, dynamic: bool = True, **kw: Any) -> tuple[Any, Backend]:

@@ -399,11 +399,12 @@ _REPORT_LISTS = {"passes": PassRecord, "sites": Site, "near_misses": NearMiss, "
 def _encode_report(report: GraphReport) -> dict[str, Any]:
     d = dataclasses.asdict(report)
     d["runtime"] = {}  # the runner's, made again in every process
+    d["serves"], d["variants"] = "", []  # each rewrite of a graph is an entry of its own
     return d
 
 
 def _decode_report(d: dict[str, Any]) -> GraphReport:
-    fields = dict(d)
+    fields = {k: v for k, v in d.items() if k != "variants"}
     for name, cls in _REPORT_LISTS.items():
         fields[name] = [cls(**x) for x in d[name]]
     return GraphReport(**fields)

@@ -92,11 +92,19 @@ class Config:
                      symmetric-memory ops on CUDA: communication overlaps compute;
                      ``rewrites/async_tp.py``). Off by default.
     gemm_fusion:     in modes ``piecewise`` and ``full``: the decode GEMMs take in the small ops
-                     around them (``rewrites/linear_fused.py``, ``linear_rotary.py``): RMSNorm as
-                     a prologue, the residual add and RoPE as epilogues, 5 kernels a Llama layer
-                     at decode instead of 9. Off by default: on the H100 its Triton kernels made
-                     the 8B decode step slower (6.98 against 5.96 ms at decode 8, bench/RESULTS.md,
-                     issue 30) until they are tuned.
+                     around them (``rewrites/linear_fused.py``, ``linear_rotary.py``,
+                     ``norm_hand_off.py``): RMSNorm as a prologue or the hand-off of the add-GEMM
+                     before, the residual add and RoPE as epilogues, 5 kernels a Llama layer at
+                     decode instead of 9. Off by default (issue 30, bench/RESULTS.md).
+    gemm_fusion_max_tokens: with ``gemm_fusion``, the token counts it serves: the graph is
+                     rewritten twice, with ``gemm_fusion`` for the capture sizes up to this many
+                     tokens and without it for the larger ones (and calls run eagerly beyond the
+                     largest), each size replaying the graph that is faster at it
+                     (:mod:`fxrewrite.runtime.by_size`). Default 16: above 16 rows the fused
+                     GEMMs become cuBLAS and row kernels, one launch more per site than the
+                     add + norm kernel they replace. None: one graph, ``gemm_fusion`` at every
+                     size. A graph of static shapes, or one whose capture sizes all lie on one
+                     side, is rewritten once.
     cache:           keep rewritten graphs on disk and load them in later processes instead of
                      running the passes (:mod:`fxrewrite.cache`); on unless False or env
                      FXREWRITE_CACHE=0. Not read while ``dump_dir`` is set (dumps need the passes).
@@ -132,6 +140,7 @@ class Config:
     sequence_parallel_min_tokens: int | None = None
     async_tp: bool = False
     gemm_fusion: bool = False
+    gemm_fusion_max_tokens: int | None = 16
     cache: bool | None = None
     cache_dir: str | None = None
     strict: bool | None = None
@@ -142,11 +151,17 @@ class Config:
         env = os.environ
         if self.sequence_parallel_min_tokens is not None and self.sequence_parallel_min_tokens < 1:
             raise ValueError(f"sequence_parallel_min_tokens={self.sequence_parallel_min_tokens}: at least 1, or None (off)")
+        if self.gemm_fusion_max_tokens is not None and self.gemm_fusion_max_tokens < 1:
+            raise ValueError(f"gemm_fusion_max_tokens={self.gemm_fusion_max_tokens}: at least 1, or None (every size)")
         if self.async_tp and self.sequence_parallel_min_tokens is None:
             raise ValueError("async_tp fuses the collectives of sequence parallelism: set sequence_parallel_min_tokens too")
         strict = self.strict if self.strict is not None else env.get("FXREWRITE_STRICT", "0") not in ("", "0")
+        sizes = tuple(self.capture_sizes) if self.capture_sizes is not None else default_capture_sizes(self.max_capture_size)
+        bound = self.gemm_fusion_max_tokens
         return dataclasses.replace(
             self,
+            # no capture size at most gemm_fusion_max_tokens: gemm_fusion would serve none
+            gemm_fusion=self.gemm_fusion and (self.mode == "none" or bound is None or min(sizes, default=0) <= bound),
             dump_dir=self.dump_dir if self.dump_dir is not None else env.get("FXREWRITE_DUMP_DIR") or None,
             verify=self.verify if self.verify is not None else env.get("FXREWRITE_VERIFY", "1") not in ("", "0"),
             provider=self.provider if self.provider is not None else env.get("FXREWRITE_PROVIDER") or None,
@@ -155,7 +170,5 @@ class Config:
             cache_dir=self.cache_dir or env.get("FXREWRITE_CACHE_DIR") or str(_default_cache_dir()),
             strict_capture=self.strict_capture if self.strict_capture is not None else strict,
             splitting_ops=_with_quantized_twins(self.splitting_ops, self.attention_quant),
-            capture_sizes=tuple(self.capture_sizes)
-            if self.capture_sizes is not None
-            else default_capture_sizes(self.max_capture_size),
+            capture_sizes=sizes,
         )

@@ -168,7 +168,7 @@ class PassManager:
     """Runs passes in order; see the module docstring."""
 
     def __init__(
-        self, passes: Sequence[Pass], dump_dir: str | None = None, graph_id: int = 0, lint: bool = True,
+        self, passes: Sequence[Pass], dump_dir: str | None = None, graph_id: int | str = 0, lint: bool = True,
         strict: bool = False,
     ) -> None:  # fmt: skip
         self.passes = list(passes)

@@ -88,6 +88,10 @@ class GraphReport:
     runtime: dict[str, Any] = dataclasses.field(default_factory=dict)
     rewrite_ms: float = 0.0
     failures: list[PassFailure] = dataclasses.field(default_factory=list)
+    # the token counts this rewrite serves ("": all), and the graph's other rewrites, each
+    # serving other counts (Config.gemm_fusion_max_tokens, fxrewrite.runtime.by_size)
+    serves: str = ""
+    variants: list[GraphReport] = dataclasses.field(default_factory=list)
 
     def add(self, name: str, ms: float, result: PassResult, nodes_after: int) -> None:
         self.passes.append(PassRecord(name, ms, result.matches, nodes_after))
@@ -133,7 +137,8 @@ class Report:
 
     @property
     def failures(self) -> list[PassFailure]:
-        return [f for g in self.graphs for f in g.failures]
+        """Every pass that raised, in the graphs and in their variants."""
+        return [f for g in self.graphs for r in (g, *g.variants) for f in r.failures]
 
     def rules(self) -> dict[str, int]:
         """Rule name -> matched sites, over all graphs."""
@@ -163,7 +168,9 @@ class Report:
             "failures": [dataclasses.asdict(f) for f in self.failures],
             "nodes_before": sum(g.nodes_before for g in self.graphs),
             "nodes_after": sum(g.nodes_after for g in self.graphs),
-            "rewrite_ms": sum(g.rewrite_ms for g in self.graphs),
+            "rewrite_ms": sum(r.rewrite_ms for g in self.graphs for r in (g, *g.variants)),
+            "variants": [{"graph": i, "serves": v.serves, "fused_ops": v.fused_ops, "rewrite_ms": v.rewrite_ms,
+                          "nodes_after": v.nodes_after} for i, g in enumerate(self.graphs) for v in g.variants],
             "runtime": [g.runtime for g in self.graphs if g.runtime],
             "providers": self.providers,
             "verification_providers": self.verification_providers,
@@ -178,7 +185,8 @@ class Report:
         notes (``notes=False``: only how many there are)."""
         out: list[str] = []
         for i, g in enumerate(self.graphs):
-            out.append(f"graph {i}: {g.nodes_before} nodes -> {g.nodes_after} nodes, rewrite {g.rewrite_ms:.1f} ms")
+            serves = f" (serves {g.serves})" if g.serves else ""
+            out.append(f"graph {i}{serves}: {g.nodes_before} nodes -> {g.nodes_after} nodes, rewrite {g.rewrite_ms:.1f} ms")
             out.append(_table(["pass", "ms", "matches", "nodes after"],
                               [[p.name, f"{p.ms:.2f}", p.matches, p.nodes_after] for p in g.passes]))  # fmt: skip
             by_rule = collections.Counter(s.rule for s in g.sites)
@@ -206,8 +214,15 @@ class Report:
                 out.extend(f"note: {note}" for note in g.notes)
             elif g.notes:
                 out.append(f"notes: {len(g.notes)} (not shown)")
+            for v in g.variants:
+                out.append(f"graph {i}, rewritten again for {v.serves}: {v.nodes_after} nodes, rewrite {v.rewrite_ms:.1f} ms")
+                out.append("  fused ops: " + (", ".join(f"{k} x{n}" for k, n in sorted(v.fused_ops.items())) or "none"))
+                out.extend(f"  PASS FAILED {f.name}: {f.error}" for f in v.failures)
             if g.runtime:
-                out.append("runtime: " + ", ".join(f"{k}={v}" for k, v in g.runtime.items() if k != "eager_pieces"))
+                out.append("runtime: " + ", ".join(f"{k}={v}" for k, v in g.runtime.items()
+                                                   if k not in ("eager_pieces", "variants")))  # fmt: skip
+                out.extend(f"  of {v['tokens']} tokens: " + ", ".join(f"{k}={v[k]}" for k in _VARIANT_RUNTIME)
+                           for v in g.runtime.get("variants", ()))  # fmt: skip
                 out.extend(_eager_piece(p) for p in g.runtime.get("eager_pieces", ()))
         if self.providers:
             out.append("providers: " + json.dumps(self.providers, default=str))
@@ -229,6 +244,10 @@ class Report:
         lines += [f"cache: entry found, not used ({n}x): {why}" for why, n in c["not_used"].items()]
         lines += [f"cache: not stored ({n}x): {why}" for why, n in c["not_stored"].items()]
         return lines
+
+
+# what the table shows of each variant's runner (the graph's line adds them up)
+_VARIANT_RUNTIME = ("capture_sizes", "graphs", "replays", "eager_calls", "reason")
 
 
 def _eager_piece(p: dict[str, Any]) -> str:
