@@ -6,6 +6,7 @@ float32 reference next to eager bf16's (issue 19). GPU only.
         [--capture-sizes 1,2,4,8,16,24,32] [--jobs 4] [--json out.json] [--no-all | --no-own] [--no-poison]
     python3 bench/gpu_families.py --child llama:none,llama:piecewise   # cases in this process, rows as JSON
     python3 bench/gpu_families.py --device cpu --families falcon --jobs 1  # a check of this script on CPU
+    python3 bench/gpu_families.py --gemm-fusion --modes piecewise,full     # with Config.gemm_fusion
 
 Cases: each family of ``fxrewrite.models.MODELS``, the MoE families included (tiny config: hidden
 512, 8 heads of 64, 2 KV heads, 2 layers, vocab 1024, random weights), and the families of
@@ -116,7 +117,7 @@ def piece_counts(runtime: list[dict[str, Any]]) -> tuple[int, int, list[str]]:
 
 
 def run_case(family: str, mode: str, poison: bool, device: str = "cuda",
-             capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32)) -> dict[str, Any]:
+             capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32), gemm_fusion: bool = False) -> dict[str, Any]:
     """Compile ``family`` in ``mode`` and call it on every shape; the row of the table (on CPU
     the same, for a check of this script: piecewise and full emulate their graphs there)."""
     import fxrewrite
@@ -132,7 +133,8 @@ def run_case(family: str, mode: str, poison: bool, device: str = "cuda",
     ref32 = build(family).to(device)
     eager16 = copy.deepcopy(ref32).to(torch.bfloat16)
     model = copy.deepcopy(eager16)  # merge_siblings re-lays its weights
-    backend = fxrewrite.Backend(mode=mode, capture_sizes=capture_sizes, max_capture_size=max(capture_sizes))
+    backend = fxrewrite.Backend(mode=mode, capture_sizes=capture_sizes, max_capture_size=max(capture_sizes),
+                                gemm_fusion=gemm_fusion)
     compiled = backend.compile(model)
     g = torch.Generator(device=device).manual_seed(0)
     err, err_eager, compile_s, ties = 0.0, 0.0, 0.0, 0
@@ -182,10 +184,10 @@ def _emit(row: dict[str, Any]) -> None:
     print(MARK + json.dumps(row, default=str), flush=True)
 
 
-def _child(cases: list[tuple[str, str]], poison: bool, sizes: tuple[int, ...], device: str) -> int:
+def _child(cases: list[tuple[str, str]], poison: bool, sizes: tuple[int, ...], device: str, gemm_fusion: bool) -> int:
     for family, mode in cases:
         try:
-            row = run_case(family, mode, poison, device, capture_sizes=sizes)
+            row = run_case(family, mode, poison, device, capture_sizes=sizes, gemm_fusion=gemm_fusion)
         except Exception as e:  # noqa: BLE001 - a row says what broke; a sticky CUDA error ends the process
             traceback.print_exc()
             row = {"family": family, "mode": mode, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -250,12 +252,14 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=4, help="own-process cases run at a time")
     p.add_argument("--no-poison", action="store_true", help="do not poison the allocator before each case")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a check of this script")
+    p.add_argument("--gemm-fusion", action="store_true", help="Config.gemm_fusion on (its GEMMs serve up to 16 tokens: "
+                   "a second rewrite the larger counts)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
         sizes = tuple(int(v) for v in args.capture_sizes.split(","))
         cases = [tuple(c.split(":")) for c in args.child.split(",")]
-        return _child(cases, not args.no_poison, sizes, args.device)  # type: ignore[arg-type]
+        return _child(cases, not args.no_poison, sizes, args.device, args.gemm_fusion)  # type: ignore[arg-type]
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs CUDA (--device cpu checks this script: piecewise and full emulate their graphs)", file=sys.stderr)
         return 2
@@ -263,7 +267,8 @@ def main() -> int:
 
     families = args.families.split(",") if args.families else list(MODELS) + list(COVERAGE_FAMILIES)
     cases = [(f, m) for f in families for m in args.modes.split(",")]
-    extra = ["--capture-sizes", args.capture_sizes, "--device", args.device] + (["--no-poison"] if args.no_poison else [])
+    extra = ["--capture-sizes", args.capture_sizes, "--device", args.device] + (["--no-poison"] if args.no_poison else []) + (
+        ["--gemm-fusion"] if args.gemm_fusion else [])
     rows = []
     if not args.no_own:
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # processes on one GPU, not timed

@@ -242,25 +242,25 @@ class Backend:
                 node.meta["fxr_buffer"] = value  # module state (a buffer): tables may fold from it
             elif _lifted(node):  # a Python scalar, not a one-element input such as one token's positions
                 node.meta["fxr_real"] = value.detach().clone()  # its compile-time value (see meta.constant)
-        sizes = by_size.split_sizes(self.config)
-        one_rewrite = self._precompiling is not None and sizes is not None  # an artifact holds one graph
-        sizes = None if one_rewrite else sizes
-        large = by_size.copy_graph(gm) if sizes is not None else None  # before the passes rewrite gm
-        cached = self._cache.graph(gm, example_inputs, self.config) if self._cache is not None else None
+        config, large_config = by_size.plan(gm, example_inputs, self.config)
+        one_rewrite = self._precompiling is not None and large_config is not None  # an artifact holds one graph
+        if one_rewrite:
+            config, large_config = self.config, None
+        large = by_size.copy_graph(gm) if large_config is not None else None  # before the passes rewrite gm
+        cached = self._cache.graph(gm, example_inputs, config) if self._cache is not None else None
         identity = None  # aot_compile: the graph's part of the key, for the artifact's header
         if self._precompiling is not None:
             identity = precompile.Identity.of(gm, example_inputs, cached.graph_digest if cached is not None else None)
-        graph_id = len(self.graphs)
-        graph_report, hit = self._rewrite(gm, cached, self.config, graph_id)
+        graph_report, hit = self._rewrite(gm, cached, config, len(self.graphs))
         if one_rewrite:
             graph_report.notes.append("aot_compile keeps one rewrite of each graph: gemm_fusion serves every token "
                                       "count (gemm_fusion_max_tokens is not applied)")
         self.graphs.append(gm)
         self.report.graphs.append(graph_report)
-        if large is not None and sizes is not None:
-            runner = self._by_size(gm, large, example_inputs, graph_report, sizes, hit)
+        if large is not None and large_config is not None:
+            runner = self._by_size(gm, config, large, large_config, example_inputs, graph_report, hit)
         else:
-            runner = build_runtime(self, gm, example_inputs, graph_report, prebuild=hit)
+            runner = build_runtime(self, gm, example_inputs, graph_report, prebuild=hit, config=config)
         if self._cache is not None:
             self.report.cache = dataclasses.asdict(self._cache.stats)
         if identity is not None and self._precompiling is not None:  # aot_compile: a graph torch can serialize
@@ -280,25 +280,22 @@ class Backend:
             cached.store(graph_report)
         return graph_report, False
 
-    def _by_size(self, gm: fx.GraphModule, large: fx.GraphModule, example_inputs: list[Any], report: GraphReport,
-                 sizes: tuple[tuple[int, ...], tuple[int, ...]], hit: bool) -> Callable[..., Any]:  # fmt: skip
-        """The runner of a graph whose token counts two rewrites serve (``Config.gemm_fusion_max_tokens``,
-        :mod:`fxrewrite.runtime.by_size`): ``gm`` (rewritten) for the small counts, ``large`` (the
-        captured graph, copied before the passes) rewritten without ``gemm_fusion`` for the others.
-        A graph of static shapes, or one capture cannot serve, keeps one runner for every size."""
-        small = build_runner(gm, example_inputs, dataclasses.replace(self.config, capture_sizes=sizes[0]))
-        if small.dispatch is None or small.dispatch.symbol is None or small.dispatch.reason:
-            return build_runtime(self, gm, example_inputs, report, prebuild=hit)
-        config = by_size.without_gemm_fusion(self.config, sizes[1])
-        cached = self._cache.graph(large, example_inputs, config) if self._cache is not None else None
-        variant, large_hit = self._rewrite(large, cached, config, f"{len(self.graphs) - 1}.large")
-        variant.serves = f"{sizes[0][-1] + 1}+ tokens, gemm_fusion off"
-        report.serves = f"1-{sizes[0][-1]} tokens"
+    def _by_size(self, gm: fx.GraphModule, config: Config, large: fx.GraphModule, large_config: Config,
+                 example_inputs: list[Any], report: GraphReport, hit: bool) -> Callable[..., Any]:  # fmt: skip
+        """The runner of a graph whose token counts two rewrites serve (:func:`by_size.plan`):
+        ``gm``, rewritten for ``config``, the small counts; ``large`` (the graph as captured,
+        copied before the passes) rewritten now for ``large_config`` (no ``gemm_fusion``), the
+        others; its pass report listed under ``report.variants``."""
+        cached = self._cache.graph(large, example_inputs, large_config) if self._cache is not None else None
+        variant, large_hit = self._rewrite(large, cached, large_config, f"{len(self.graphs) - 1}.large")
+        bound = max(config.capture_sizes or ())
+        report.serves, variant.serves = f"1-{bound} tokens", f"{bound + 1}+ tokens, gemm_fusion off"
         report.variants.append(variant)
         for g, was_hit in ((gm, hit), (large, large_hit)):
             if was_hit:
                 _build_ahead(g, report)
-        runner = by_size.BySize(small, build_runner(large, example_inputs, config), sizes[0][-1])
+        runner = by_size.BySize(build_runner(gm, example_inputs, config), build_runner(large, example_inputs, large_config),
+                                bound)  # fmt: skip
         report.runtime = runner.stats()
         self.runners.append(runner)
         return runner
@@ -368,7 +365,7 @@ class Backend:
 
 
 def build_runtime(backend: Backend, gm: fx.GraphModule, example_inputs: list[Any], report: Any, *,
-                  prebuild: bool) -> Callable[..., Any]:  # fmt: skip
+                  prebuild: bool, config: Config | None = None) -> Callable[..., Any]:  # fmt: skip
     """What runs a rewritten graph ``gm`` for ``backend``: the graph itself (mode ``"none"``) or
     its CUDA graph runner, listed in ``backend.runners``. ``prebuild``: no pass ran in this
     process (a cache hit, a precompiled graph), so the kernels of its fused ops are built now
@@ -377,7 +374,7 @@ def build_runtime(backend: Backend, gm: fx.GraphModule, example_inputs: list[Any
         _build_ahead(gm, report)
     runner: Any = gm
     if backend.config.mode != "none":
-        runner = build_runner(gm, example_inputs, backend.config)
+        runner = build_runner(gm, example_inputs, config or backend.config)
         report.runtime = runner.stats()
     backend.runners.append(runner)
     return runner

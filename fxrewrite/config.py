@@ -157,11 +157,8 @@ class Config:
             raise ValueError("async_tp fuses the collectives of sequence parallelism: set sequence_parallel_min_tokens too")
         strict = self.strict if self.strict is not None else env.get("FXREWRITE_STRICT", "0") not in ("", "0")
         sizes = tuple(self.capture_sizes) if self.capture_sizes is not None else default_capture_sizes(self.max_capture_size)
-        bound = self.gemm_fusion_max_tokens
         return dataclasses.replace(
             self,
-            # no capture size at most gemm_fusion_max_tokens: gemm_fusion would serve none
-            gemm_fusion=self.gemm_fusion and (self.mode == "none" or bound is None or min(sizes, default=0) <= bound),
             dump_dir=self.dump_dir if self.dump_dir is not None else env.get("FXREWRITE_DUMP_DIR") or None,
             verify=self.verify if self.verify is not None else env.get("FXREWRITE_VERIFY", "1") not in ("", "0"),
             provider=self.provider if self.provider is not None else env.get("FXREWRITE_PROVIDER") or None,

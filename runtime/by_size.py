@@ -6,7 +6,8 @@ run cuBLAS and row kernels, one launch more per site than the add + norm kernel 
 The CUDA-graph runner captures a graph per token count anyway, so no single rewrite has to serve
 every count: the backend rewrites the captured graph a second time without ``gemm_fusion`` (on a
 copy taken before the passes) and :class:`BySize` hands each call to the runner of the rewrite
-that serves its token count (``Config.gemm_fusion_max_tokens``)::
+that serves its token count (``Config.gemm_fusion_max_tokens``; :func:`plan` splits the capture
+sizes in the range Dynamo compiled the token count for, before the passes run)::
 
     small = Runner(fused_gm, inputs, replace(config, capture_sizes=(1, 2, 4, 8, 16)))
     large = Runner(plain_gm, inputs, replace(config, gemm_fusion=False, capture_sizes=(24, ..., 512)))
@@ -31,23 +32,30 @@ from torch.fx import GraphModule
 
 from fxrewrite.config import Config
 from fxrewrite.runtime.cudagraph import Runner
+from fxrewrite.runtime.dispatch import Dispatch
 
 
-def split_sizes(config: Config) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """``config``'s capture sizes as (served by ``gemm_fusion``, served without it), or None when
-    one rewrite serves them all: ``gemm_fusion`` off or at every size, mode ``"none"``, or every
-    size on one side of ``gemm_fusion_max_tokens``."""
+def plan(gm: GraphModule, example_inputs: Sequence[Any], config: Config) -> tuple[Config, Config | None]:
+    """How ``gm`` (as captured) is rewritten: ``(config of gm's rewrite, config of the second
+    rewrite or None)``. With ``gemm_fusion`` and ``gemm_fusion_max_tokens`` in a CUDA-graph mode,
+    the capture sizes in the range Dynamo compiled the token count for are split at the bound:
+    the small ones for ``gm`` with ``gemm_fusion``, the others for a second rewrite without it.
+    All on one side: one rewrite, with ``gemm_fusion`` only where it serves a size. A graph of
+    static shapes, or with several dynamic dimensions, has no token count to choose by: one
+    rewrite, as configured."""
     bound = config.gemm_fusion_max_tokens
     if config.mode == "none" or not config.gemm_fusion or bound is None:
-        return None
-    sizes = tuple(config.capture_sizes or ())
-    small, large = tuple(s for s in sizes if s <= bound), tuple(s for s in sizes if s > bound)
-    return (small, large) if small and large else None
-
-
-def without_gemm_fusion(config: Config, sizes: Sequence[int]) -> Config:
-    """The configuration of the rewrite that serves ``sizes``, the large token counts."""
-    return dataclasses.replace(config, gemm_fusion=False, capture_sizes=tuple(sizes))
+        return config, None
+    d = Dispatch(gm, example_inputs, range(len(example_inputs)), config.capture_sizes or (), False, False)
+    if d.symbol is None:
+        return config, None
+    small, large = tuple(s for s in d.sizes if s <= bound), tuple(s for s in d.sizes if s > bound)
+    if not small:
+        return dataclasses.replace(config, gemm_fusion=False), None
+    if not large:
+        return config, None
+    return dataclasses.replace(config, capture_sizes=small), dataclasses.replace(config, gemm_fusion=False,
+                                                                                 capture_sizes=large)
 
 
 def copy_graph(gm: GraphModule) -> GraphModule:

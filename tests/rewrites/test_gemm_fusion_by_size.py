@@ -144,3 +144,19 @@ def test_a_precompiled_artifact_keeps_one_rewrite_and_says_so() -> None:
     assert not backend.report.graphs[0].variants
     assert fused(op_counts(backend.graphs[0])) == FUSED
     assert any("aot_compile keeps one rewrite" in n for n in backend.report.graphs[0].notes)
+
+
+def test_a_token_range_above_the_bound_gets_the_plain_rewrite_only() -> None:
+    """Dynamo compiled the token count for 20 and more: no capture size it serves is a decode
+    size, so gemm_fusion serves nothing and the one rewrite is without it."""
+    torch._dynamo.reset()
+    model = Decoder().eval()
+    backend = fxrewrite.Backend(mode="full", gemm_fusion=True, capture_sizes=SIZES, progress=False, cache=False)
+    step = backend.compile(model, dynamic=None)
+    ids = torch.randint(0, 32, (24,))
+    torch._dynamo.mark_dynamic(ids, 0, min=20, max=64)
+    with torch.no_grad():
+        assert_close(step(ids), model(ids))
+    (runner,) = backend.runners
+    assert isinstance(runner, Runner) and runner.stats()["capture_sizes"] == [32]
+    assert fused(op_counts(backend.graphs[0])) == PLAIN and not backend.report.graphs[0].variants
