@@ -351,7 +351,10 @@ def _backend_notes(backend: Any, layers: int) -> list[str]:
     notes = []
     for i, g in enumerate(getattr(report, "graphs", [])):
         fused = ", ".join(f"{k} x{v}" for k, v in sorted(getattr(g, "fused_ops", {}).items())) or "none"
-        line = f"graph {i}: {getattr(g, 'nodes_before', '?')} -> {getattr(g, 'nodes_after', '?')} nodes, fused: {fused}"
+        serves = f" (serves {g.serves})" if getattr(g, "serves", "") else ""
+        line = f"graph {i}{serves}: {getattr(g, 'nodes_before', '?')} -> {getattr(g, 'nodes_after', '?')} nodes, fused: {fused}"
+        for v in getattr(g, "variants", ()):  # the second rewrite, for the other token counts
+            line += f"; rewritten for {v.serves}: " + (", ".join(f"{k} x{n}" for k, n in sorted(v.fused_ops.items())) or "none")
         runtime = getattr(g, "runtime", None) or {}
         kept = [f"{k}={runtime[k]:.2f}" if isinstance(runtime[k], float) else f"{k}={runtime[k]}" for k in RUNTIME_KEYS if runtime.get(k)]
         notes.append(line + ("; " + ", ".join(kept) if kept else ""))
