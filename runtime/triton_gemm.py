@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -74,7 +75,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
                           x_stride, w_stride, y_stride, r_stride, eps, rotated, parts_n, BN: tl.constexpr,
                           BK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
                           NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, RESIDUAL: tl.constexpr,
-                          HALF: tl.constexpr = 0, HAND_OFF: tl.constexpr = False, PARTS: tl.constexpr = 0):  # fmt: skip
+                          HALF: tl.constexpr = 0, HAND_OFF: tl.constexpr = False, PARTS: tl.constexpr = 0,
+                          PDL: tl.constexpr = False):  # fmt: skip
     """Program p: ``y[:, p*BN : (p+1)*BN] = x @ w[p*BN : (p+1)*BN].T (+ bias)`` for all (at most
     16) rows at once, walking k in blocks of ``BK``: every weight element is read once.
 
@@ -87,7 +89,11 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
     its row's position: ``cos_sin = cs[pos[row]]`` (``HALF`` cosines, then ``HALF`` sines).
     ``HAND_OFF``: also ``sg = (y * g)`` and ``parts[row, j] = sum(y[row, j*PART : (j+1)*PART]^2)``
     (``parts_n`` slots a row); ``PARTS`` (a power of two >= ``parts_n``): ``NORM``'s sum of
-    squares is ``sum(parts[row, :parts_n])``, not computed from ``x``."""
+    squares is ``sum(parts[row, :parts_n])``, not computed from ``x``. ``PDL``: launched as a
+    programmatic dependent launch (:func:`pdl`): it waits for the kernel before it to finish before
+    it reads anything, and lets the next one launch once its k loop is done."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     if HALF > 0:
         first = (pid // (HALF // BN)) * (2 * HALF) + (pid % (HALF // BN)) * BN
@@ -118,6 +124,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
         if GATED or HALF > 0:
             u = tl.load(w_ptr + partner[:, None].to(tl.int64) * w_stride + ks[None, :], mask=w_mask, other=0.0)
             acc_up += tl.dot(x, tl.trans(u))
+    if PDL:  # the next kernel may be scheduled now; it waits for this one's stores
+        tl.extra.cuda.gdc_launch_dependents()
     dtype = y_ptr.dtype.element_ty
     if NORM:
         if PARTS > 0:
@@ -252,6 +260,17 @@ def gated_config(n: int, sms: int) -> tuple[int, int, int, int]:
 
 
 @functools.cache
+@functools.cache
+def pdl(device: torch.device) -> bool:
+    """Whether the skinny kernel is a programmatic dependent launch on ``device`` (Hopper and
+    later): inside a CUDA graph its programs may be scheduled while the kernel before it drains
+    (launch latency off the step's critical path). Off on CPU, before sm90, with a Triton
+    without it, and with ``FXREWRITE_PDL=0``."""
+    if device.type != "cuda" or os.environ.get("FXREWRITE_PDL", "1") in ("", "0"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
+
+
 def _sms(device: torch.device) -> int:
     # CPU tensors run only under the interpreter: any count serves, take an H100's
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -325,6 +344,8 @@ def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion,
         meta["PARTS"] = triton.next_power_of_2(parts_n)
     if f.hand_off:
         meta["HAND_OFF"] = True
+    if pdl(x.device):
+        meta.update(PDL=True, launch_pdl=True)
     grid = n // (2 * bn) if f.half else triton.cdiv(n, bn)
     return _Launch(n, k, x_stride, r_stride if f.inplace else n, r_stride, grid, parts_n, meta)
 
