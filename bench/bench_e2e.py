@@ -278,7 +278,7 @@ class Unguarded:
 
 
 def _fx(fused: bool, mode: str, rules: list[Any] | str | None, sizes: str, unguarded: bool = False,
-        gemm: bool = False) -> Build:  # fmt: skip
+        gemm: bool = False, pdl: bool = True) -> Build:  # fmt: skip
     def build(model: EngineLlama, twin: EngineLlama | str, capture: dict[str, tuple[int, ...]],
               options: dict[str, Any] | None = None) -> tuple[Step, Any]:  # fmt: skip
         import fxrewrite
@@ -289,9 +289,22 @@ def _fx(fused: bool, mode: str, rules: list[Any] | str | None, sizes: str, ungua
                                   **(options or {}))  # fmt: skip
         backend = fxrewrite.Backend(config=config, rules=rules)
         step = backend.compile(_target(twin if fused else model))
-        return (Unguarded(backend, step) if unguarded else step), backend
+        step = Unguarded(backend, step) if unguarded else step
+        return (step if pdl else _without_pdl(step)), backend
 
     return build
+
+
+def _without_pdl(step: Step) -> Step:
+    """``step`` with the skinny GEMMs launched (and captured) without programmatic dependent
+    launch (``triton_gemm.pdl``): the side-by-side measure of it."""
+    from fxrewrite.runtime import triton_gemm
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with triton_gemm.without_pdl():
+            return step(*args, **kwargs)
+
+    return call
 
 
 def _eager(fused: bool) -> Build:
@@ -321,6 +334,8 @@ SYSTEMS = (
            kinds=("decode",)),  # fmt: skip
     System("fxrewrite-full-gemm", "fxrewrite full, norms, adds and RoPE in the GEMMs (Config.gemm_fusion)",
            _fx(False, "full", None, "all", gemm=True)),  # fmt: skip
+    System("fxrewrite-full-gemm-nopdl", "fxrewrite full, gemm_fusion, no programmatic dependent launch",
+           _fx(False, "full", None, "all", gemm=True, pdl=False)),  # fmt: skip
     System("inductor-cg", "inductor + CUDA graphs", _inductor("reduce-overhead"), needs_cuda=True, inductor=True),
     # Inductor's autotuned GEMMs and Triton configs, with CUDA graphs (issue 30's comparison)
     System("inductor-ma", "inductor max-autotune", _inductor("max-autotune"), needs_cuda=True, inductor=True),

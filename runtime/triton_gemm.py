@@ -49,11 +49,12 @@ interpreter multiplies bfloat16 ``tl.dot`` operands wrongly).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -271,6 +272,20 @@ def pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
 
 
+_PDL_OFF: list[bool] = []  # inside without_pdl()
+
+
+@contextlib.contextmanager
+def without_pdl() -> Iterator[None]:
+    """Plain launches inside (and so in the CUDA graphs captured inside), in this thread and
+    every other: the side-by-side measure of :func:`pdl` (``bench/bench_e2e.py``)."""
+    _PDL_OFF.append(True)
+    try:
+        yield
+    finally:
+        _PDL_OFF.pop()
+
+
 def _sms(device: torch.device) -> int:
     # CPU tensors run only under the interpreter: any count serves, take an H100's
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
@@ -344,7 +359,7 @@ def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion,
         meta["PARTS"] = triton.next_power_of_2(parts_n)
     if f.hand_off:
         meta["HAND_OFF"] = True
-    if pdl(x.device):
+    if pdl(x.device) and not _PDL_OFF:
         meta.update(PDL=True, launch_pdl=True)
     grid = n // (2 * bn) if f.half else triton.cdiv(n, bn)
     return _Launch(n, k, x_stride, r_stride if f.inplace else n, r_stride, grid, parts_n, meta)

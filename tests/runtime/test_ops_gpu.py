@@ -94,6 +94,7 @@ def make_args(op: OpDef, tokens: int, hidden: int, dtype: torch.dtype, gen: torc
         "group_size": lambda: x_shape[-1] // 2 if x_shape[-1] % 2 == 0 else None,
         "gate_first": lambda: True,
         "activation": lambda: "silu",
+        "parts": lambda: None,  # the norm GEMMs without a hand-off (with one: test_linear_fused_gpu.py)
     }
     return [values[name]() for name in inspect.signature(op.reference).parameters]
 
