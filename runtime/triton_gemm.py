@@ -93,8 +93,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
     squares is ``sum(parts[row, :parts_n])``, not computed from ``x``. ``PDL``: launched as a
     programmatic dependent launch (:func:`pdl`): it waits for the kernel before it to finish before
     it reads anything, and lets the next one launch once its k loop is done."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     if HALF > 0:
         first = (pid // (HALF // BN)) * (2 * HALF) + (pid % (HALF // BN)) * BN
@@ -106,6 +104,11 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
     if GATED or HALF > 0:  # a second block of columns: the up half, or the rotation's partners
         acc_up = tl.zeros([SKINNY_ROWS, BN], tl.float32)
         partner = n + cols if GATED else cols + HALF
+    if PDL:  # the weight is no output of the kernel before: its first k blocks start into L2 meanwhile
+        _prefetch_l2(w_ptr, cols, w_stride, n, k, 2 * BK)
+        if GATED or HALF > 0:
+            _prefetch_l2(w_ptr, partner, w_stride, 2 * n if GATED else n, k, 2 * BK)
+        tl.extra.cuda.gdc_wait()
     if NORM and PARTS == 0:
         squares = tl.zeros([SKINNY_ROWS], tl.float32)
     for k0 in range(0, k, BK):
@@ -168,6 +171,17 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
         slot = pid * (BN // PART) + tl.arange(0, BN // PART)
         tl.store(parts_ptr + r[:, None] * parts_n + slot[None, :], squares,
                  mask=(r < rows)[:, None] & (slot < parts_n)[None, :])
+
+
+@triton.jit
+def _prefetch_l2(w_ptr, rows, w_stride, n, k, COLS: tl.constexpr):
+    """Prefetch into L2 the first ``COLS`` columns of ``rows`` of a row-major 16-bit weight (``n``
+    rows of ``k``): one address per 128-byte line, none outside the weight."""
+    ks = tl.arange(0, COLS // 64) * 64
+    ok = (rows < n)[:, None] & (ks < k)[None, :]
+    ptrs = tl.where(ok, w_ptr + rows[:, None].to(tl.int64) * w_stride + ks[None, :], w_ptr)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
+                              pack=1)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the hand-off above SKINNY_ROWS
@@ -261,7 +275,6 @@ def gated_config(n: int, sms: int) -> tuple[int, int, int, int]:
 
 
 @functools.cache
-@functools.cache
 def pdl(device: torch.device) -> bool:
     """Whether the skinny kernel is a programmatic dependent launch on ``device`` (Hopper and
     later): inside a CUDA graph its programs may be scheduled while the kernel before it drains
@@ -286,6 +299,7 @@ def without_pdl() -> Iterator[None]:
         _PDL_OFF.pop()
 
 
+@functools.cache
 def _sms(device: torch.device) -> int:
     # CPU tensors run only under the interpreter: any count serves, take an H100's
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
