@@ -104,10 +104,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
     if GATED or HALF > 0:  # a second block of columns: the up half, or the rotation's partners
         acc_up = tl.zeros([SKINNY_ROWS, BN], tl.float32)
         partner = n + cols if GATED else cols + HALF
-    if PDL:  # the weight is no output of the kernel before: its first k blocks start into L2 meanwhile
-        _prefetch_l2(w_ptr, cols, w_stride, n, k, 2 * BK)
-        if GATED or HALF > 0:
-            _prefetch_l2(w_ptr, partner, w_stride, 2 * n if GATED else n, k, 2 * BK)
+    if PDL:  # before any read: the kernel before may still be writing
         tl.extra.cuda.gdc_wait()
     if NORM and PARTS == 0:
         squares = tl.zeros([SKINNY_ROWS], tl.float32)
@@ -171,17 +168,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
         slot = pid * (BN // PART) + tl.arange(0, BN // PART)
         tl.store(parts_ptr + r[:, None] * parts_n + slot[None, :], squares,
                  mask=(r < rows)[:, None] & (slot < parts_n)[None, :])
-
-
-@triton.jit
-def _prefetch_l2(w_ptr, rows, w_stride, n, k, COLS: tl.constexpr):
-    """Prefetch into L2 the first ``COLS`` columns of ``rows`` of a row-major 16-bit weight (``n``
-    rows of ``k``): one address per 128-byte line, none outside the weight."""
-    ks = tl.arange(0, COLS // 64) * 64
-    ok = (rows < n)[:, None] & (ks < k)[None, :]
-    ptrs = tl.where(ok, w_ptr + rows[:, None].to(tl.int64) * w_stride + ks[None, :], w_ptr)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
-                              pack=1)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the hand-off above SKINNY_ROWS
