@@ -168,6 +168,21 @@ def test_prepare_keys_one_build_per_fusion(triton_gemm: types.ModuleType) -> Non
     assert triton_gemm.prepare("rms_norm", x, g, EPS) is None
 
 
+def test_programmatic_dependent_launch_where_the_device_has_it(triton_gemm: types.ModuleType,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The skinny kernel is built and launched with PDL where ``pdl`` says the device has it, and
+    as a plain launch on CPU and inside ``without_pdl()`` (the bench's side-by-side row)."""
+    with FakeTensorMode():
+        x, w = torch.empty(8, 4096, dtype=BF16), torch.empty(6144, 4096, dtype=BF16)
+    meta = lambda: dict(triton_gemm.prepare("linear", x, w)[0][3])  # noqa: E731
+    assert not triton_gemm.pdl(torch.device("cpu")) and "PDL" not in meta()
+    monkeypatch.setattr(triton_gemm, "pdl", lambda device: True)
+    assert meta()["PDL"] and meta()["launch_pdl"]
+    with triton_gemm.without_pdl():
+        assert "PDL" not in meta() and "launch_pdl" not in meta()
+    assert meta()["PDL"]
+
+
 # --------------------------------------------------------------------------- rotary in the epilogue
 
 
