@@ -597,13 +597,13 @@ def child_main(args: argparse.Namespace, plan: Plan) -> int:
     return 0
 
 
-def run_child(key: str, argv: list[str], args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
-    """One system (or the paired systems) in a fresh process: a crash, a hung capture or a
-    sticky CUDA error costs that row only. Its stderr streams through; past the deadline (plus
-    a grace) it is killed. Returns what it saved (a Result or Paired as a dict), and why it
-    failed (None if it did not)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", key, "--workdir", args.workdir,
-           "--deadline", str(args.deadline)]
+def child_argv(key: str, argv: list[str], args: argparse.Namespace) -> list[str]:
+    """The command line of ``key``'s process (a system, or ``PAIRED``): the parent's, and which child."""
+    return [*argv, "--child", key, "--workdir", args.workdir, "--deadline", str(args.deadline)]
+
+
+def child_env(key: str, args: argparse.Namespace) -> dict[str, str]:
+    """What ``key``'s process finds in its environment besides the parent's."""
     # its own empty Triton cache: the kernels a system builds (Inductor's, fxr.linear's) are
     # built in its first call, as on a machine's first start (the attention op's are built
     # before it, for every row alike)
@@ -611,9 +611,18 @@ def run_child(key: str, argv: list[str], args: argparse.Namespace) -> tuple[dict
     # the side-by-side process has fxrewrite's cache off (its systems would load each other's graphs)
     system = SYSTEM_BY_KEY.get(key)
     source = system.warm_from if system is not None and system.warm_from else key
-    env = {**os.environ, "TRITON_CACHE_DIR": str(Path(args.workdir) / f"triton-{source}"),
-           "FXREWRITE_CACHE_DIR": str(Path(args.workdir) / f"fxcache-{source}"),
-           "FXREWRITE_CACHE": "0" if key == PAIRED else "1"}
+    return {"TRITON_CACHE_DIR": str(Path(args.workdir) / f"triton-{source}"),
+            "FXREWRITE_CACHE_DIR": str(Path(args.workdir) / f"fxcache-{source}"),
+            "FXREWRITE_CACHE": "0" if key == PAIRED else "1"}
+
+
+def run_child(key: str, argv: list[str], args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
+    """One system (or the paired systems) in a fresh process: a crash, a hung capture or a
+    sticky CUDA error costs that row only. Its stderr streams through; past the deadline (plus
+    a grace) it is killed. Returns what it saved (a Result or Paired as a dict), and why it
+    failed (None if it did not)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *child_argv(key, argv, args)]
+    env = {**os.environ, **child_env(key, args)}
     # its own process group, so that a kill also ends the compile workers it started
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     timer = threading.Timer(max(1.0, args.deadline + GRACE_S - time.time()), os.killpg, (proc.pid, signal.SIGKILL))

@@ -3,12 +3,15 @@ side-by-side process, the tables, the goal lines. A smoke test of the harness, n
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_e2e.py"
 
@@ -71,12 +74,30 @@ PER_LAYER = {
 }
 
 
-def run_quant(tmp_path: Path, quant: str, systems: str) -> str:
+def run_quant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quant: str, systems: str) -> str:
+    """The bench's command line in this process, each row's process too (``main`` with that
+    child's arguments and environment): what a quantized row checks is its model, fusions and
+    notes; the processes themselves are test_full_graph_rows_of_fxrewrite_and_the_twin's (a new
+    process cost a CI worker 5-10 s: imports, Dynamo's first compile)."""
+    import bench_e2e
+
+    def run_child(key: str, argv: list[str], args: Any) -> tuple[dict[str, Any], None]:
+        with monkeypatch.context() as m:
+            for name, value in bench_e2e.child_env(key, args).items():
+                m.setenv(name, value)
+            assert bench_e2e.main(bench_e2e.child_argv(key, argv, args)) == 0
+        return json.loads((Path(args.workdir) / f"{key}.json").read_text()), None
+
+    monkeypatch.setattr(bench_e2e, "run_child", run_child)
+    # main sets these for its process: restored after the test
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", torch._inductor.config.force_disable_caches)
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", torch._dynamo.config.fail_on_recompile_limit_hit)
     out = tmp_path / f"e2e-{quant}.md"
     argv = ["--shape", "tiny", "--device", "cpu", "--quant", quant, "--systems", systems, "--budget-s", "400",
             "--target-s", "0.01", "--min-reps", "1", "--warmup", "2", "--out", str(out)]  # fmt: skip
-    done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    with torch.set_grad_enabled(torch.is_grad_enabled()):  # main turns it off
+        assert bench_e2e.main(argv) == 0
     return out.read_text()
 
 
@@ -89,7 +110,7 @@ def finite_rows(text: str, systems: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize("quant", ["fp8", "block-fp8", "nvfp4"])
-def test_quantized_model_in_every_row(tmp_path: Path, quant: str) -> None:
+def test_quantized_model_in_every_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quant: str) -> None:
     """``--quant``: eager (FP8's run) and fxrewrite full time the same quantized model; the header
     names the format, the notes list the fused quantizations
     per layer (attention + FP8 for static FP8; for block FP8 and NVFP4 the attention output's
@@ -97,7 +118,7 @@ def test_quantized_model_in_every_row(tmp_path: Path, quant: str) -> None:
     not take it)."""
     # the side-by-side process: test_full_graph_rows_of_fxrewrite_and_the_twin; the eager row once
     systems = ("eager", "fxrewrite full") if quant == "fp8" else ("fxrewrite full",)
-    text = run_quant(tmp_path, quant, ",".join(SYSTEM_KEYS[s] for s in systems))
+    text = run_quant(tmp_path, monkeypatch, quant, ",".join(SYSTEM_KEYS[s] for s in systems))
     assert f"- quantization ({quant}): " in text and "no hand-fused twin" in text
     assert "rel err vs float32 eager: the same quantized model, eager, every value that is not quantized in float32" in text
     finite_rows(text, systems)

@@ -4,8 +4,8 @@ add + RMSNorm that follows it, eager, piecewise and full CUDA graphs.
 
 CPU: two gloo processes, float32, CUDA graphs emulated (the Runner's CPU path). GPU (marked
 ``gpu``; needs two devices): two NCCL processes, bf16, the flashinfer all-reduce kernel and the
-NCCL fallback, each inside captured pieces. One spawn per test runs every system; each step
-runs twice (capture, then replay) and the output of both is checked.
+NCCL fallback, each inside captured pieces. One spawn runs every system of the CPU tests, one
+per GPU test its own; each step runs twice (capture, then replay) and the output of both is checked.
 """
 
 from __future__ import annotations
@@ -153,11 +153,10 @@ def test_local_config_and_shards_cover_the_full_weights() -> None:
         local_config(CPU_CFG, 4)
 
 
-def test_tp2_equals_single_device_on_cpu() -> None:
-    """Two gloo ranks, float32: the TP model eager and compiled (no CUDA graphs on CPU: the
-    Runner's emulation) equals the single-device model; 2 sites per layer fused."""
-    results = run_ranks(tp_worker, "cpu", torch.float32, CPU_CFG, CPU_SYSTEMS, backend="gloo")
-    check_results(results, CPU_SYSTEMS, 1e-5, CPU_CFG)
+def groups_worker(rank: int, world: int, device: str, dtype: torch.dtype, cfg: Any,
+                  groups: dict[str, tuple[dict, tuple, tuple[int, ...]]]) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """``tp_worker`` for each group of ``(systems, steps, sizes)``, one after the other in this rank."""
+    return {name: tp_worker(rank, world, device, dtype, cfg, *group) for name, group in groups.items()}
 
 
 # odd token counts: a prefill of 7 above the threshold of 5 (padded to 8 rows inside the op, 4 a
@@ -165,6 +164,22 @@ def test_tp2_equals_single_device_on_cpu() -> None:
 SP_STEPS, SP_SIZES, SP_MIN = (("prefill", 7, 0), ("decode", 3, 20)), (3, 7), 5
 SP_SYSTEMS = {"sp-none": ("none", "", True, SP_MIN), "sp-piecewise": ("piecewise", "", True, SP_MIN)}
 ATP_SYSTEMS = {"atp-none": ("none", "", True, SP_MIN, True), "atp-piecewise": ("piecewise", "", True, SP_MIN, True)}
+CPU_GROUPS = {"tp": (CPU_SYSTEMS, STEPS, SIZES), "sp": (SP_SYSTEMS, SP_STEPS, SP_SIZES),
+              "async-tp": (ATP_SYSTEMS, SP_STEPS, SP_SIZES)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cpu_results() -> dict[str, list[dict[str, Any]]]:
+    """Every CPU test's systems in one spawn of two gloo ranks (a spawn's imports and process
+    group cost ~3 s of each rank): per group of ``CPU_GROUPS``, each rank's results."""
+    ranks = run_ranks(groups_worker, "cpu", torch.float32, CPU_CFG, CPU_GROUPS, backend="gloo", timeout=600)
+    return {name: [r[name] for r in ranks] for name in CPU_GROUPS}
+
+
+def test_tp2_equals_single_device_on_cpu(cpu_results: dict[str, list[dict[str, Any]]]) -> None:
+    """Two gloo ranks, float32: the TP model eager and compiled (no CUDA graphs on CPU: the
+    Runner's emulation) equals the single-device model; 2 sites per layer fused."""
+    check_results(cpu_results["tp"], CPU_SYSTEMS, 1e-5, CPU_CFG)
 
 
 def check_async_tp(results: list[dict[str, Any]], systems: dict, cfg: Any) -> None:
@@ -176,13 +191,13 @@ def check_async_tp(results: list[dict[str, Any]], systems: dict, cfg: Any) -> No
             assert res[name]["atp"] == [(2 * layers, 2 * layers - 1)] * len(res[name]["atp"]), (name, res[name])
 
 
-@pytest.mark.parametrize("systems", [SP_SYSTEMS, ATP_SYSTEMS], ids=["sp", "async-tp"])
-def test_sequence_parallel_tp2_equals_single_device_on_cpu(systems: dict) -> None:
+@pytest.mark.parametrize("group", ["sp", "async-tp"])
+def test_sequence_parallel_tp2_equals_single_device_on_cpu(cpu_results: dict[str, list[dict[str, Any]]], group: str) -> None:
     """Two gloo ranks, float32: with sequence parallelism (and async TP) the TP model equals the
     single-device model at a prefill above the threshold (reduce-scatter, 2 a layer; with async
     TP inside the GEMM + reduce-scatter op, every site's GEMMs moved in) and a decode below it
     (none), at token counts that are not multiples of the two ranks; every site sharded."""
-    results = run_ranks(tp_worker, "cpu", torch.float32, CPU_CFG, systems, SP_STEPS, SP_SIZES, backend="gloo")
+    systems, results = CPU_GROUPS[group][0], cpu_results[group]
     check_results(results, systems, 1e-5, CPU_CFG)
     if systems is ATP_SYSTEMS:
         check_async_tp(results, systems, CPU_CFG)

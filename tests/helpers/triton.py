@@ -49,18 +49,76 @@ def interpreted(module_name: str, kernel: str) -> Iterator[types.ModuleType]:
 
 
 
-_COMPILE = """
-import importlib, inspect, json, sys
+# The compiler's process: one per test process, started at the first request and kept (each
+# request in a new process cost ~2 s of imports, torch's among them, for a ~0.5 s compile; 21 of
+# them in the suite). A request per line on stdin (sys.path, then what compile_for_hopper got),
+# the PTX or the traceback as one JSON line on the descriptor stdout had (fd 1 itself goes to
+# stderr: nothing a compile prints can break a reply). It ends at the end of its stdin.
+_SERVE = """
+import importlib, inspect, json, os, sys, traceback
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, kernel, types, constexprs, options = json.loads(sys.argv[1])
-fn = getattr(importlib.import_module(module), kernel)
-names = list(inspect.signature(fn.fn).parameters)
-signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
-sys.stdout.write(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"])
+replies = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+for line in sys.stdin:
+    try:
+        path, (module, kernel, types, constexprs, options) = json.loads(line)
+        sys.path[:] = path
+        fn = getattr(importlib.import_module(module), kernel)
+        names = list(inspect.signature(fn.fn).parameters)
+        signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+        source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
+        reply = {"ptx": triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]}
+    except Exception:
+        reply = {"error": traceback.format_exc()}
+    replies.write(json.dumps(reply) + "\\n")
+    replies.flush()
 """
+
+
+class _Compiler:
+    """The compiler's process (``_SERVE``) and its stderr, a file (a pipe nobody reads would fill)."""
+
+    def __init__(self) -> None:
+        import os
+        import subprocess
+        import sys
+        import tempfile
+
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVE], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True)  # fmt: skip
+
+    def compile(self, request: list[object], timeout: float) -> dict[str, str]:
+        """The reply to ``request``; past ``timeout`` seconds, or if the process ended, an error."""
+        import json
+        import selectors
+        import sys
+
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps([[p for p in sys.path if p], request]) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # ended: said below
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            line = self.proc.stdout.readline() if sel.select(timeout) else ""
+        if line:
+            return json.loads(line)
+        self.close()
+        self.stderr.seek(0)
+        return {"error": f"the compiler's process ended or took over {timeout:.0f} s:\n{self.stderr.read()[-3000:]}"}
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+_compiler: list[_Compiler] = []
 
 
 def compile_for_hopper(module: str, kernel: str, types: dict[str, str], constexprs: dict[str, object],
@@ -68,21 +126,20 @@ def compile_for_hopper(module: str, kernel: str, types: dict[str, str], constexp
     """Compile ``module.kernel`` (a ``@triton.jit`` function) for sm90 on this machine, GPU or
     not, and return its PTX: the front end and the NVIDIA backend check what the interpreter lets
     through (this Triton's; the GPU machine's may refuse more). In a process of its own, without
-    ``TRITON_INTERPRET`` (under it the kernels are the interpreter's). ``types``: each
-    non-constexpr parameter's Triton type (``"*bf16"``, ``"fp32"``); unnamed ones are ``i32``.
-    Skipped without Triton, or where it cannot build for a GPU (no ``ptxas``, another API)."""
-    import json
-    import os
-    import subprocess
-    import sys
+    ``TRITON_INTERPRET`` (under it the kernels are the interpreter's), kept for the next call
+    (``_SERVE``). ``types``: each non-constexpr parameter's Triton type (``"*bf16"``, ``"fp32"``);
+    unnamed ones are ``i32``. Skipped without Triton, or where it cannot build for a GPU (no
+    ``ptxas``, another API)."""
+    import atexit
 
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    args = json.dumps([module, kernel, types, constexprs, options])
-    done = subprocess.run([sys.executable, "-c", _COMPILE, args], env=env, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        if "ImportError" in done.stderr or "ptxas" in done.stderr:
-            pytest.skip(f"this Triton cannot build for sm90 here: {done.stderr.strip().splitlines()[-1]}")
-        raise AssertionError(f"{module}.{kernel} does not compile for sm90:\n{done.stderr[-3000:]}")
-    return done.stdout
+    if not _compiler or _compiler[0].proc.poll() is not None:
+        _compiler[:] = [_Compiler()]
+        atexit.register(_compiler[0].close)
+    reply = _compiler[0].compile([module, kernel, types, constexprs, options], timeout=300)
+    if "error" in reply:
+        error = reply["error"]
+        if "ImportError" in error or "ptxas" in error:
+            pytest.skip(f"this Triton cannot build for sm90 here: {error.strip().splitlines()[-1]}")
+        raise AssertionError(f"{module}.{kernel} does not compile for sm90:\n{error[-3000:]}")
+    return reply["ptx"]

@@ -8,12 +8,15 @@ numerics against eager are tight (the kernels' own: tests/runtime/test_linear_fu
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers.rewrites import BF16, DYNAMIC, F32, check, reasons, sites
 
 from fxrewrite.rewrites import linear_fused
+from fxrewrite.testing import Compiled
 
 HIDDEN, INTER = 64, 96
 FULL = {"mode": "full", "gemm_fusion": True}  # Config.gemm_fusion: off by default
@@ -96,10 +99,20 @@ FUSED = {"rms_norm_linear": 2, "rms_norm_linear_silu_and_mul": 2, "linear_add_rm
 PROLOGUES = {"rms_norm_linear": 2, "rms_norm_linear_silu_and_mul": 2, "linear_add_": 4, "rms_norm": 1}
 
 
+@functools.cache
+def decoder(order: str, dtype: torch.dtype, dynamic: bool | str = True) -> Compiled:
+    """``check`` of ``Decoder(order, dtype=dtype)`` (seeded weights) on IDS in mode full, once per
+    process: tests that read other facts of one compile share it (each ~1.5 s)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Decoder(order, dtype=dtype)
+    return check(model, IDS, expect=PROLOGUES if order == "none" else FUSED, dynamic=dynamic, **FULL)
+
+
 @DYNAMIC
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_a_decoder_layer_is_four_gemms_with_its_norms_and_adds_inside(dtype: torch.dtype, dynamic: bool | str) -> None:
-    r = check(Decoder(dtype=dtype), IDS, expect=FUSED, dynamic=dynamic, **FULL)
+    r = decoder("llama", dtype, dynamic)
     assert all(s.inplace for s in sites(r, "linear_add_rms_norm_inplace"))
     assert len(sites(r, "linear_add_rms_norm_inplace")) == 4
     assert not [m for m in r.report.near_misses if m.rule in {x.name for x in linear_fused.NORM_RULES}]
@@ -114,7 +127,7 @@ def test_a_batch_dimension_changes_nothing() -> None:
 def test_the_other_norm_orders_fuse_too(order: str) -> None:
     """OLMo2's order (the weight multiplies in float32; bf16, where it is another computation)
     and a norm without weight."""
-    r = check(Decoder(order, dtype=BF16), IDS, expect=FUSED if order == "cast_last" else PROLOGUES, **FULL)
+    r = decoder(order, BF16)
     names = {s.rule for s in sites(r)}
     if order == "cast_last":
         assert {"rms_norm_cast_last_linear", "rms_norm_cast_last_linear_silu_and_mul",
@@ -226,7 +239,7 @@ def test_the_residual_guard_wants_the_outputs_dtype_and_shape() -> None:
 def test_each_add_hands_the_next_norm_its_squares(dtype: torch.dtype) -> None:
     """hand_off_norms: every norm GEMM reading an add-GEMM's sum reads that GEMM's hand-off
     (``s * g`` and the squares), its own weight gone; numerics against eager (check)."""
-    r = check(Decoder(dtype=dtype), IDS, expect=FUSED, **FULL)
+    r = decoder("llama", dtype)
     assert len(sites(r, "linear_add_rms_parts")) == 3
     readers = [n for n in r.graph.graph.nodes if n.kwargs.get("parts") is not None]
     assert len(readers) == 3 and all(n.args[1] is None for n in readers)
@@ -238,7 +251,7 @@ def test_each_add_hands_the_next_norm_its_squares(dtype: torch.dtype) -> None:
 def test_a_norm_without_weight_keeps_its_prologue() -> None:
     """Negative twin: the hand-off stores ``s * g``; a weightless norm keeps the squares in its
     GEMM, each such site a near miss with the reason."""
-    r = check(Decoder("none", dtype=BF16), IDS, expect=PROLOGUES, **FULL)
+    r = decoder("none", BF16)
     assert reasons(r, "linear_add_rms_parts") == ["the norm has no weight: the hand-off stores s * g"] * 3
 
 

@@ -58,10 +58,22 @@ def sum_worker(rank: int, world: int) -> dict[str, torch.Tensor]:
     return {"out": out, "sum": total, "q": q, "sum_q": total_q}
 
 
-def test_spec_sums_over_the_ranks() -> None:
+def gloo_worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
+    return {"sum": sum_worker(rank, world), "quant": quant_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def gloo_results() -> dict[str, list[dict[str, Any]]]:
+    """Both CPU tests' workers in one spawn of two gloo ranks (a spawn's imports and process group
+    cost each rank ~3 s): per worker, each rank's results."""
+    ranks = run_ranks(gloo_worker, backend="gloo")
+    return {name: [r[name] for r in ranks] for name in ("sum", "quant")}
+
+
+def test_spec_sums_over_the_ranks(gloo_results: dict[str, list[dict[str, Any]]]) -> None:
     """Two gloo ranks: ``sum = x_0 + x_1 + residual``, ``out = rms_norm(sum)``, ``q`` its static
     FP8 quantization; every rank gets the same."""
-    results = run_ranks(sum_worker, backend="gloo")
+    results = gloo_results["sum"]
     (x0, residual, weight), (x1, _, _) = _args(0, 5, 64, torch.float32), _args(1, 5, 64, torch.float32)
     total = x0 + x1 + residual
     for res in results:
@@ -88,13 +100,13 @@ def quant_worker(rank: int, world: int) -> dict[str, tuple[torch.Tensor, ...]]:
     return {"block": ARB(x, residual, weight, EPS, 128, group), "nvfp4": ARN(x, residual, weight, EPS, GLOBAL_SCALE, group)}
 
 
-def test_block_fp8_and_nvfp4_sum_over_the_ranks() -> None:
+def test_block_fp8_and_nvfp4_sum_over_the_ranks(gloo_results: dict[str, list[dict[str, Any]]]) -> None:
     """Two gloo ranks, bf16: each op is its fused add + norm + quant op of ``x_0 + x_1``, bit for bit
     (values, scales, the new residual), on every rank."""
     from fxrewrite.runtime.ops.quant_block import fused_add_rms_norm_block_quant_fp8_reference
     from fxrewrite.runtime.ops.quant_nvfp4 import fused_add_rms_norm_quant_nvfp4_reference
 
-    results = run_ranks(quant_worker, backend="gloo")
+    results = gloo_results["quant"]
     (x0, residual, weight), (x1, _, _) = _args(0, 5, 256, torch.bfloat16), _args(1, 5, 256, torch.bfloat16)
     want = {"block": fused_add_rms_norm_block_quant_fp8_reference(x0 + x1, residual, weight, EPS, 128),
             "nvfp4": fused_add_rms_norm_quant_nvfp4_reference(x0 + x1, residual, weight, EPS, GLOBAL_SCALE)}  # fmt: skip
