@@ -22,6 +22,17 @@ os.environ.setdefault("FXREWRITE_CACHE", "0")
 # captured (Config.strict_capture follows Config.strict): the tests of containment turn it off.
 os.environ.setdefault("FXREWRITE_STRICT", "1")
 
+# Under pytest-xdist each worker is a process of its own, and torch gives each one intra-op
+# thread per core: N workers on N cores run N * N threads, whose OpenMP barriers spin while the
+# other workers' threads hold the cores (on 2 cores with 2 workers the real model's tests took
+# 5x the CPU time they take with one thread each). Each worker gets its share of the cores, and
+# the processes it starts (bench rows, ranks) the same through OMP_NUM_THREADS, unless it is set.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _CORES // _WORKERS))
+    torch.set_num_threads(max(1, _CORES // _WORKERS))
+
 if not torch.cuda.is_available():
     # Without CUDA, Triton kernels run only interpreted, on CPU tensors. The flag must be set
     # before Triton is imported: its own library functions (tl.sum, tl.max) are decorated then.

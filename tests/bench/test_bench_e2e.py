@@ -1,5 +1,6 @@
 """bench/bench_e2e.py runs end to end on CPU (tiny model): each system in a child process, the
-side-by-side process, the tables, the goal lines. A smoke test of the harness, not a measurement."""
+side-by-side process, the tables, the goal lines; the quantized models' runs in the test's own
+process. A smoke test of the harness, not a measurement."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ tests/rewrites/test_rotary_families.py runs the real families.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ from helpers.rewrites import BF16, DYNAMIC, F32, LlamaRMSNorm, check, fused, fus
 
 from fxrewrite import Config
 from fxrewrite.rewrites import rotary
-from fxrewrite.testing import compile_once
+from fxrewrite.testing import Compiled, compile_once
 
 HEADS, KV_HEADS, HEAD_DIM, TOKENS = 4, 2, 16, 7
 PAIR = {"rotary_embedding": 1}
@@ -157,6 +158,14 @@ def qk(tokens: int = TOKENS, batch: int | None = 1, dtype: torch.dtype = F32, se
     return q, k, pos
 
 
+@functools.cache
+def hf_rope(layout: str, dtype: torch.dtype, dynamic: bool | str) -> Compiled:
+    """``check`` of ``HFRope(layout, scaling=0.75)`` on :func:`qk`, once per process:
+    test_rotary_reverse compares the tables of the reverse rotation with this compile's."""
+    return check(HFRope(layout, scaling=0.75), *qk(batch=None if layout == "flat" else 1, dtype=dtype), expect=PAIR,
+                 dynamic=dynamic)  # fmt: skip
+
+
 # --------------------------------------------------------------------------- positive
 
 
@@ -172,8 +181,7 @@ def test_a_gathered_table_folds_bounded_by_its_rows(dtype: torch.dtype, dynamic:
 @pytest.mark.parametrize("layout", ["bhtd", "bthd", "flat"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_hf_rotate_half_folds_inv_freq_tables(layout: str, dtype: torch.dtype, dynamic: bool) -> None:
-    inputs = qk(batch=None if layout == "flat" else 1, dtype=dtype)
-    r = check(HFRope(layout, scaling=0.75), *inputs, expect=PAIR, dynamic=dynamic)
+    r = hf_rope(layout, dtype, dynamic)
     cache = r.graph.fxr_rotary_cache_0
     assert cache.dtype == torch.float32 and cache.shape == (Config().max_positions, HEAD_DIM)
     assert reasons(r, "rotary_embedding") == []
