@@ -243,8 +243,9 @@ class Backend:
             elif _lifted(node):  # a Python scalar, not a one-element input such as one token's positions
                 node.meta["fxr_real"] = value.detach().clone()  # its compile-time value (see meta.constant)
         config, large_config = by_size.plan(gm, example_inputs, self.config)
-        one_rewrite = self._precompiling is not None and large_config is not None  # an artifact holds one graph
-        if one_rewrite:
+        # an artifact holds one graph, rewritten (and keyed) for the configuration it is saved with
+        one_rewrite = self._precompiling is not None and (config is not self.config or large_config is not None)
+        if self._precompiling is not None:
             config, large_config = self.config, None
         large = by_size.copy_graph(gm) if large_config is not None else None  # before the passes rewrite gm
         cached = self._cache.graph(gm, example_inputs, config) if self._cache is not None else None
@@ -253,8 +254,8 @@ class Backend:
             identity = precompile.Identity.of(gm, example_inputs, cached.graph_digest if cached is not None else None)
         graph_report, hit = self._rewrite(gm, cached, config, len(self.graphs))
         if one_rewrite:
-            graph_report.notes.append("aot_compile keeps one rewrite of each graph: gemm_fusion serves every token "
-                                      "count (gemm_fusion_max_tokens is not applied)")
+            graph_report.notes.append("aot_compile keeps one rewrite of each graph, as configured: gemm_fusion serves "
+                                      "every token count (gemm_fusion_max_tokens is not applied)")
         self.graphs.append(gm)
         self.report.graphs.append(graph_report)
         if large is not None and large_config is not None:

@@ -160,3 +160,18 @@ def test_a_token_range_above_the_bound_gets_the_plain_rewrite_only() -> None:
     (runner,) = backend.runners
     assert isinstance(runner, Runner) and runner.stats()["capture_sizes"] == [32]
     assert fused(op_counts(backend.graphs[0])) == PLAIN and not backend.report.graphs[0].variants
+
+
+@pytest.mark.skipif(precompile.SerializableCallable is object, reason="torch without AOT precompile")
+def test_a_precompiled_graph_above_the_bound_keeps_the_configured_rewrite() -> None:
+    """No decode size in the token range, which without aot_compile means no gemm_fusion: the
+    artifact still holds the graph as configured (its key is the configuration's), and says so."""
+    torch._dynamo.reset()
+    model = Decoder().eval()
+    backend = fxrewrite.Backend(mode="full", gemm_fusion=True, capture_sizes=SIZES, progress=False, cache=False)
+    ids = torch.randint(0, 32, (24,))
+    torch._dynamo.mark_dynamic(ids, 0, min=20, max=64)
+    step = backend.aot_compile(model, (ids,), dynamic=None)
+    run(model, step, 24)
+    assert fused(op_counts(backend.graphs[0])) == FUSED
+    assert any("aot_compile keeps one rewrite" in n for n in backend.report.graphs[0].notes)
