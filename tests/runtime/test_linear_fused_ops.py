@@ -210,7 +210,8 @@ def test_rotary_reference_is_the_rotation_of_q_and_k(gen: torch.Generator) -> No
 @pytest.mark.parametrize(("rows", "k", "d"), [(1, 256, 64), (5, 200, 128), (16, 128, 32)])
 def test_kernel_rotary_epilogue(triton_gemm: types.ModuleType, gen: torch.Generator, rows: int, k: int, d: int) -> None:
     """Heads of 32 (blocks of 16 columns), 64 and 128: no further from float32 than the spec in
-    float16; the v columns are the plain GEMM's."""
+    float16; the v columns are the plain GEMM's, to one float16 rounding (tiles of another width:
+    the interpreter's numpy dot may sum them in another order, as numpy 2.4's does)."""
     t = rope_operands(gen, rows, k, d, F16)
     args = (t["x"], t["g"], EPS, t["w"], t["b"], False, t["pos"], t["cache"], t["rotated"])
     assert lf._norm_rotary_check(*args) is None
@@ -218,7 +219,7 @@ def test_kernel_rotary_epilogue(triton_gemm: types.ModuleType, gen: torch.Genera
                                                   and a is not t["cache"] else a for a in args))  # fmt: skip
     got = triton_gemm.rms_norm_linear_rotary(*args)
     assert rel_err(got, exact) <= rel_err(lf.rms_norm_linear_rotary_reference(*args), exact) + 2e-3
-    torch.testing.assert_close(got[:, 5 * d :], triton_gemm.rms_norm_linear(*args[:5])[:, 5 * d :], rtol=0, atol=0)
+    torch.testing.assert_close(got[:, 5 * d :], triton_gemm.rms_norm_linear(*args[:5])[:, 5 * d :], rtol=2**-10, atol=2**-24)
 
 
 def test_rotary_checks_refuse_what_the_kernels_cannot_serve(gen: torch.Generator) -> None:
