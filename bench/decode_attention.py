@@ -22,19 +22,33 @@ With ``store=(k, v, slots)`` the partial kernel also writes the step's keys and 
 cache (the programs of split 0, one per sequence and KV head); a program whose slice holds the
 slot written walks the cache before and after it and takes the new key and value from ``k``,
 ``v`` (one extra softmax step, no per-block work): no program reads another's write, and the
-engine model's attention is one launch, not three. :func:`store_kv` writes keys and values alone (prefill), one launch for both caches. This file imports Triton at the top; :mod:`engine_model` imports it
-only where Triton is installed and uses it for CUDA tensors, torch elsewhere
-(``engine_model.KERNELS = "torch"``, or env ``FXBENCH_ATTENTION=torch``, forces torch).
+engine model's attention is one launch, not three. :func:`store_kv` writes keys and values
+alone (prefill), one launch for both caches.
+
+On Hopper the decode kernel is a programmatic dependent launch, as fxrewrite launches its decode
+GEMMs (``triton_gemm.launch_pdl``; off with ``FXREWRITE_PDL=0``), and as flashinfer's kernels can
+be: inside a CUDA graph its programs are scheduled while the GEMM that makes q, k and v drains,
+prefetch their slices of the cached keys and values into L2 (no output of that GEMM; where the
+step's keys and values fit ``Tuning.prefetch_bytes``), then wait for it; each lets the next kernel
+launch once its walk is done. :func:`launched` picks the launch for bench_e2e's side-by-side rows.
+
+This file imports Triton at the top; :mod:`engine_model` imports it only where Triton is
+installed and uses it for CUDA tensors, torch elsewhere (``engine_model.KERNELS = "torch"``, or
+env ``FXBENCH_ATTENTION=torch``, forces torch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
+
+from fxrewrite.runtime import triton_gemm
 
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value
 
@@ -66,21 +80,30 @@ def _partial_kernel(
     rows, kv_heads, length, chunk, scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
     SPLITS: tl.constexpr, PRECISION: tl.constexpr, STORE: tl.constexpr, QUANT: tl.constexpr,
+    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     pid, split = tl.program_id(0), tl.program_id(1)
     b, kvh = pid // kv_heads, pid % kv_heads
     row = b % rows
+    # the lengths (and slots) are step inputs, copied in before the graph's first kernel: under
+    # PDL every kernel waits for its predecessor before it lets the next launch, so only the
+    # kernel just before (the one making q, k, v) may still run here
     seq_len = tl.minimum(tl.maximum(tl.load(lens_ptr + b), 1), length)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     g, d = tl.arange(0, GROUP_PAD), tl.arange(0, DIM)
+    k_row = k_ptr + row * k_sr + kvh * k_sh
+    v_row = v_ptr + row * v_sr + kvh * v_sh
+    if PDL:
+        if PREFETCH:  # the cached keys and values are no output of the kernel before: into L2 meanwhile
+            _prefetch_l2(k_row, k_sn, start, end, DIM)
+            _prefetch_l2(v_row, v_sn, start, end, DIM)
+        tl.extra.cuda.gdc_wait()  # q and the step's key and value: the kernel before may still write them
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
-    k_row = k_ptr + row * k_sr + kvh * k_sh
-    v_row = v_ptr + row * v_sr + kvh * v_sh
     if STORE:
         # contiguous caches: a slot is row * max_len + position. Split 0 writes the new key and
         # value; every program reads the cache around that position and takes the new key and
@@ -105,6 +128,8 @@ def _partial_kernel(
                               scale, d, BLOCK, PRECISION)  # fmt: skip
     else:
         m, total, acc = _walk(q, m, total, acc, k_row, v_row, k_sn, v_sn, start, end, scale, d, BLOCK, PRECISION)
+    if PDL:  # the next kernel (o_proj) may be scheduled now; it waits for this one's stores
+        tl.extra.cuda.gdc_launch_dependents()
     keep = g < GROUP
     if SPLITS == 1:
         _store_out(out_ptr, scale_ptr, b * out_sb + heads * out_sh, d, acc / total[:, None], keep, QUANT)
@@ -118,6 +143,18 @@ def _partial_kernel(
             _merge_slices(o_ptr, lse_ptr, out_ptr, scale_ptr, part - split, b * out_sb + heads * out_sh, d, keep,
                           SPLITS, GROUP_PAD, DIM, QUANT)  # fmt: skip
             tl.atomic_xchg(count_ptr + pid, 0)  # zero again for the next launch (a CUDA graph's replay)
+
+
+@triton.jit
+def _prefetch_l2(row_ptr, stride, lo, hi, DIM: tl.constexpr):
+    """Prefetch into L2 the 16-bit vectors ``row_ptr + n * stride``, n in [lo, hi), of ``DIM``
+    elements each: one address per 128-byte line."""
+    for n0 in range(lo, hi, 64):
+        n = n0 + tl.arange(0, 64)
+        lines = tl.arange(0, DIM // 64) * 64
+        ptrs = tl.where((n < hi)[:, None], row_ptr + n[:, None].to(tl.int64) * stride + lines[None, :], row_ptr)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
+                                  pack=1)  # fmt: skip
 
 
 @triton.jit
@@ -180,6 +217,40 @@ class Tuning:
     per_sm: int = 2  # programs to aim for per SM
     warps: int = 4
     stages: int = 2
+    # under PDL, a launch whose cached keys and values take at most this many bytes prefetches
+    # them into L2 before it waits for the kernel before (the step's larger batches would only
+    # evict each other's lines)
+    prefetch_bytes: int = 48 << 20
+
+
+LAUNCHES = ("pdl+prefetch", "pdl", "plain")
+_LAUNCH: list[str] = []  # inside launched()
+
+
+@contextlib.contextmanager
+def launched(how: str) -> Iterator[None]:
+    """The decode kernel launched (and captured) ``how`` inside, one of :data:`LAUNCHES`
+    (default the first, where the device has PDL: fxrewrite's ``triton_gemm.launch_pdl``):
+    bench_e2e's side-by-side rows."""
+    if how not in LAUNCHES:
+        raise ValueError(f"launched({how!r}): one of {LAUNCHES}")
+    _LAUNCH.append(how)
+    try:
+        yield
+    finally:
+        _LAUNCH.pop()
+
+
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, batch: int, length: int, tuning: Tuning) -> dict[str, bool]:
+    """The decode kernel's launch options: PDL where fxrewrite launches its GEMMs so (Hopper),
+    the L2 prefetch where the keys and values read fit ``tuning.prefetch_bytes``."""
+    how = _LAUNCH[-1] if _LAUNCH else LAUNCHES[0]
+    if how == "plain" or not triton_gemm.launch_pdl(q.device):
+        return {}
+    _, _, kv_heads, dim = k_cache.shape
+    read = 2 * batch * length * kv_heads * dim * k_cache.element_size()
+    prefetch = how == "pdl+prefetch" and k_cache.element_size() == 2 and dim % 64 == 0 and read <= tuning.prefetch_bytes
+    return {"PDL": True, "launch_pdl": True, "PREFETCH": prefetch}
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
@@ -250,6 +321,6 @@ def decode_attention(
         rows, kv_heads, length, chunk, dim**-0.5,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=tuning.block,
         SPLITS=splits, PRECISION=precision, STORE=store is not None, QUANT=quant, num_warps=tuning.warps,
-        num_stages=tuning.stages,
+        num_stages=tuning.stages, **_launch(q, k_cache, batch, length, tuning),
     )  # fmt: skip
     return out

@@ -285,6 +285,13 @@ def without_pdl() -> Iterator[None]:
         _PDL_OFF.pop()
 
 
+def launch_pdl(device: torch.device) -> bool:
+    """Whether a kernel launched now on ``device`` goes as a programmatic dependent launch:
+    :func:`pdl`, outside :func:`without_pdl`. For every kernel built to wait for the one before
+    (``gdc_wait``) before its first read of what that one may write."""
+    return pdl(device) and not _PDL_OFF
+
+
 @functools.cache
 def _sms(device: torch.device) -> int:
     # CPU tensors run only under the interpreter: any count serves, take an H100's
@@ -359,7 +366,7 @@ def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion,
         meta["PARTS"] = triton.next_power_of_2(parts_n)
     if f.hand_off:
         meta["HAND_OFF"] = True
-    if pdl(x.device) and not _PDL_OFF:
+    if launch_pdl(x.device):
         meta.update(PDL=True, launch_pdl=True)
     grid = n // (2 * bn) if f.half else triton.cdiv(n, bn)
     return _Launch(n, k, x_stride, r_stride if f.inplace else n, r_stride, grid, parts_n, meta)

@@ -96,7 +96,58 @@ def test_the_kernel_compiles_for_hopper(splits: int, quant: bool) -> None:
         types["out_ptr"] = "*fp8e4nv"
     ptx = compile_for_hopper("decode_attention", "_partial_kernel", types,
                              dict(GROUP=4, GROUP_PAD=16, DIM=128, BLOCK=64, SPLITS=splits, PRECISION="tf32",
-                                  STORE=True, QUANT=quant), num_warps=4, num_stages=2)  # fmt: skip
+                                  STORE=True, QUANT=quant, PDL=False, PREFETCH=False), num_warps=4, num_stages=2)  # fmt: skip
     atomics = re.findall(r"atom\.global\.gpu\.acq_rel\.(\w+)", ptx)
     assert atomics == ([] if splits == 1 else ["add", "exch"]), atomics
     assert (splits == 1) == ("ld.global.cg" not in ptx)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_pdl_kernel_waits_before_it_reads_the_step(prefetch: bool) -> None:
+    """Under PDL the kernel waits for the kernel before (griddepcontrol.wait) before it loads q
+    and the step's key and value, prefetches the cached ones into L2 before that where asked, and
+    lets the next kernel launch after its walk, before its stores."""
+    import re
+
+    from helpers.triton import compile_for_hopper
+
+    types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "nk_ptr", "nv_ptr", "out_ptr")}
+    types.update(lens_ptr="*i32", slots_ptr="*i64", count_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32",
+                 scale_ptr="*fp32", scale="fp32")  # fmt: skip
+    ptx = compile_for_hopper("decode_attention", "_partial_kernel", types,
+                             dict(GROUP=4, GROUP_PAD=16, DIM=128, BLOCK=64, SPLITS=4, PRECISION="tf32", STORE=True,
+                                  QUANT=False, PDL=True, PREFETCH=prefetch), num_warps=4, num_stages=2)  # fmt: skip
+    wait, go = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    assert wait < go < ptx.index("atom.global")  # the count (after the stores) comes after the go
+    assert re.findall(r"ld\.global\S*", ptx[:wait]) == ["ld.global.b32"]  # the sequence's length alone
+    assert ("prefetch.global.L2" in ptx[:wait]) == prefetch
+    plain = compile_for_hopper("decode_attention", "_partial_kernel", types,
+                               dict(GROUP=4, GROUP_PAD=16, DIM=128, BLOCK=64, SPLITS=4, PRECISION="tf32", STORE=True,
+                                    QUANT=False, PDL=False, PREFETCH=False), num_warps=4, num_stages=2)  # fmt: skip
+    assert "griddepcontrol" not in plain and "prefetch.global" not in plain
+
+
+def test_launch_options_follow_the_device_and_the_bench_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PDL where fxrewrite launches its GEMMs so, the prefetch where the step's keys and values fit
+    the bound, neither on CPU, inside ``launched("plain")`` or fxrewrite's ``without_pdl()``."""
+    decode_attention = pytest.importorskip("decode_attention", reason="triton is not installed")
+    from fxrewrite.runtime import triton_gemm
+
+    q, k = torch.empty(1, 32, 128, dtype=torch.bfloat16), torch.empty(1, 1040, 8, 128, dtype=torch.bfloat16)
+    tuning = decode_attention.Tuning(prefetch_bytes=8 << 20)
+
+    def options(batch: int) -> dict[str, bool]:
+        return decode_attention._launch(q, k, batch, 1025, tuning)
+
+    assert options(1) == {}  # CPU
+    monkeypatch.setattr(triton_gemm, "pdl", lambda device: True)
+    assert options(1) == {"PDL": True, "launch_pdl": True, "PREFETCH": True}  # 4.2 MB of keys and values
+    assert options(8) == {"PDL": True, "launch_pdl": True, "PREFETCH": False}  # 33.6 MB
+    with decode_attention.launched("pdl"):
+        assert options(1)["PDL"] and not options(1)["PREFETCH"]
+    with decode_attention.launched("plain"):
+        assert options(1) == {}
+    with triton_gemm.without_pdl():
+        assert options(1) == {}
+    with pytest.raises(ValueError, match="one of"), decode_attention.launched("fast"):
+        pass
