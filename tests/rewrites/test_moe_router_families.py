@@ -11,6 +11,7 @@ the installed transformers lacks is skipped (``helpers.families``)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from helpers.moe import Run, run_bf16
 from helpers.rewrites import BF16, F32, fused, fused_nodes, misses
 
 from fxrewrite import models
-from fxrewrite.testing import Compiled, compile_once
+from fxrewrite.testing import Compiled, compile_once, routing_near_ties
 
 BENCH = str(Path(__file__).resolve().parents[2] / "bench")
 if BENCH not in sys.path:
@@ -46,13 +47,13 @@ CASES = [family_param(f, F32) for f in FAMILIES] + [
     family_param(f, BF16) for f in ("glm4_moe", "kolibri1", "llama4_text")
 ]
 TOLERANCE = {F32: 1e-5, BF16: 2e-2}
+IDS = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1))
 
 
 @functools.cache
 def compiled(family: str, dtype: torch.dtype) -> Compiled:
     model, _ = coverage.build(family)
-    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1))
-    return compile_once(model.to(dtype), ids)
+    return compile_once(model.to(dtype), IDS)
 
 
 @pytest.mark.parametrize(("family", "dtype"), CASES, ids=lambda v: str(v).replace("torch.", ""))
@@ -66,8 +67,16 @@ def test_routers_fuse_with_their_experts(family: str, dtype: torch.dtype) -> Non
     assert [m.reason.split(" (")[0] for m in misses(r, "moe")] == [experts_miss] * (routes if experts_miss else 0)
     for node in fused_nodes(r, "moe_route"):
         assert (node.args[3], node.args[4], node.args[5], node.args[8]) == route_args
-    out, eager = models.hidden_states(r.output).float(), models.hidden_states(r.eager).float()
-    assert ((out - eager).abs().max() / eager.abs().max()).item() < TOLERANCE[dtype]
+    out, eager = (models.hidden_states(t).float().reshape(8, -1) for t in (r.output, r.eager))
+    keep = torch.ones(8, dtype=torch.bool)
+    # bf16: a token at a routing near-tie may pick another expert under another rounding order (on
+    # an AMD EPYC CPU one of kolibri1's did); such tokens are left out, at least 4 of the 8 kept
+    if dtype == BF16:
+        ref32, _ = coverage.build(family)  # the same weights (a seeded build)
+        near = routing_near_ties(ref32, copy.deepcopy(ref32).to(BF16), IDS)
+        keep = keep if near is None else ~near.reshape(-1)
+        assert keep.sum() >= 4, keep
+    assert ((out - eager)[keep].abs().max() / eager.abs().max()).item() < TOLERANCE[dtype]
 
 
 def test_a_family_the_installed_transformers_lacks_is_skipped_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -201,12 +201,14 @@ def test_a_router_the_op_does_not_compute_stays_with_a_near_miss(name: str) -> N
 
 def test_ties_choose_the_experts_the_code_chooses() -> None:
     """Equal logits everywhere (a zero router): the reference runs the router's own ops, so on
-    CPU the compiled model picks the experts eager picks, bit for bit."""
+    CPU the compiled model picks the experts eager picks (another choice of equal scores would
+    move outputs by their size, not by a float32 rounding: the experts' GEMMs may sum in another
+    order, as on an AMD EPYC CPU)."""
     model = Routed(grouped_sigmoid)
     with torch.no_grad():
         model.router.zero_()
         model.bias.zero_()
-    check(model, x(), expect={"moe": 1, "moe_route": 1}, exact=True)
+    check(model, x(), expect={"moe": 1, "moe_route": 1})
 
 
 class Dense(torch.nn.Module):

@@ -234,7 +234,9 @@ def item_rec() -> Recorded:
 def test_a_piece_with_a_hazard_runs_eagerly_and_the_others_are_captured(item_rec: Recorded) -> None:
     runner = runner_for(item_rec, mode="piecewise", strict_capture=False)
     for args in item_rec.calls:
-        torch.testing.assert_close(runner(*args), item_rec.gm(*args))
+        # 5 rows replay padded to 8: the CPU GEMMs of the padded call may block the sums otherwise
+        # (a few float32 ulps, which the amax multiplies: 2.6e-6 relative seen on one CPU)
+        torch.testing.assert_close(runner(*args), item_rec.gm(*args), rtol=1e-5, atol=1e-5)
     s = runner.stats()
     hazards = s["eager_pieces"]
     assert {h["piece"] for h in hazards} == {"submod_2"} and hazards[0]["sizes"] == "all"
