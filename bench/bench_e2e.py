@@ -278,7 +278,7 @@ class Unguarded:
 
 
 def _fx(fused: bool, mode: str, rules: list[Any] | str | None, sizes: str, unguarded: bool = False,
-        gemm: bool = False, pdl: bool = True) -> Build:  # fmt: skip
+        gemm: bool = False, pdl: bool = True, attention: str | None = None, provider: str | None = None) -> Build:  # fmt: skip
     def build(model: EngineLlama, twin: EngineLlama | str, capture: dict[str, tuple[int, ...]],
               options: dict[str, Any] | None = None) -> tuple[Step, Any]:  # fmt: skip
         import fxrewrite
@@ -290,18 +290,28 @@ def _fx(fused: bool, mode: str, rules: list[Any] | str | None, sizes: str, ungua
         backend = fxrewrite.Backend(config=config, rules=rules)
         step = backend.compile(_target(twin if fused else model))
         step = Unguarded(backend, step) if unguarded else step
-        return (step if pdl else _without_pdl(step)), backend
+        return (step if pdl and attention is None and provider is None else _launched(step, pdl, attention, provider)), backend
 
     return build
 
 
-def _without_pdl(step: Step) -> Step:
-    """``step`` with the skinny GEMMs launched (and captured) without programmatic dependent
-    launch (``triton_gemm.pdl``): the side-by-side measure of it."""
-    from fxrewrite.runtime import triton_gemm
+def _launched(step: Step, pdl: bool, attention: str | None, provider: str | None = None) -> Step:
+    """``step`` with its kernels launched (and captured) otherwise, the side-by-side measures of
+    programmatic dependent launch: ``pdl=False``, none of them so (``triton_gemm.without_pdl``);
+    ``attention``, the attention op's decode kernel launched so (``decode_attention.launched``);
+    and of a provider: ``provider``, an override of fxrewrite's (``providers.overriding``)."""
+    from fxrewrite.runtime import providers, triton_gemm
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        with triton_gemm.without_pdl():
+        with contextlib.ExitStack() as stack:
+            if not pdl:
+                stack.enter_context(triton_gemm.without_pdl())
+            if attention is not None:
+                import decode_attention
+
+                stack.enter_context(decode_attention.launched(attention))
+            if provider is not None:
+                stack.enter_context(providers.overriding(provider))
             return step(*args, **kwargs)
 
     return call
@@ -332,10 +342,18 @@ SYSTEMS = (
     System("fxrewrite-norope", "fxrewrite piecewise, RoPE rule off", _fx(False, "piecewise", "no-rope", "all")),
     System("fxrewrite-full-norope", "fxrewrite full, RoPE rule off", _fx(False, "full", "no-rope", "decode"),
            kinds=("decode",)),  # fmt: skip
+    # --quant fp8: the FP8 linears on cuBLASLt's _scaled_mm at every size, not the decode kernel
+    System("fxrewrite-full-cublaslt", "fxrewrite full, FP8 GEMMs on cuBLASLt",
+           _fx(False, "full", None, "all", provider="linear_fp8=torch")),  # fmt: skip
     System("fxrewrite-full-gemm", "fxrewrite full, norms, adds and RoPE in the GEMMs (Config.gemm_fusion)",
            _fx(False, "full", None, "all", gemm=True)),  # fmt: skip
     System("fxrewrite-full-gemm-nopdl", "fxrewrite full, gemm_fusion, no programmatic dependent launch",
            _fx(False, "full", None, "all", gemm=True, pdl=False)),  # fmt: skip
+    # the attention op's decode kernel without its L2 prefetch, and launched plainly (bench/decode_attention.py)
+    System("fxrewrite-full-gemm-attn-pdl", "fxrewrite full, gemm_fusion, attention under PDL without prefetch",
+           _fx(False, "full", None, "all", gemm=True, attention="pdl"), kinds=("decode",)),  # fmt: skip
+    System("fxrewrite-full-gemm-attn-plain", "fxrewrite full, gemm_fusion, attention launched plainly",
+           _fx(False, "full", None, "all", gemm=True, attention="plain"), kinds=("decode",)),  # fmt: skip
     System("inductor-cg", "inductor + CUDA graphs", _inductor("reduce-overhead"), needs_cuda=True, inductor=True),
     # Inductor's autotuned GEMMs and Triton configs, with CUDA graphs (issue 30's comparison)
     System("inductor-ma", "inductor max-autotune", _inductor("max-autotune"), needs_cuda=True, inductor=True),

@@ -16,6 +16,10 @@ launch configuration of the Triton kernel too and prints the best per shape, the
 A second table takes the MLP's activation in: gate_up then SiLU-and-mul as cuBLAS +
 ``fxr.silu_and_mul``, as ``fxr.linear`` + ``fxr.silu_and_mul``, and as one
 ``fxr.linear_silu_and_mul``; and the step's GEMMs in layer order with the activation, each way.
+
+``--fp8``: a third table, the same projections with e4m3 weights and per-tensor scales:
+``torch._scaled_mm`` (cuBLASLt) against ``fxr.linear_fp8``'s Triton kernel, the floor the FP8
+weights' bytes; ``--fp8-sweep``: with the FP8 kernel's launch configurations too.
 """
 
 from __future__ import annotations
@@ -125,11 +129,70 @@ def gated_table(args: argparse.Namespace, kernels: Any, shapes: dict[str, tuple[
     return lines
 
 
+FP8_SWEEP = list(itertools.product((32, 64), (256, 512, 1024), ((4, 3), (4, 4), (8, 4))))
+
+
+def fp8_table(args: argparse.Namespace, kernels: Any, shapes: dict[str, tuple[int, int]], bandwidth: float) -> list[str]:
+    """cuBLASLt's FP8 GEMM against ``fxr.linear_fp8`` on e4m3 weights (module docstring)."""
+    from bench_attention import graph_ms
+
+    fp8 = torch.float8_e4m3fn
+    weights = {name: [(torch.randn(n, k, device="cuda") * 40).clamp(-448, 448).to(fp8) for _ in range(LAYERS)]
+               for name, (n, k) in shapes.items()}  # fmt: skip
+    floor = {name: LAYERS * n * k / bandwidth * 1e3 for name, (n, k) in shapes.items()}
+    sa, sb = torch.tensor(0.013, device="cuda"), torch.tensor(0.0021, device="cuda")
+
+    def cublaslt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+    def fxr_fp8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.fxr.linear_fp8.default(x, w, sa, sb, torch.bfloat16)
+
+    lines = ["", "FP8 (e4m3 weights and input, per-tensor scales, bf16 out); floor: the e4m3 weights' bytes", "",
+             "| rows | projection | floor ms | cuBLASLt ms | fxr.linear_fp8 ms | cuBLASLt / floor | fxr.linear_fp8 / floor | "
+             "fxr.linear_fp8 / cuBLASLt | err triton | err cuBLASLt |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    sweeps = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = {name: (torch.randn(rows, k, device="cuda") * 40).clamp(-448, 448).to(fp8) for name, (n, k) in shapes.items()}
+        for name, ws in weights.items():
+            x = xs[name]
+            ref = (x.float() @ ws[0].float().t()) * (sa * sb)
+            errs = rel_err(fxr_fp8(x, ws[0]), ref), rel_err(cublaslt(x, ws[0]), ref)
+            t = [graph_ms(lambda fn=fn: [fn(x, w) for w in ws]) for fn in (cublaslt, fxr_fp8)]
+            lines.append(f"| {rows} | {name} | {floor[name]:.3f} | {t[0]:.3f} | {t[1]:.3f} | {t[0] / floor[name]:.3f} | "
+                         f"{t[1] / floor[name]:.3f} | {t[1] / t[0]:.3f} | {errs[0]:.1e} | {errs[1]:.1e} |")  # fmt: skip
+            print(lines[-1], flush=True)
+            if args.fp8_sweep:
+                f = kernels.Fusion(scales=(sa, sb), out_dtype=torch.bfloat16)
+                for bn, bk, (warps, stages) in FP8_SWEEP:
+                    cfg = (bn, bk, warps, stages)
+                    try:
+                        ms = graph_ms(lambda cfg=cfg: [kernels.skinny(x, w, None, f, cfg) for w in ws])
+                    except Exception as e:  # noqa: BLE001 - too much shared memory: not a candidate
+                        print(f"fp8 {rows} {name} {cfg}: {type(e).__name__}", file=sys.stderr)
+                        continue
+                    sweeps.append((rows, name, cfg, ms))
+        total = sum(floor.values())
+        t = [graph_ms(lambda fn=fn: [fn(xs[name], weights[name][i]) for i in range(LAYERS) for name in shapes])
+             for fn in (cublaslt, fxr_fp8)]  # fmt: skip
+        lines.append(f"| {rows} | all, in layer order | {total:.3f} | {t[0]:.3f} | {t[1]:.3f} | {t[0] / total:.3f} | "
+                     f"{t[1] / total:.3f} | {t[1] / t[0]:.3f} | | |")  # fmt: skip
+        print(lines[-1], flush=True)
+    if sweeps:
+        lines += ["", "FP8 sweep (BN, BK, warps, stages), best per shape:", ""]
+        for (rows, name), group in itertools.groupby(sweeps, key=lambda s: (s[0], s[1])):
+            best = min(group, key=lambda s: s[3])
+            lines.append(f"- {rows} rows, {name}: {best[2]} {best[3]:.3f} ms ({best[3] / floor[name]:.3f} of the floor)")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,8,16")
     p.add_argument("--sweep", action="store_true", help="also time every Triton launch configuration")
     p.add_argument("--out", help="also write the markdown table here")
+    p.add_argument("--fp8", action="store_true", help="also the FP8 table (torch._scaled_mm against fxr.linear_fp8)")
+    p.add_argument("--fp8-sweep", action="store_true", help="the FP8 table with its kernel's launch configurations")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemm needs CUDA", file=sys.stderr)
@@ -141,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bench_attention import graph_ms  # median ms of one replay of a captured call (imports Triton)
 
     # a call the kernel cannot take is a counted fallback
-    providers.configure("linear=triton,linear_silu_and_mul=triton")
+    providers.configure("linear=triton,linear_silu_and_mul=triton,linear_fp8=triton")
     torch.manual_seed(0)
     dtype, shapes = torch.bfloat16, projections()
     bandwidth = Clock(torch.device("cuda")).copy_bandwidth(torch.device("cuda"), 2 << 30)  # as bench_e2e
@@ -182,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"{t[1] / total:.3f} | {t[1] / t[0]:.3f} | | |")  # fmt: skip
         print(lines[-1], flush=True)
     lines += gated_table(args, kernels, shapes, weights, floor, sweeps)
+    if args.fp8 or args.fp8_sweep:
+        lines += fp8_table(args, kernels, shapes, bandwidth)
     lines += ["", f"fxr.linear served: {providers.served().get('linear', {})}",
               f"fxr.linear_silu_and_mul served: {providers.served().get('linear_silu_and_mul', {})}"]  # fmt: skip
     if sweeps:

@@ -27,7 +27,9 @@ Canonical forms (each has a test in tests/fxrewrite/test_canonicalize.py):
   ``aten.softplus`` with its beta and threshold;
 * ``x.index_select(d, i)`` / ``torch.index_select`` -> ``aten.index_select`` with a negative dim;
 * ``F.linear`` -> ``aten.linear``; ``x @ w.t()`` (``.T``, ``.mT``, ``transpose``, ``permute``; ``matmul``
-  or ``mm``) of a matrix ``w`` -> ``aten.linear(x, w)``;
+  or ``mm``) of a matrix ``w`` -> ``aten.linear(x, w)``; ``torch._scaled_mm(x, w.t(), ...)`` (an FP8
+  GEMM; the transpose spelled any of those ways) -> ``aten._scaled_mm(x, aten.t(w), ...)``, every
+  argument bound to the schema;
 * reshapes (``view``, ``reshape``, ``flatten``, ``unflatten``: ``aten.reshape``, or ``aten.flatten`` /
   ``aten.unflatten`` where they merge or split the last dims), slices (``x[..., a:b]``, ``chunk``,
   ``split``: ``aten.slice.Tensor``), ``contiguous``, ``expand``, ``cat``, ``permute``:
@@ -72,6 +74,7 @@ A = torch.ops.aten
 ADD, SUB, MUL, DIV, RSUB = A.add.Tensor, A.sub.Tensor, A.mul.Tensor, A.div.Tensor, A.rsub.Scalar
 POW, RSQRT, SQRT, RECIP = A.pow.Tensor_Scalar, A.rsqrt.default, A.sqrt.default, A.reciprocal.default
 MEAN, LINEAR = A.mean.dim, A.linear.default
+SCALED_MM, TRANSPOSE = A._scaled_mm.default, A.t.default
 SILU, GELU, SIGMOID, NEG = A.silu.default, A.gelu.default, A.sigmoid.default, A.neg.default
 SOFTPLUS = A.softplus.default
 CLAMP, AMAX = A.clamp.default, A.amax.default
@@ -286,6 +289,8 @@ class _Canon:
             return self.set(node, LINEAR, node.args, node.kwargs)
         if key in _MATMUL:
             return self.matmul(node)
+        if key == ("call_function", torch._scaled_mm):
+            return self.scaled_mm(node)
         return None
 
     # -- forms ---------------------------------------------------------------------------------
@@ -359,6 +364,21 @@ class _Canon:
             return None
         self.set(node, LINEAR, (x, w))
         if not wt.users:
+            self.graph.erase_node(wt)
+        return None
+
+    def scaled_mm(self, node: fx.Node) -> None:
+        """``torch._scaled_mm(x, wt, ...)`` -> ``aten._scaled_mm``, arguments bound; ``wt`` a
+        transpose of a matrix ``w`` (as :meth:`matmul` reads them) -> ``aten.t(w)``, the one spelling
+        the FP8 linear rule is written in; the old transpose goes if nothing else reads it."""
+        args, kwargs = bind_schema(SCALED_MM, node.args, {("self" if k == "input" else k): v
+                                                          for k, v in node.kwargs.items()})  # fmt: skip
+        wt = args[1]
+        w = _transposed_matrix(wt)
+        if w is not None and self.rank(w) in (2, None) and not (wt.op == "call_function" and wt.target is TRANSPOSE):
+            args = (args[0], self.new(node, TRANSPOSE, (w,)), *args[2:])
+        self.set(node, SCALED_MM, args, kwargs)
+        if isinstance(wt, fx.Node) and wt is not args[1] and not wt.users:
             self.graph.erase_node(wt)
         return None
 

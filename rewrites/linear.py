@@ -9,6 +9,15 @@ linear whose only reader is SiLU-and-mul (an MLP's merged gate and up projection
 ``aten.linear``; a missing bias is bound as ``None``, so one rule without and one with a bias
 cover them. The op serves every dtype and shape (:mod:`fxrewrite.runtime.ops.linear`): the rule
 runs last, after every rule whose pattern holds a linear.
+
+An FP8 linear with per-tensor scales (static FP8 checkpoints: the input quantized with a
+calibrated scale, the weight stored in e4m3) becomes ``fxr.linear_fp8``, picked by rows likewise:
+
+    %y = torch._scaled_mm(%xq, %w.t(), scale_a=%sa, scale_b=%sb, out_dtype=bf16)
+        ->  %y = fxr.linear_fp8(%xq, %w, %sa, %sb, bf16)
+
+Row-wise or block-wise scales, other FP8 formats and a ``_scaled_mm`` with a bias or a result
+scale are other recipes: they do not match, or the guard refuses them with the reason.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import fxrewrite.runtime.ops  # noqa: F401  (registers torch.ops.fxr.*)
-from fxrewrite.rule import Bindings, Rule
+from fxrewrite.rule import Bindings, Rule, Scalar
 
 
 def matrix_weight(b: Bindings) -> bool | str:
@@ -71,7 +80,25 @@ def linear_bias_silu_and_mul_replacement(x, w, b):
     return torch.ops.fxr.linear_silu_and_mul(x, w, b)
 
 
+# _scaled_mm(xq, w.t(), sa, sb, out_dtype) -> fxr.linear_fp8(xq, w, sa, sb, out_dtype)
+def linear_fp8_pattern(x, w, sa, sb, dtype):
+    return torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb, out_dtype=dtype)
+
+
+def linear_fp8_replacement(x, w, sa, sb, dtype):
+    return torch.ops.fxr.linear_fp8(x, w, sa, sb, dtype)
+
+
+def fp8_per_tensor(b: Bindings) -> bool | str:
+    """What ``fxr.linear_fp8`` serves (``linear.fp8_operands``)."""
+    from fxrewrite.runtime.ops.linear import fp8_operands
+
+    return fp8_operands(b["x"], b["w"], b["sa"], b["sb"], b["dtype"]) or True
+
+
 LINEAR = Rule("linear", linear_pattern, linear_replacement, matrix_weight)
+LINEAR_FP8 = Rule("linear_fp8", linear_fp8_pattern, linear_fp8_replacement, fp8_per_tensor,
+                  scalars={"dtype": Scalar()})  # fmt: skip
 LINEAR_BIAS = Rule("linear_bias", linear_bias_pattern, linear_bias_replacement, matrix_weight)
 LINEAR_SILU_AND_MUL = Rule("linear_silu_and_mul", linear_silu_and_mul_pattern, linear_silu_and_mul_replacement,
                            gate_up_weight)  # fmt: skip
@@ -79,4 +106,4 @@ LINEAR_BIAS_SILU_AND_MUL = Rule("linear_bias_silu_and_mul", linear_bias_silu_and
                                 linear_bias_silu_and_mul_replacement, gate_up_weight)  # fmt: skip
 
 # the gated rules first: a plain linear rule would take their linears
-RULES: list[Rule] = [LINEAR_SILU_AND_MUL, LINEAR_BIAS_SILU_AND_MUL, LINEAR, LINEAR_BIAS]
+RULES: list[Rule] = [LINEAR_SILU_AND_MUL, LINEAR_BIAS_SILU_AND_MUL, LINEAR, LINEAR_BIAS, LINEAR_FP8]

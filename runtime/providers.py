@@ -185,6 +185,19 @@ def configure(spec: str | None = None) -> None:
     log.debug("provider overrides: %s", overrides)
 
 
+@contextlib.contextmanager
+def overriding(spec: str) -> Iterator[None]:
+    """The override ``spec`` (as :func:`configure` takes it) inside, the one before restored
+    after: a side-by-side measure of two providers of one op in one process (bench_e2e)."""
+    before = dict(_REGISTRY.overrides)
+    configure(spec)
+    try:
+        yield
+    finally:
+        _REGISTRY.overrides = before
+        _REGISTRY.plans.clear()
+
+
 def _parse(spec: str) -> dict[str, str]:
     from fxrewrite.runtime.ops import OPS  # late: the op modules import this module
 

@@ -72,12 +72,12 @@ PART: tl.constexpr = tl.constexpr(linear_ops.PART)
 
 
 @triton.jit(do_not_specialize=["rows", "eps"])  # one build per launch configuration serves 1 to 16 rows
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_ptr, sg_ptr, parts_ptr, rows, n, k,
-                          x_stride, w_stride, y_stride, r_stride, eps, rotated, parts_n, BN: tl.constexpr,
-                          BK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
-                          NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, RESIDUAL: tl.constexpr,
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_ptr, sg_ptr, parts_ptr, sa_ptr,
+                          sb_ptr, rows, n, k, x_stride, w_stride, y_stride, r_stride, eps, rotated, parts_n,
+                          BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                          GATED: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, RESIDUAL: tl.constexpr,
                           HALF: tl.constexpr = 0, HAND_OFF: tl.constexpr = False, PARTS: tl.constexpr = 0,
-                          PDL: tl.constexpr = False):  # fmt: skip
+                          PDL: tl.constexpr = False, FP8: tl.constexpr = False):  # fmt: skip
     """Program p: ``y[:, p*BN : (p+1)*BN] = x @ w[p*BN : (p+1)*BN].T (+ bias)`` for all (at most
     16) rows at once, walking k in blocks of ``BK``: every weight element is read once.
 
@@ -92,7 +92,10 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
     (``parts_n`` slots a row); ``PARTS`` (a power of two >= ``parts_n``): ``NORM``'s sum of
     squares is ``sum(parts[row, :parts_n])``, not computed from ``x``. ``PDL``: launched as a
     programmatic dependent launch (:func:`pdl`): it waits for the kernel before it to finish before
-    it reads anything, and lets the next one launch once its k loop is done."""
+    it reads anything, and lets the next one launch once its k loop is done. ``FP8``: ``x`` and
+    ``w`` in float8_e4m3fn, the product scaled by ``sa[0] * sb[0]`` (``torch._scaled_mm`` with
+    per-tensor scales); each tile is widened to float16 (exact: every e4m3 value is one) for the
+    dot, so each product is exact and the sum float32, as in the FP8 MMA."""
     pid = tl.program_id(0)
     if HALF > 0:
         first = (pid // (HALF // BN)) * (2 * HALF) + (pid % (HALF // BN)) * BN
@@ -114,6 +117,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
         if not EVEN_K:
             x_mask, w_mask = x_mask & (ks < k)[None, :], w_mask & (ks < k)[None, :]
         x = tl.load(x_ptr + r[:, None] * x_stride + ks[None, :], mask=x_mask, other=0.0)
+        if FP8:
+            x = x.to(tl.float16)
         if NORM and PARTS == 0:
             xf = x.to(tl.float32)
             squares += tl.sum(xf * xf, axis=1)
@@ -121,9 +126,13 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
                 g = tl.load(g_ptr + ks, mask=ks < k, other=0.0).to(tl.float32)
                 x = (xf * g[None, :]).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * w_stride + ks[None, :], mask=w_mask, other=0.0)
+        if FP8:
+            w = w.to(tl.float16)
         acc += tl.dot(x, tl.trans(w))
         if GATED or HALF > 0:
             u = tl.load(w_ptr + partner[:, None].to(tl.int64) * w_stride + ks[None, :], mask=w_mask, other=0.0)
+            if FP8:
+                u = u.to(tl.float16)
             acc_up += tl.dot(x, tl.trans(u))
     if PDL:  # the next kernel may be scheduled now; it waits for this one's stores
         tl.extra.cuda.gdc_launch_dependents()
@@ -137,6 +146,11 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
         acc = acc * scale
         if GATED or HALF > 0:
             acc_up = acc_up * scale
+    if FP8:  # the per-tensor scales, as torch._scaled_mm applies them (before the bias)
+        scales = tl.load(sa_ptr) * tl.load(sb_ptr)
+        acc = acc * scales
+        if GATED or HALF > 0:
+            acc_up = acc_up * scales
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
         if GATED or HALF > 0:
@@ -305,7 +319,8 @@ class Fusion:
     handed off by the GEMM that made ``x``), ``residual`` (added before the store; ``inplace``:
     stored into it; ``hand_off``: the next norm's ``s * g`` and sums of squares stored too, ``g``
     in ``norm_weight``), rotary (``cos_sin_cache`` [P, D] indexed by ``positions``, the first
-    ``rotated`` columns in heads of D rotated, NeoX halves)."""
+    ``rotated`` columns in heads of D rotated, NeoX halves), ``scales`` (FP8 operands: the
+    per-tensor scales of ``x`` and the weight), ``out_dtype`` (the output's, else ``x``'s)."""
 
     gated: bool = False
     norm: bool = False
@@ -318,6 +333,8 @@ class Fusion:
     rotated: int = 0
     parts: Tensor | None = None
     hand_off: bool = False
+    scales: tuple[Tensor, Tensor] | None = None
+    out_dtype: torch.dtype | None = None
 
     @property
     def half(self) -> int:
@@ -356,6 +373,8 @@ def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion,
     paired = f.gated or f.half > 0  # programs of two column blocks (gate and up, rotation pairs)
     bn, bk, warps, stages = config or (gated_config(n // (1 if f.gated else 2), _sms(x.device)) if paired
                                        else skinny_config(n, _sms(x.device)))  # fmt: skip
+    if f.scales is not None and config is None and k % (2 * bk) == 0:
+        bk *= 2  # FP8: half the bytes a row, the same bytes a k step
     if f.half:
         bn = bn if f.half % bn == 0 else math.gcd(bn, f.half)  # a program's block inside half a head
     meta = {"BN": bn, "BK": bk, "HAS_BIAS": bias is not None, "EVEN_K": k % bk == 0, "GATED": f.gated,
@@ -366,6 +385,8 @@ def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion,
         meta["PARTS"] = triton.next_power_of_2(parts_n)
     if f.hand_off:
         meta["HAND_OFF"] = True
+    if f.scales is not None:
+        meta["FP8"] = True
     if launch_pdl(x.device):
         meta.update(PDL=True, launch_pdl=True)
     grid = n // (2 * bn) if f.half else triton.cdiv(n, bn)
@@ -387,7 +408,7 @@ def skinny(x: Tensor, weight: Tensor, bias: Tensor | None = None, f: Fusion = PL
         assert residual is not None
         out = residual
     else:
-        out = torch.empty((rows.shape[0], p.n), dtype=x.dtype, device=x.device)
+        out = torch.empty((rows.shape[0], p.n), dtype=f.out_dtype or x.dtype, device=x.device)
     sg = torch.empty_like(out) if f.hand_off else None
     parts = f.parts if f.parts is not None else (
         torch.empty((rows.shape[0], p.parts_n), dtype=torch.float32, device=x.device) if f.hand_off else None)
@@ -395,7 +416,7 @@ def skinny(x: Tensor, weight: Tensor, bias: Tensor | None = None, f: Fusion = PL
         _skinny_linear_kernel[(p.grid,)](
             rows, weight, _or(bias, weight), out, _or(f.norm_weight, weight), _or(residual, weight),
             _or(f.positions, weight), _or(f.cos_sin_cache, weight), _or(sg, weight), _or(parts, weight),
-            rows.shape[0], p.n, p.k, rows.stride(0), weight.stride(0), p.y_stride, p.r_stride, f.eps, f.rotated,
+            *(f.scales or (weight, weight)), rows.shape[0], p.n, p.k, rows.stride(0), weight.stride(0), p.y_stride, p.r_stride, f.eps, f.rotated,
             p.parts_n, **p.meta,
         )  # fmt: skip
     if f.hand_off:
@@ -416,8 +437,11 @@ def _prepare(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion) -> tuple
     p = _plan(x, weight, bias, f)
     pointers = (x, weight, _or(bias, weight), x, _or(f.norm_weight, weight), _or(f.residual, weight),
                 _or(f.positions, weight), _or(f.cos_sin_cache, weight), x if f.hand_off else weight)  # fmt: skip
+    dtypes = [t.dtype for t in pointers]
+    dtypes[3] = f.out_dtype or x.dtype  # y
     parts = torch.float32 if f.hand_off or f.parts is not None else weight.dtype
-    args = (*(t.dtype for t in pointers), parts, linear_ops.SKINNY_ROWS, p.n, p.k, p.x_stride, weight.stride(0),
+    scales = [t.dtype for t in f.scales or (weight, weight)]
+    args = (*dtypes, parts, *scales, linear_ops.SKINNY_ROWS, p.n, p.k, p.x_stride, weight.stride(0),
             p.y_stride, p.r_stride, f.eps, f.rotated, p.parts_n)  # fmt: skip
     _bind_device(_skinny_linear_kernel, x.device)
 
@@ -438,6 +462,8 @@ def _norm(norm_weight: Tensor | None, eps: float, **kw: Any) -> Fusion:
 _LAUNCH: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor | None, Fusion]]] = {
     "linear": lambda x, w, bias=None: (x, w, bias, PLAIN),
     "linear_silu_and_mul": lambda x, w, bias=None: (x, w, bias, Fusion(gated=True)),
+    "linear_fp8": lambda x, w, scale_a, scale_b, out_dtype: (x, w, None, Fusion(scales=(scale_a, scale_b),
+                                                                                out_dtype=out_dtype)),
     "rms_norm_linear": lambda x, g, eps, w, bias=None, cast_last=False, parts=None: (
         x, w, bias, _norm(g, eps, parts=parts)),
     "rms_norm_linear_silu_and_mul": lambda x, g, eps, w, bias=None, cast_last=False, parts=None: (
@@ -488,6 +514,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def linear_silu_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return skinny(*_LAUNCH["linear_silu_and_mul"](x, weight, bias))
+
+
+def linear_fp8(x: Tensor, weight: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    return skinny(*_LAUNCH["linear_fp8"](x, weight, scale_a, scale_b, out_dtype))
 
 
 def rms_norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None = None,

@@ -16,6 +16,12 @@ the Triton kernel applies SiLU-and-mul before it stores, one launch instead of t
 cuBLAS and then ``fxr.silu_and_mul`` (whichever library serves it).
 
     h = torch.ops.fxr.silu_and_mul(torch.ops.fxr.linear(x, w))   ->   h = torch.ops.fxr.linear_silu_and_mul(x, w)
+
+``fxr::linear_fp8(x, w, scale_a, scale_b, out_dtype)`` is an FP8 linear with per-tensor scales,
+``torch._scaled_mm(x, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)`` (x [..., k]
+and w [n, k] in float8_e4m3fn, the scales one float32 element each): what static FP8 checkpoints
+run. Up to ``SKINNY_ROWS`` rows the Triton kernel streams the FP8 weight once (half the bytes of
+bf16; cuBLASLt's FP8 GEMM pads a decode step's rows to a tile of its own); above, cuBLASLt.
 """
 
 from __future__ import annotations
@@ -51,6 +57,51 @@ def linear_silu_and_mul_reference(x: Tensor, w: Tensor, bias: Tensor | None = No
     """``silu_and_mul(F.linear(x, w, bias))``: w [2d, k] (gate rows, then up rows) -> [..., d]."""
     gate_up_rows(w)
     return silu_and_mul_reference(F.linear(x, w, bias))
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def linear_fp8_reference(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``torch._scaled_mm(x, w.t(), scale_a, scale_b, out_dtype=out_dtype)`` over x's rows:
+    x [..., k], w [n, k] in float8_e4m3fn, per-tensor float32 scales -> [..., n] in ``out_dtype``."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch._scaled_mm(rows, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _linear_fp8_fake(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=out_dtype)
+
+
+def fp8_operands(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> str | None:
+    """What ``fxr.linear_fp8`` serves (its rule's guard): e4m3 operands, a 2-D weight of x's
+    width, per-tensor float32 scales (one element each; row- or block-wise scales are other
+    recipes), a floating output."""
+    if x.dtype != FP8 or w.dtype != FP8:
+        return f"operands {x.dtype} x {w.dtype}, not float8_e4m3fn"
+    if w.dim() != 2 or x.dim() == 0 or x.shape[-1] != w.shape[-1]:
+        return f"shapes {tuple(x.shape)} x {tuple(w.shape)}"
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if s.numel() != 1 or s.dtype != torch.float32:
+            return f"{name} is {tuple(s.shape)} {s.dtype}: not one float32 scale per tensor"
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"output dtype {out_dtype}"
+    return None
+
+
+def fp8_skinny_check(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> str | None:
+    """The Triton kernel of ``linear_fp8``: :func:`fp8_operands`, at most ``SKINNY_ROWS`` rows, a
+    weight with unit stride along k."""
+    reason = fp8_operands(x, w, scale_a, scale_b, out_dtype)
+    if reason:
+        return reason
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not 0 < rows <= SKINNY_ROWS:
+        return f"{rows} rows: cuBLASLt serves outside 1..{SKINNY_ROWS}"
+    if w.numel() == 0 or w.stride(-1) != 1:
+        return "empty weight, or no unit stride along k"
+    return constraints.check_same_device(x, w, scale_a, scale_b)
 
 
 def _linear_fake(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -111,8 +162,14 @@ GATED_KERNELS = (
     Kernel("torch", _cublas_silu_and_mul, _always, label="cublas+silu_and_mul"),
 )
 
+FP8_KERNELS = (
+    providers.triton_kernel("linear_fp8", fp8_skinny_check, prepare=True, module=TRITON_GEMM),
+    Kernel("torch", linear_fp8_reference, _always, label="cublaslt"),
+)
+
 DEFS: tuple[OpDef, ...] = (
     OpDef("linear", linear_reference, _linear_fake, KERNELS),
+    OpDef("linear_fp8", linear_fp8_reference, _linear_fp8_fake, FP8_KERNELS),
     OpDef("linear_silu_and_mul", linear_silu_and_mul_reference, _linear_silu_and_mul_fake, GATED_KERNELS),
 )
 OPS: tuple[str, ...] = providers.define_all(DEFS)

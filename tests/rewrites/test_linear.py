@@ -196,3 +196,79 @@ def test_the_default_library_selects_gemms_for_replayed_graphs_only(mode: str, e
     r = compile_once(Projections(), torch.randn(4, 32), mode=mode, capture_sizes=(4, 8), progress=False,
                      merge_siblings=False, **compile_modes(False))  # fmt: skip
     assert r.report.fused_ops() == expect
+
+
+# --------------------------------------------------------------------------- FP8 (per-tensor scales)
+
+FP8 = torch.float8_e4m3fn
+
+
+class Fp8Projections(torch.nn.Module):
+    """Static FP8 linears as checkpoints with per-tensor scales run them: the input quantized with
+    a calibrated scale, ``torch._scaled_mm`` on the e4m3 weight's transpose, spelled ``.t()``,
+    ``.T`` and ``permute(1, 0)``; ``scales``: "tensor" (one float32 each), "row" (one per row of the
+    input and per column of the weight: another recipe)."""
+
+    def __init__(self, out_dtype: torch.dtype = BF16, scales: str = "tensor") -> None:
+        super().__init__()
+        self.out_dtype, self.scales = out_dtype, scales
+        self.w = torch.nn.Parameter((torch.randn(48, 32) * 0.5).to(FP8), requires_grad=False)
+        self.v = torch.nn.Parameter((torch.randn(16, 48) * 0.5).to(FP8), requires_grad=False)
+        self.sw = torch.nn.Parameter(torch.tensor(0.02), requires_grad=False)
+        self.sv = torch.nn.Parameter(torch.tensor(0.03), requires_grad=False)
+        self.sx = torch.nn.Parameter(torch.tensor(0.05), requires_grad=False)
+
+    def quant(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float() / self.sx).clamp(-448, 448).to(FP8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        xq = self.quant(x)
+        if self.scales == "row":
+            sa = self.sx.expand(xq.shape[0], 1).contiguous()
+            h = torch._scaled_mm(xq, self.w.t(), scale_a=sa, scale_b=self.sw.expand(1, 48).contiguous(),
+                                 out_dtype=self.out_dtype)  # fmt: skip
+        else:
+            h = torch._scaled_mm(xq, self.w.t(), scale_a=self.sx, scale_b=self.sw, out_dtype=self.out_dtype)
+        hq = self.quant(torch.relu(h))
+        return h, torch._scaled_mm(hq, self.v.T, self.sx, self.sv, out_dtype=self.out_dtype), \
+            torch._scaled_mm(hq, self.v.permute(1, 0), scale_a=self.sx, scale_b=self.sv, out_dtype=self.out_dtype)
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+@pytest.mark.parametrize("out_dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+def test_an_fp8_linear_with_per_tensor_scales_becomes_fxr_linear_fp8(dynamic: bool, out_dtype: torch.dtype) -> None:
+    """Every spelling of the weight's transpose, the scales as keywords or positional: one op each,
+    bit for bit eager's on CPU (its CPU impl is ``_scaled_mm`` itself); the op keeps the weight
+    as stored (no transposed copy) and the output dtype."""
+    r = check(Fp8Projections(out_dtype), torch.randn(6, 32), rules=linear.RULES, expect={"linear_fp8": 3},
+              dynamic=dynamic, exact=True, merge_siblings=False)  # fmt: skip
+    for node in fused_nodes(r, "linear_fp8"):
+        assert node.args[1].op == "placeholder" or node.args[1].op == "get_attr", node.args[1]
+        assert node.args[4] == out_dtype
+
+
+def test_an_fp8_linear_in_the_default_library_only_where_graphs_are_replayed() -> None:
+    """The rule is in select_gemm: modes piecewise and full, not none (the op's host dispatch)."""
+    names = {mode: [r.name for _, rules in default_rule_groups(mode) for r in rules] for mode in ("none", "full")}
+    assert "linear_fp8" in names["full"] and "linear_fp8" not in names["none"]
+    check(Fp8Projections(), torch.randn(6, 32), expect={"linear_fp8": 3}, mode="piecewise", merge_siblings=False)
+
+
+def test_row_wise_scales_are_a_near_miss() -> None:
+    """Negative twin: scales per row of the input and per column of the weight (another recipe);
+    the guard says why the first GEMM stays ``_scaled_mm``."""
+    r = check(Fp8Projections(scales="row"), torch.randn(6, 32), rules=linear.RULES, expect={"linear_fp8": 2},
+              dynamic=False, exact=True, merge_siblings=False)  # fmt: skip
+    assert reasons(r, "linear_fp8") == ["guard: scale_a is (6, 1) torch.float32: not one float32 scale per tensor"]
+
+
+def test_a_scaled_mm_with_a_bias_stays() -> None:
+    """Negative twin: a bias inside ``_scaled_mm`` is not the pattern's (None); nothing is rewritten."""
+    w, sx, sw = (torch.randn(48, 32) * 0.5).to(FP8), torch.tensor(0.05), torch.tensor(0.02)
+    bias = torch.randn(48, dtype=BF16)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        xq = (x / sx).clamp(-448, 448).to(FP8)
+        return torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=BF16)
+
+    check(fn, torch.randn(6, 32), rules=linear.RULES, expect={}, dynamic=False, exact=True)

@@ -160,6 +160,21 @@ def test_mixed_spec(registry: providers._Registry) -> None:
     assert providers.dispatch("silu_and_mul", kernels, reference, X) == "sgl_kernel"
 
 
+def test_an_override_inside_a_block_restores_the_one_before(registry: providers._Registry) -> None:
+    """``overriding``: bench_e2e's side-by-side rows of two providers of one op in one process."""
+    install(registry, sgl_kernel=lib("sgl_kernel"), flashinfer=lib("flashinfer"))
+    providers.configure("silu_and_mul=sgl_kernel")
+    kernels = (tagged("sgl_kernel"), tagged("flashinfer"))
+    with providers.overriding("rms_norm=flashinfer"):
+        assert providers.dispatch("rms_norm", kernels, reference, X) == "flashinfer"
+    assert providers.dispatch("rms_norm", kernels, reference, X) == "sgl_kernel"
+    with pytest.raises(RuntimeError), providers.overriding("torch"):
+        assert providers.dispatch("rms_norm", kernels, reference, X) == "torch"
+        raise RuntimeError("the block raised")
+    assert providers.dispatch("rms_norm", kernels, reference, X) == "sgl_kernel"
+    assert providers._REGISTRY.overrides == {"silu_and_mul": "sgl_kernel"}
+
+
 def test_env_var_read_when_configure_gets_none(registry: providers._Registry, monkeypatch: pytest.MonkeyPatch) -> None:
     install(registry, sgl_kernel=lib("sgl_kernel"))
     monkeypatch.setenv(providers.ENV_VAR, "torch")

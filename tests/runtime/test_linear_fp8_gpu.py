@@ -1,0 +1,87 @@
+"""``fxr.linear_fp8`` on the GPU at the 8B layer's shapes: the Triton kernel up to 16 rows and
+cuBLASLt's ``_scaled_mm`` above, each no further from the float32 product than cuBLASLt; the
+kernel captured in a CUDA graph (and, on Hopper, as a programmatic dependent launch) replays
+with fresh inputs; the kernel built ahead is the one launched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.gpu import fresh_counts, gen  # noqa: F401  (pytest fixtures of this module)
+
+from fxrewrite.runtime import providers
+from fxrewrite.runtime.ops import linear
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def e4m3(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return (torch.randn(shape, device="cuda", generator=gen) * 40).clamp(-448, 448).to(FP8)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+@pytest.fixture(autouse=True)
+def needs_triton() -> None:
+    if providers.library(linear.TRITON_GEMM) is None:
+        pytest.skip("triton is not importable here")
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16, 17, 256])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_triton_at_decode_sizes_then_cublaslt(shape: str, rows: int, gen: torch.Generator) -> None:
+    n, k = SHAPES[shape]
+    x, w = e4m3(gen, rows, k), e4m3(gen, n, k)
+    sa, sb = torch.tensor(0.013, device="cuda"), torch.tensor(0.0021, device="cuda")
+    exact = (x.float() @ w.float().t()) * (sa * sb)
+    got = torch.ops.fxr.linear_fp8(x, w, sa, sb, BF16)
+    cublaslt = torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb, out_dtype=BF16)
+    assert providers.served()["linear_fp8"] == {"fallbacks": {}, "triton" if rows <= 16 else "cublaslt": 1}
+    assert got.dtype == BF16 and got.shape == (rows, n)
+    assert rel_err(got, exact) <= 1.05 * rel_err(cublaslt, exact) + 1e-3, (rel_err(got, exact), rel_err(cublaslt, exact))
+
+
+def test_replays_in_a_cuda_graph_with_fresh_inputs(gen: torch.Generator) -> None:
+    """Two FP8 GEMMs back to back in one graph (the second reads the first's output, requantized:
+    under PDL the second waits for it), replayed with new inputs copied in."""
+    n, k = SHAPES["o"]
+    x, w1, w2 = e4m3(gen, 8, k), e4m3(gen, n, k), e4m3(gen, n, n)
+    sa, sb = torch.tensor(0.013, device="cuda"), torch.tensor(0.0021, device="cuda")
+
+    def step() -> torch.Tensor:
+        h = torch.ops.fxr.linear_fp8(x, w1, sa, sb, BF16)
+        return torch.ops.fxr.linear_fp8((h.float() / 0.05).clamp(-448, 448).to(FP8), w2, sa, sb, BF16)
+
+    step()  # builds
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        x.copy_(e4m3(gen, 8, k))
+        graph.replay()
+        h = torch._scaled_mm(x, w1.t(), scale_a=sa, scale_b=sb, out_dtype=BF16)
+        want = torch._scaled_mm((h.float() / 0.05).clamp(-448, 448).to(FP8), w2.t(), scale_a=sa, scale_b=sb, out_dtype=BF16)
+        # the first GEMM's bf16 output may round differently, moving a value across an e4m3 step
+        assert rel_err(out, want.float()) < 0.05
+
+
+def test_the_kernel_built_ahead_is_the_one_launched(gen: torch.Generator) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxrewrite.runtime import triton_gemm
+
+    n, k = 1024, 4608  # a shape no other test builds
+    args = [e4m3(gen, 8, k), e4m3(gen, n, k), torch.tensor(0.01, device="cuda"), torch.tensor(0.02, device="cuda"), BF16]
+    with FakeTensorMode() as mode:
+        fake = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+    note = providers.prebuild([(torch.ops.fxr.linear_fp8.default, fake, {})])
+    assert note is not None and note.startswith("1 kernel"), note
+    cache = triton_gemm._skinny_linear_kernel.device_caches[torch.cuda.current_device()][0]
+    built = len(cache)
+    torch.ops.fxr.linear_fp8(*args)
+    assert len(cache) == built
