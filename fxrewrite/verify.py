@@ -27,7 +27,9 @@ In bf16 and fp16 the code a rule replaces rounds after every operation; where it
 (a rotation, a difference of products) it is itself off by more than the dtype tolerance of the
 small result. An output that fails the tolerance is then judged against the subgraph run in
 float64: it passes when it is at most ``ACCURACY_SLACK`` (2) times as far from that as the
-replaced code, plus one unit of the dtype at the output's scale. A replacement that computes
+replaced code, plus one unit of the dtype at the output's scale. An FP8 GEMM (``_scaled_mm``, which
+takes no float64 operands) is its exact product there: a decode kernel summing in another order
+than cuBLASLt is judged so where a cancelling row leaves a small output. A replacement that computes
 something else stays far from both and is refused.
 
 A site that cannot be checked (unknown metadata, an input the generator cannot make, an
@@ -311,13 +313,27 @@ def _replacement(m: Match) -> fx.GraphModule:
     return cr.replacement
 
 
-def run_graph(gm: fx.GraphModule, args: Sequence[Any]) -> list[Any]:
-    """Run ``gm`` on clones: one clone per distinct tensor, so arguments bound to one graph node
-    alias each other as they do in the graph (an in-place kernel sees the same aliasing)."""
+def run_graph(gm: fx.GraphModule, args: Sequence[Any], run: Callable[..., Any] | None = None) -> list[Any]:
+    """Run ``gm`` (or ``run``, a runner of it) on clones: one clone per distinct tensor, so
+    arguments bound to one graph node alias each other as they do in the graph (an in-place
+    kernel sees the same aliasing)."""
     clones: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        out = gm(*[clones.setdefault(id(a), a.clone()) if isinstance(a, torch.Tensor) else a for a in args])
+        out = (run or gm)(*[clones.setdefault(id(a), a.clone()) if isinstance(a, torch.Tensor) else a for a in args])
     return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+class _Float64(fx.Interpreter):
+    """The subgraph in float64, where an FP8 GEMM (``aten._scaled_mm``: its operands must be FP8,
+    not float64) is its exact value, ``(a @ b) * scale_a * scale_b + bias`` (e4m3 values and their
+    products are exact in float64), and the kernel's own float32 sum is judged against that."""
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if target is torch.ops.aten._scaled_mm.default:
+            a, b, scale_a, scale_b, bias = (list(args) + [None] * 5)[:5]
+            y = (a.double() @ b.double()) * scale_a.double() * scale_b.double()
+            return y if bias is None else y + bias.double()
+        return super().call_function(target, args, kwargs)
 
 
 def check(m: Match, seed: int = 0) -> str | None:
@@ -407,11 +423,11 @@ def agrees(got: Any, want: Any, exact: Callable[[], Any]) -> str | None:
 
 
 def run_float64(sub: fx.GraphModule, args: Sequence[Any]) -> list[Any]:
-    """The matched subgraph on the same inputs upcast to float64 (its own casts still round);
-    [] when it does not run so."""
+    """The matched subgraph on the same inputs upcast to float64 (its own casts still round; an
+    FP8 GEMM is its exact product, :class:`_Float64`); [] when it does not run so."""
     up = [a.double() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point else a for a in args]
     try:
-        return run_graph(sub, up)
+        return run_graph(sub, up, _Float64(sub).run)
     except Exception:  # noqa: BLE001 - no exact reference: the dtype tolerance decides
         return []
 

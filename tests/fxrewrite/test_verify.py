@@ -418,3 +418,33 @@ def test_a_site_of_a_size_read_from_data_is_checked_at_stand_in_sizes(
         r"verify: cannot check this site: size u\d+ has no hint, and its symbols have no values the graph's "
         r"runtime asserts allow", why) for why in reasons)  # fmt: skip
     assert_close(r.output, r.eager)
+
+
+def _fp8_gemm(x: torch.Tensor, w: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    a = torch.ops.aten
+    return a._scaled_mm.default(x, a.t.default(w), sa, sb, None, None, torch.bfloat16, False)
+
+
+def test_the_float64_reference_of_an_fp8_gemm_is_its_exact_product() -> None:
+    """``_scaled_mm`` takes no float64 operands: the reference evaluates it as ``(a @ b) * sa * sb``,
+    exact for e4m3 values. A kernel summing in another order than cuBLASLt's is then judged by
+    accuracy where a cancelling row leaves a small output off by more than bf16's tolerance;
+    a wrong value is still refused."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 256, generator=g) * 40).to(torch.float8_e4m3fn)
+    w = (torch.randn(64, 256, generator=g) * 40).to(torch.float8_e4m3fn)
+    sa, sb = torch.tensor(0.5), torch.tensor(1.5)
+    gm = torch.fx.symbolic_trace(_fp8_gemm)
+    [exact] = verify.run_float64(gm, [x, w, sa, sb])
+    assert exact.dtype == torch.float64
+    torch.testing.assert_close(exact, (x.double() @ w.double().T) * 0.75, rtol=0, atol=0)
+    want = exact.to(torch.bfloat16)  # the GEMM's output, rounded once
+    i = int(exact.abs().argmin())  # the most cancelled output: bf16's absolute tolerance there is smallest
+    near = want.clone().view(-1)
+    near[i] += 0.05 * float(exact.abs().max()) * 2**-7  # a float32-order difference, far below a bf16 step of the row's scale
+    near = near.view_as(want)
+    assert verify.compare(near, want) is not None  # the dtype tolerance alone would refuse it
+    assert verify.agrees(near, want, lambda: exact) is None
+    wrong = want.clone().view(-1)
+    wrong[i] = -wrong[i] + float(exact.abs().max())
+    assert verify.agrees(wrong.view_as(want), want, lambda: exact) is not None
