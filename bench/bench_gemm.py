@@ -129,6 +129,36 @@ def gated_table(args: argparse.Namespace, kernels: Any, shapes: dict[str, tuple[
     return lines
 
 
+Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def timed_row(rows: int, name: str, floor: float, x: torch.Tensor, ws: list[torch.Tensor], ref: torch.Tensor,
+              base: Gemm, ours: Gemm) -> str:  # fmt: skip
+    """One projection's row: ``base`` and ``ours`` over its weights in one CUDA graph each, against
+    the floor and, on the first weight, against the float32 ``ref``."""
+    from bench_attention import graph_ms
+
+    errs = rel_err(ours(x, ws[0]), ref), rel_err(base(x, ws[0]), ref)
+    t = [graph_ms(lambda fn=fn: [fn(x, w) for w in ws]) for fn in (base, ours)]
+    line = (f"| {rows} | {name} | {floor:.3f} | {t[0]:.3f} | {t[1]:.3f} | {t[0] / floor:.3f} | {t[1] / floor:.3f} | "
+            f"{t[1] / t[0]:.3f} | {errs[0]:.1e} | {errs[1]:.1e} |")  # fmt: skip
+    print(line, flush=True)
+    return line
+
+
+def layer_order_row(rows: int, xs: dict[str, torch.Tensor], weights: dict[str, list[torch.Tensor]], floor: float,
+                    base: Gemm, ours: Gemm) -> str:  # fmt: skip
+    """The step's GEMMs: every projection of every layer in model order, one CUDA graph each way."""
+    from bench_attention import graph_ms
+
+    t = [graph_ms(lambda fn=fn: [fn(xs[name], weights[name][i]) for i in range(LAYERS) for name in weights])
+         for fn in (base, ours)]  # fmt: skip
+    line = (f"| {rows} | all, in layer order | {floor:.3f} | {t[0]:.3f} | {t[1]:.3f} | {t[0] / floor:.3f} | "
+            f"{t[1] / floor:.3f} | {t[1] / t[0]:.3f} | | |")  # fmt: skip
+    print(line, flush=True)
+    return line
+
+
 FP8_SWEEP = list(itertools.product((32, 64), (256, 512, 1024), ((4, 3), (4, 4), (8, 4))))
 
 
@@ -156,12 +186,7 @@ def fp8_table(args: argparse.Namespace, kernels: Any, shapes: dict[str, tuple[in
         xs = {name: (torch.randn(rows, k, device="cuda") * 40).clamp(-448, 448).to(fp8) for name, (n, k) in shapes.items()}
         for name, ws in weights.items():
             x = xs[name]
-            ref = (x.float() @ ws[0].float().t()) * (sa * sb)
-            errs = rel_err(fxr_fp8(x, ws[0]), ref), rel_err(cublaslt(x, ws[0]), ref)
-            t = [graph_ms(lambda fn=fn: [fn(x, w) for w in ws]) for fn in (cublaslt, fxr_fp8)]
-            lines.append(f"| {rows} | {name} | {floor[name]:.3f} | {t[0]:.3f} | {t[1]:.3f} | {t[0] / floor[name]:.3f} | "
-                         f"{t[1] / floor[name]:.3f} | {t[1] / t[0]:.3f} | {errs[0]:.1e} | {errs[1]:.1e} |")  # fmt: skip
-            print(lines[-1], flush=True)
+            lines.append(timed_row(rows, name, floor[name], x, ws, (x.float() @ ws[0].float().t()) * (sa * sb), cublaslt, fxr_fp8))
             if args.fp8_sweep:
                 f = kernels.Fusion(scales=(sa, sb), out_dtype=torch.bfloat16)
                 for bn, bk, (warps, stages) in FP8_SWEEP:
@@ -172,12 +197,7 @@ def fp8_table(args: argparse.Namespace, kernels: Any, shapes: dict[str, tuple[in
                         print(f"fp8 {rows} {name} {cfg}: {type(e).__name__}", file=sys.stderr)
                         continue
                     sweeps.append((rows, name, cfg, ms))
-        total = sum(floor.values())
-        t = [graph_ms(lambda fn=fn: [fn(xs[name], weights[name][i]) for i in range(LAYERS) for name in shapes])
-             for fn in (cublaslt, fxr_fp8)]  # fmt: skip
-        lines.append(f"| {rows} | all, in layer order | {total:.3f} | {t[0]:.3f} | {t[1]:.3f} | {t[0] / total:.3f} | "
-                     f"{t[1] / total:.3f} | {t[1] / t[0]:.3f} | | |")  # fmt: skip
-        print(lines[-1], flush=True)
+        lines.append(layer_order_row(rows, xs, weights, sum(floor.values()), cublaslt, fxr_fp8))
     if sweeps:
         lines += ["", "FP8 sweep (BN, BK, warps, stages), best per shape:", ""]
         for (rows, name), group in itertools.groupby(sweeps, key=lambda s: (s[0], s[1])):
@@ -223,12 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         xs = {name: torch.randn(rows, k, device="cuda", dtype=dtype) for name, (n, k) in shapes.items()}
         for name, ws in weights.items():
             x = xs[name]
-            ref = x.float() @ ws[0].float().t()
-            errs = rel_err(fxr_linear(x, ws[0]), ref), rel_err(cublas(x, ws[0]), ref)
-            t = [graph_ms(lambda fn=fn: [fn(x, w) for w in ws]) for fn in (cublas, fxr_linear)]
-            lines.append(f"| {rows} | {name} | {floor[name]:.3f} | {t[0]:.3f} | {t[1]:.3f} | {t[0] / floor[name]:.3f} | "
-                         f"{t[1] / floor[name]:.3f} | {t[1] / t[0]:.3f} | {errs[0]:.1e} | {errs[1]:.1e} |")  # fmt: skip
-            print(lines[-1], flush=True)
+            lines.append(timed_row(rows, name, floor[name], x, ws, x.float() @ ws[0].float().t(), cublas, fxr_linear))
             if args.sweep:
                 for bn, bk, (warps, stages) in SWEEP:
                     cfg = (bn, bk, warps, stages)
@@ -238,12 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"{rows} {name} {cfg}: {type(e).__name__}", file=sys.stderr)
                         continue
                     sweeps.append((rows, name, cfg, ms, floor[name]))
-        total = sum(floor.values())
-        t = [graph_ms(lambda fn=fn: [fn(xs[name], weights[name][i]) for i in range(LAYERS) for name in shapes])
-             for fn in (cublas, fxr_linear)]  # fmt: skip
-        lines.append(f"| {rows} | all, in layer order | {total:.3f} | {t[0]:.3f} | {t[1]:.3f} | {t[0] / total:.3f} | "
-                     f"{t[1] / total:.3f} | {t[1] / t[0]:.3f} | | |")  # fmt: skip
-        print(lines[-1], flush=True)
+        lines.append(layer_order_row(rows, xs, weights, sum(floor.values()), cublas, fxr_linear))
     lines += gated_table(args, kernels, shapes, weights, floor, sweeps)
     if args.fp8 or args.fp8_sweep:
         lines += fp8_table(args, kernels, shapes, bandwidth)
