@@ -329,8 +329,8 @@ class _Float64(fx.Interpreter):
     products are exact in float64), and the kernel's own float32 sum is judged against that."""
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        scale_result = args[5] if len(args) > 5 else kwargs.get("scale_result")
-        if target is torch.ops.aten._scaled_mm.default and scale_result is None:  # (an FP8 output: not this path)
+        if target is torch.ops.aten._scaled_mm.default and (list(args) + [None] * 6)[5] is None:
+            # (a result scale means an FP8 output: that keeps the dtype tolerance)
             a, b, scale_a, scale_b, bias = (list(args) + [None] * 5)[:5]
             y = (a.double() @ b.double()) * scale_a.double() * scale_b.double()
             return y if bias is None else y + bias.double()
