@@ -343,8 +343,9 @@ SYSTEMS = (
     System("fxrewrite-full-norope", "fxrewrite full, RoPE rule off", _fx(False, "full", "no-rope", "decode"),
            kinds=("decode",)),  # fmt: skip
     # --quant fp8: the FP8 linears on cuBLASLt's _scaled_mm at every size, not the decode kernel
+    # (and the MLP's activation + quantization a kernel of its own after it)
     System("fxrewrite-full-cublaslt", "fxrewrite full, FP8 GEMMs on cuBLASLt",
-           _fx(False, "full", None, "all", provider="linear_fp8=torch")),  # fmt: skip
+           _fx(False, "full", None, "all", provider="linear_fp8=torch,linear_fp8_silu_and_mul_quant=torch")),  # fmt: skip
     System("fxrewrite-full-gemm", "fxrewrite full, norms, adds and RoPE in the GEMMs (Config.gemm_fusion)",
            _fx(False, "full", None, "all", gemm=True)),  # fmt: skip
     System("fxrewrite-full-gemm-nopdl", "fxrewrite full, gemm_fusion, no programmatic dependent launch",

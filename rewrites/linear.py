@@ -16,6 +16,13 @@ calibrated scale, the weight stored in e4m3) becomes ``fxr.linear_fp8``, picked 
     %y = torch._scaled_mm(%xq, %w.t(), scale_a=%sa, scale_b=%sb, out_dtype=bf16)
         ->  %y = fxr.linear_fp8(%xq, %w, %sa, %sb, bf16)
 
+An FP8 MLP's merged gate and up projection read only by SiLU-and-mul and the down projection's
+static quantization (``fuse_activation_quant`` made that one op) becomes one op, one kernel at
+decode sizes:
+
+    %h = fxr.silu_and_mul_quant_fp8(torch._scaled_mm(%xq, %w.t(), ...), %s)
+        ->  %h = fxr.linear_fp8_silu_and_mul_quant(%xq, %w, %sa, %sb, bf16, %s)
+
 Row-wise or block-wise scales, other FP8 formats and a ``_scaled_mm`` with a bias or a result
 scale are other recipes: they do not match, or the guard refuses them with the reason.
 """
@@ -96,9 +103,30 @@ def fp8_per_tensor(b: Bindings) -> bool | str:
     return fp8_operands(b["x"], b["w"], b["sa"], b["sb"], b["dtype"]) or True
 
 
+# silu_and_mul_quant_fp8(_scaled_mm(xq, w.t(), sa, sb, out_dtype), s) -> fxr.linear_fp8_silu_and_mul_quant(...)
+def linear_fp8_silu_and_mul_quant_pattern(x, w, sa, sb, dtype, scale):
+    y = torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb, out_dtype=dtype)
+    return torch.ops.fxr.silu_and_mul_quant_fp8(y, scale)
+
+
+def linear_fp8_silu_and_mul_quant_replacement(x, w, sa, sb, dtype, scale):
+    return torch.ops.fxr.linear_fp8_silu_and_mul_quant(x, w, sa, sb, dtype, scale)
+
+
+def fp8_gate_up(b: Bindings) -> bool | str:
+    """:func:`fp8_per_tensor`, and a weight of gate and up halves."""
+    ok = fp8_per_tensor(b)
+    if ok is not True:
+        return ok
+    return True if b["w"].shape[0] % 2 == 0 else f"weight has {b['w'].shape[0]} rows, not gate and up halves"
+
+
 LINEAR = Rule("linear", linear_pattern, linear_replacement, matrix_weight)
 LINEAR_FP8 = Rule("linear_fp8", linear_fp8_pattern, linear_fp8_replacement, fp8_per_tensor,
                   scalars={"dtype": Scalar()})  # fmt: skip
+LINEAR_FP8_SILU_AND_MUL_QUANT = Rule("linear_fp8_silu_and_mul_quant", linear_fp8_silu_and_mul_quant_pattern,
+                                     linear_fp8_silu_and_mul_quant_replacement, fp8_gate_up,
+                                     scalars={"dtype": Scalar()})  # fmt: skip
 LINEAR_BIAS = Rule("linear_bias", linear_bias_pattern, linear_bias_replacement, matrix_weight)
 LINEAR_SILU_AND_MUL = Rule("linear_silu_and_mul", linear_silu_and_mul_pattern, linear_silu_and_mul_replacement,
                            gate_up_weight)  # fmt: skip
@@ -106,4 +134,5 @@ LINEAR_BIAS_SILU_AND_MUL = Rule("linear_bias_silu_and_mul", linear_bias_silu_and
                                 linear_bias_silu_and_mul_replacement, gate_up_weight)  # fmt: skip
 
 # the gated rules first: a plain linear rule would take their linears
-RULES: list[Rule] = [LINEAR_SILU_AND_MUL, LINEAR_BIAS_SILU_AND_MUL, LINEAR, LINEAR_BIAS, LINEAR_FP8]
+RULES: list[Rule] = [LINEAR_SILU_AND_MUL, LINEAR_BIAS_SILU_AND_MUL, LINEAR, LINEAR_BIAS, LINEAR_FP8_SILU_AND_MUL_QUANT,
+                     LINEAR_FP8]

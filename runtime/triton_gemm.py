@@ -28,6 +28,11 @@ the end: what an elementwise op after it needs. Its constexpr switches:
   ``GATED`` has: each weight row is still read once), rounds both and rotates them by the angles
   of each row's position in the first ``rotated`` columns (q's and k's heads), as
   ``fxr.rotary_embedding`` would after the GEMM.
+- ``FP8`` (``fxr.linear_fp8``): e4m3 ``x`` and weight with per-tensor scales, as
+  ``torch._scaled_mm`` takes them: each tile widened to float16 in registers (exact), the sum
+  float32, the product of the scales applied in the epilogue. ``OUT_QUANT`` (with ``GATED``:
+  ``fxr.linear_fp8_silu_and_mul_quant``): the output quantized to e4m3 with a static scale before
+  it is stored, the next FP8 GEMM's input.
 
     # before: three launches at decode                  # after: one each
     n = rms_norm(x, g, eps); y = linear(n, w)            y = rms_norm_linear(x, g, eps, w)
@@ -73,11 +78,12 @@ PART: tl.constexpr = tl.constexpr(linear_ops.PART)
 
 @triton.jit(do_not_specialize=["rows", "eps"])  # one build per launch configuration serves 1 to 16 rows
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_ptr, sg_ptr, parts_ptr, sa_ptr,
-                          sb_ptr, rows, n, k, x_stride, w_stride, y_stride, r_stride, eps, rotated, parts_n,
+                          sb_ptr, qs_ptr, rows, n, k, x_stride, w_stride, y_stride, r_stride, eps, rotated, parts_n,
                           BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                           GATED: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, RESIDUAL: tl.constexpr,
                           HALF: tl.constexpr = 0, HAND_OFF: tl.constexpr = False, PARTS: tl.constexpr = 0,
-                          PDL: tl.constexpr = False, FP8: tl.constexpr = False):  # fmt: skip
+                          PDL: tl.constexpr = False, FP8: tl.constexpr = False, OUT_QUANT: tl.constexpr = False,
+                          ROUND: tl.constexpr = None):  # fmt: skip
     """Program p: ``y[:, p*BN : (p+1)*BN] = x @ w[p*BN : (p+1)*BN].T (+ bias)`` for all (at most
     16) rows at once, walking k in blocks of ``BK``: every weight element is read once.
 
@@ -95,7 +101,10 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
     it reads anything, and lets the next one launch once its k loop is done. ``FP8``: ``x`` and
     ``w`` in float8_e4m3fn, the product scaled by ``sa[0] * sb[0]`` (``torch._scaled_mm`` with
     per-tensor scales); each tile is widened to float16 (exact: every e4m3 value is one) for the
-    dot, so each product is exact and the sum float32, as in the FP8 MMA."""
+    dot, so each product is exact and the sum float32, as in the FP8 MMA. ``OUT_QUANT``: the
+    output, rounded to ``ROUND`` as the unfused op's would be, is quantized to e4m3 with the static
+    scale ``qs[0]`` (``quant_fp8_static``: divided, clamped to +-448, rounded to nearest even) and
+    stored so: the next FP8 GEMM's input, written once."""
     pid = tl.program_id(0)
     if HALF > 0:
         first = (pid // (HALF // BN)) * (2 * HALF) + (pid % (HALF // BN)) * BN
@@ -137,6 +146,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
     if PDL:  # the next kernel may be scheduled now; it waits for this one's stores
         tl.extra.cuda.gdc_launch_dependents()
     dtype = y_ptr.dtype.element_ty
+    if OUT_QUANT:  # y is e4m3: the values are rounded as the unquantized output's dtype first
+        dtype = ROUND
     if NORM:
         if PARTS > 0:
             slots = tl.arange(0, PARTS)
@@ -173,7 +184,11 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
         tl.store(y_ptr + r[:, None] * y_stride + partner[None, :], acc_up.to(dtype), mask=mask)
     if RESIDUAL:
         acc += tl.load(r_ptr + r[:, None] * r_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + r[:, None] * y_stride + cols[None, :], acc.to(dtype), mask=mask)
+    if OUT_QUANT:
+        q = tl.clamp(tl.math.div_rn(acc.to(dtype).to(tl.float32), tl.load(qs_ptr)), -448.0, 448.0)
+        tl.store(y_ptr + r[:, None] * y_stride + cols[None, :], q.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y_ptr + r[:, None] * y_stride + cols[None, :], acc.to(dtype), mask=mask)
     if HAND_OFF:  # the next norm's share of this block: s * g, and the squares of s by slot
         s = tl.where(mask, acc.to(dtype).to(tl.float32), 0.0)
         g = tl.load(g_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
@@ -320,7 +335,8 @@ class Fusion:
     stored into it; ``hand_off``: the next norm's ``s * g`` and sums of squares stored too, ``g``
     in ``norm_weight``), rotary (``cos_sin_cache`` [P, D] indexed by ``positions``, the first
     ``rotated`` columns in heads of D rotated, NeoX halves), ``scales`` (FP8 operands: the
-    per-tensor scales of ``x`` and the weight), ``out_dtype`` (the output's, else ``x``'s)."""
+    per-tensor scales of ``x`` and the weight), ``out_dtype`` (the output's, else ``x``'s; with
+    ``out_scale`` the dtype the values round to before they are quantized to e4m3 with it)."""
 
     gated: bool = False
     norm: bool = False
@@ -335,6 +351,7 @@ class Fusion:
     hand_off: bool = False
     scales: tuple[Tensor, Tensor] | None = None
     out_dtype: torch.dtype | None = None
+    out_scale: Tensor | None = None
 
     @property
     def half(self) -> int:
@@ -387,6 +404,8 @@ def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion,
         meta["HAND_OFF"] = True
     if f.scales is not None:
         meta["FP8"] = True
+    if f.out_scale is not None:
+        meta.update(OUT_QUANT=True, ROUND=_TL_DTYPES[f.out_dtype or x.dtype])
     if launch_pdl(x.device):
         meta.update(PDL=True, launch_pdl=True)
     grid = n // (2 * bn) if f.half else triton.cdiv(n, bn)
@@ -408,7 +427,7 @@ def skinny(x: Tensor, weight: Tensor, bias: Tensor | None = None, f: Fusion = PL
         assert residual is not None
         out = residual
     else:
-        out = torch.empty((rows.shape[0], p.n), dtype=f.out_dtype or x.dtype, device=x.device)
+        out = torch.empty((rows.shape[0], p.n), dtype=_stored(x, f), device=x.device)
     sg = torch.empty_like(out) if f.hand_off else None
     parts = f.parts if f.parts is not None else (
         torch.empty((rows.shape[0], p.parts_n), dtype=torch.float32, device=x.device) if f.hand_off else None)
@@ -416,13 +435,21 @@ def skinny(x: Tensor, weight: Tensor, bias: Tensor | None = None, f: Fusion = PL
         _skinny_linear_kernel[(p.grid,)](
             rows, weight, _or(bias, weight), out, _or(f.norm_weight, weight), _or(residual, weight),
             _or(f.positions, weight), _or(f.cos_sin_cache, weight), _or(sg, weight), _or(parts, weight),
-            *(f.scales or (weight, weight)), rows.shape[0], p.n, p.k, rows.stride(0), weight.stride(0), p.y_stride, p.r_stride, f.eps, f.rotated,
+            *(f.scales or (weight, weight)), _or(f.out_scale, weight), rows.shape[0], p.n, p.k, rows.stride(0), weight.stride(0), p.y_stride, p.r_stride, f.eps, f.rotated,
             p.parts_n, **p.meta,
         )  # fmt: skip
     if f.hand_off:
         shape = (*x.shape[:-1], p.n)
         return out.view(shape), sg.view(shape), parts.view(*x.shape[:-1], p.parts_n)  # type: ignore[union-attr]
     return f.residual if f.inplace else out.view(*x.shape[:-1], p.n)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _stored(x: Tensor, f: Fusion) -> torch.dtype:
+    """The dtype of what the launch stores: e4m3 with ``out_scale``, else ``out_dtype`` or ``x``'s."""
+    return torch.float8_e4m3fn if f.out_scale is not None else f.out_dtype or x.dtype
 
 
 def _or(t: Tensor | None, other: Tensor) -> Tensor:
@@ -438,9 +465,9 @@ def _prepare(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion) -> tuple
     pointers = (x, weight, _or(bias, weight), x, _or(f.norm_weight, weight), _or(f.residual, weight),
                 _or(f.positions, weight), _or(f.cos_sin_cache, weight), x if f.hand_off else weight)  # fmt: skip
     dtypes = [t.dtype for t in pointers]
-    dtypes[3] = f.out_dtype or x.dtype  # y
+    dtypes[3] = _stored(x, f)  # y
     parts = torch.float32 if f.hand_off or f.parts is not None else weight.dtype
-    scales = [t.dtype for t in f.scales or (weight, weight)]
+    scales = [t.dtype for t in (*(f.scales or (weight, weight)), _or(f.out_scale, weight))]
     args = (*dtypes, parts, *scales, linear_ops.SKINNY_ROWS, p.n, p.k, p.x_stride, weight.stride(0),
             p.y_stride, p.r_stride, f.eps, f.rotated, p.parts_n)  # fmt: skip
     _bind_device(_skinny_linear_kernel, x.device)
@@ -464,6 +491,8 @@ _LAUNCH: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor | None, Fusion]]] 
     "linear_silu_and_mul": lambda x, w, bias=None: (x, w, bias, Fusion(gated=True)),
     "linear_fp8": lambda x, w, scale_a, scale_b, out_dtype: (x, w, None, Fusion(scales=(scale_a, scale_b),
                                                                                 out_dtype=out_dtype)),
+    "linear_fp8_silu_and_mul_quant": lambda x, w, scale_a, scale_b, out_dtype, scale: (
+        x, w, None, Fusion(gated=True, scales=(scale_a, scale_b), out_dtype=out_dtype, out_scale=scale)),
     "rms_norm_linear": lambda x, g, eps, w, bias=None, cast_last=False, parts=None: (
         x, w, bias, _norm(g, eps, parts=parts)),
     "rms_norm_linear_silu_and_mul": lambda x, g, eps, w, bias=None, cast_last=False, parts=None: (
@@ -518,6 +547,11 @@ def linear_silu_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -
 
 def linear_fp8(x: Tensor, weight: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> Tensor:
     return skinny(*_LAUNCH["linear_fp8"](x, weight, scale_a, scale_b, out_dtype))
+
+
+def linear_fp8_silu_and_mul_quant(x: Tensor, weight: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+                                  scale: Tensor) -> Tensor:  # fmt: skip
+    return skinny(*_LAUNCH["linear_fp8_silu_and_mul_quant"](x, weight, scale_a, scale_b, out_dtype, scale))
 
 
 def rms_norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None = None,

@@ -22,6 +22,12 @@ cuBLAS and then ``fxr.silu_and_mul`` (whichever library serves it).
 and w [n, k] in float8_e4m3fn, the scales one float32 element each): what static FP8 checkpoints
 run. Up to ``SKINNY_ROWS`` rows the Triton kernel streams the FP8 weight once (half the bytes of
 bf16; 0.98x cuBLASLt's time over the 8B step's GEMMs on the H100, bench/RESULTS.md); above, cuBLASLt.
+
+``fxr::linear_fp8_silu_and_mul_quant(x, w, scale_a, scale_b, out_dtype, scale)`` is an FP8 MLP's
+merged gate and up projection with its activation and the down projection's input quantization,
+``silu_and_mul_quant_fp8(linear_fp8(x, w, scale_a, scale_b, out_dtype), scale)``: up to
+``SKINNY_ROWS`` rows one Triton kernel stores the e4m3 input of the down projection (one launch
+instead of two); above, cuBLASLt and ``fxr.silu_and_mul_quant_fp8``.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from torch import Tensor
 
 from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.ops.activation import silu_and_mul_reference
+from fxrewrite.runtime.ops.quant import silu_and_mul_quant_fp8_reference
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 SKINNY_ROWS = 16
@@ -104,6 +111,38 @@ def fp8_skinny_check(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out
     return constraints.check_same_device(x, w, scale_a, scale_b)
 
 
+def linear_fp8_silu_and_mul_quant_reference(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor,
+                                            out_dtype: torch.dtype, scale: Tensor) -> Tensor:  # fmt: skip
+    """``silu_and_mul_quant_fp8(linear_fp8(x, w, scale_a, scale_b, out_dtype), scale)``: w [2d, k]
+    (gate rows, then up rows) -> e4m3 [..., d]."""
+    gate_up_rows(w)
+    return silu_and_mul_quant_fp8_reference(linear_fp8_reference(x, w, scale_a, scale_b, out_dtype), scale)
+
+
+def _linear_fp8_silu_and_mul_quant_fake(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+                                        scale: Tensor) -> Tensor:  # fmt: skip
+    return x.new_empty((*x.shape[:-1], gate_up_rows(w)), dtype=FP8)
+
+
+def fp8_gated_check(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+                    scale: Tensor) -> str | None:  # fmt: skip
+    """The Triton kernel of ``linear_fp8_silu_and_mul_quant``: :func:`fp8_skinny_check`, an even
+    number of weight rows (gate, then up), one float32 output scale."""
+    reason = fp8_skinny_check(x, w, scale_a, scale_b, out_dtype)
+    if reason:
+        return reason
+    if w.shape[0] % 2:
+        return f"odd weight rows {w.shape[0]}"
+    if scale.numel() != 1 or scale.dtype != torch.float32:
+        return f"output scale is {tuple(scale.shape)} {scale.dtype}: not one float32 scale"
+    return constraints.check_same_device(x, scale)
+
+
+def _cublaslt_silu_and_mul_quant(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+                                 scale: Tensor) -> Tensor:  # fmt: skip
+    return torch.ops.fxr.silu_and_mul_quant_fp8.default(linear_fp8_reference(x, w, scale_a, scale_b, out_dtype), scale)
+
+
 def _linear_fake(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
@@ -167,9 +206,16 @@ FP8_KERNELS = (
     Kernel("torch", linear_fp8_reference, _always, label="cublaslt"),
 )
 
+FP8_GATED_KERNELS = (
+    providers.triton_kernel("linear_fp8_silu_and_mul_quant", fp8_gated_check, prepare=True, module=TRITON_GEMM),
+    Kernel("torch", _cublaslt_silu_and_mul_quant, _always, label="cublaslt+silu_and_mul_quant_fp8"),
+)
+
 DEFS: tuple[OpDef, ...] = (
     OpDef("linear", linear_reference, _linear_fake, KERNELS),
     OpDef("linear_fp8", linear_fp8_reference, _linear_fp8_fake, FP8_KERNELS),
+    OpDef("linear_fp8_silu_and_mul_quant", linear_fp8_silu_and_mul_quant_reference,
+          _linear_fp8_silu_and_mul_quant_fake, FP8_GATED_KERNELS),
     OpDef("linear_silu_and_mul", linear_silu_and_mul_reference, _linear_silu_and_mul_fake, GATED_KERNELS),
 )
 OPS: tuple[str, ...] = providers.define_all(DEFS)

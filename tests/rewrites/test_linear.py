@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.rewrites import BF16, DYNAMIC, check, compile_modes, fused_nodes, reasons
+from helpers.rewrites import BF16, DYNAMIC, check, compile_modes, fused, fused_nodes, misses, reasons
 
 from fxrewrite import meta
 from fxrewrite.backend import default_rule_groups
@@ -272,3 +272,45 @@ def test_a_scaled_mm_with_a_bias_stays() -> None:
         return torch._scaled_mm(xq, w.t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=BF16)
 
     check(fn, torch.randn(6, 32), rules=linear.RULES, expect={}, dynamic=False, exact=True)
+
+
+class Fp8Mlp(torch.nn.Module):
+    """An FP8 MLP as static FP8 checkpoints run it: the input quantized, the merged gate and up
+    projection, SiLU-and-mul, the down projection's input quantized with its static scale, the down
+    projection. ``leak``: the gate and up projection's output is returned too."""
+
+    def __init__(self, leak: bool = False) -> None:
+        super().__init__()
+        self.leak = leak
+        self.gate_up = torch.nn.Parameter((torch.randn(96, 32) * 0.5).to(FP8), requires_grad=False)
+        self.down = torch.nn.Parameter((torch.randn(32, 48) * 0.5).to(FP8), requires_grad=False)
+        self.scales = torch.nn.Parameter(torch.tensor([0.05, 0.02, 0.01, 0.03]), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        sx, sg, sh, sd = self.scales[0], self.scales[1], self.scales[2], self.scales[3]
+        xq = (x.float() / sx).clamp(-448, 448).to(FP8)
+        y = torch._scaled_mm(xq, self.gate_up.t(), scale_a=sx, scale_b=sg, out_dtype=BF16)
+        h = F.silu(y[..., :48]) * y[..., 48:]
+        hq = (h.float() / sh).clamp(-448, 448).to(FP8)
+        out = torch._scaled_mm(hq, self.down.t(), scale_a=sh, scale_b=sd, out_dtype=BF16)
+        return (out, y) if self.leak else out
+
+
+FP8_MLP_OPS = {"linear_fp8_silu_and_mul_quant": 1, "linear_fp8": 1}
+
+
+def test_an_fp8_mlp_takes_its_activation_and_quantization_into_the_gate_up_gemm() -> None:
+    """The default library, piecewise: gate_up with SiLU-and-mul and the down projection's
+    quantization is one op, the down projection another; bit for bit eager's on CPU."""
+    r = check(Fp8Mlp(), torch.randn(6, 32, dtype=BF16), expect=FP8_MLP_OPS, mode="piecewise", exact=True)
+    [node] = fused_nodes(r, "linear_fp8_silu_and_mul_quant")
+    assert node.args[4] == BF16
+
+
+def test_an_fp8_mlp_whose_projection_is_read_elsewhere_keeps_two_ops() -> None:
+    """Negative twin: the gate and up output is also returned, so it must be stored: the GEMM
+    stays ``fxr.linear_fp8`` beside ``fxr.silu_and_mul_quant_fp8``, and the near miss says why."""
+    r = check(Fp8Mlp(leak=True), torch.randn(6, 32, dtype=BF16), mode="piecewise", exact=True,
+              expect={**{k: v for k, v in FP8_MLP_OPS.items() if k != "linear_fp8_silu_and_mul_quant"},
+                      "linear_fp8": 2, "silu_and_mul_quant_fp8": 1})  # fmt: skip
+    assert misses(r, "linear_fp8_silu_and_mul_quant"), "the refused site is a near miss"

@@ -65,10 +65,11 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
     for name in moe_samples.NAMES:
         values[name] = functools.partial(moe_samples.moe_arg, name, shape, dtype, gen)
     names = inspect.signature(op.reference).parameters
-    if op.name == "linear_fp8":  # e4m3 operands: x of shape, a [hidden, hidden] weight, per-tensor scales
-        x, w = rand(gen, *shape) * 40, rand(gen, shape[-1], shape[-1]) * 40
+    if op.name.startswith("linear_fp8"):  # e4m3 operands: x of shape, a [hidden (x2 gated), hidden] weight, scales
+        gated = op.name == "linear_fp8_silu_and_mul_quant"
+        x, w = rand(gen, *shape) * 40, rand(gen, (1 + gated) * shape[-1], shape[-1]) * 40
         return [x.clamp(-448, 448).to(torch.float8_e4m3fn), w.clamp(-448, 448).to(torch.float8_e4m3fn),
-                torch.tensor(0.013), torch.tensor(0.0021), dtype]  # fmt: skip
+                torch.tensor(0.013), torch.tensor(0.0021), dtype, *([torch.tensor(0.01)] if gated else [])]  # fmt: skip
     if "rotated" in names:  # a GEMM rotating its output: a position per row of x, two heads of [hidden] rotated
         values["positions"] = lambda: torch.randint(0, rotary_samples.POSITIONS, (math.prod(shape[:-1]),), generator=gen)
         values["w"] = lambda: rand(gen, 2 * shape[-1], shape[-1], dtype=dtype) * shape[-1] ** -0.5

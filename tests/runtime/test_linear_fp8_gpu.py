@@ -85,3 +85,22 @@ def test_the_kernel_built_ahead_is_the_one_launched(gen: torch.Generator) -> Non
     built = len(cache)
     torch.ops.fxr.linear_fp8(*args)
     assert len(cache) == built
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16, 17])
+def test_gate_up_with_the_activation_and_its_quantization(rows: int, gen: torch.Generator) -> None:
+    """The 8B layer's gate_up weight: one Triton kernel up to 16 rows, cuBLASLt and the
+    activation's kernel above; within one e4m3 step of the unfused ops (a gate or up sum rounding
+    to another bf16), nearly all equal."""
+    n, k = SHAPES["gate_up"]
+    x, w = e4m3(gen, rows, k), e4m3(gen, n, k)
+    sa, sb, scale = (torch.tensor(v, device="cuda") for v in (0.013, 0.0021, 0.01))
+    got = torch.ops.fxr.linear_fp8_silu_and_mul_quant(x, w, sa, sb, BF16, scale)
+    want = linear.linear_fp8_silu_and_mul_quant_reference(x, w, sa, sb, BF16, scale)
+    label = "triton" if rows <= 16 else "cublaslt+silu_and_mul_quant_fp8"
+    assert providers.served()["linear_fp8_silu_and_mul_quant"] == {"fallbacks": {}, label: 1}
+    assert got.dtype == FP8 and got.shape == (rows, n // 2)
+    assert want.float().abs().max() > 16
+    step = (got.float() - want.float()).abs() / want.float().abs().clamp_min(2**-6)
+    assert step.max().item() <= 0.125 + 1e-6
+    assert (got.float() == want.float()).float().mean().item() >= 0.9

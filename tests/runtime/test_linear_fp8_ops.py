@@ -93,3 +93,39 @@ def test_the_fp8_kernel_widens_e4m3_tiles_on_hopper() -> None:
                                   FP8=True), num_warps=4, num_stages=4)  # fmt: skip
     assert "cvt.rn.f16x2.e4m3x2" in ptx
     assert "mma.sync.aligned" in ptx and ".f16.f16" in ptx
+
+
+# --------------------------------------------------------------------------- with SiLU-and-mul and the quantization after it
+
+
+def steps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """e4m3 steps between two quantized tensors (2^-6: e4m3's smallest normal step's reach)."""
+    return (got.float() - want.float()).abs() / want.float().abs().clamp_min(2**-6)
+
+
+def test_the_gated_reference_is_the_unfused_ops(gen: torch.Generator) -> None:
+    x, w, sa, sb = operands(gen, (2, 3), 64, 32)
+    scale = torch.tensor(0.01)
+    got = torch.ops.fxr.linear_fp8_silu_and_mul_quant(x, w, sa, sb, BF16, scale)
+    want = torch.ops.fxr.silu_and_mul_quant_fp8(torch.ops.fxr.linear_fp8(x, w, sa, sb, BF16), scale)
+    assert got.dtype == FP8 and got.shape == (2, 3, 16)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0)
+    check = linear_ops.fp8_gated_check
+    assert check(x.reshape(6, 64), w, sa, sb, BF16, scale) is None
+    assert "odd weight rows" in check(x, w[:31], sa, sb, BF16, scale)
+    assert "not one float32 scale" in check(x, w, sa, sb, BF16, scale.expand(2))
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [((1,), 256, 96), ((5,), 200, 64), ((16,), 512, 128)])
+def test_kernel_gated_quant_matches_the_reference(triton_gemm: types.ModuleType, gen: torch.Generator,
+                                                  rows: tuple[int, ...], k: int, n: int) -> None:  # fmt: skip
+    """The gate and up sums in another order than the reference's may round to another bf16, and
+    that to the neighbouring e4m3 value: at most one step, and rarely."""
+    x, w, sa, sb = operands(gen, rows, k, n)
+    scale = torch.tensor(0.01)
+    got = triton_gemm.linear_fp8_silu_and_mul_quant(x, w, sa, sb, BF16, scale)
+    want = linear_ops.linear_fp8_silu_and_mul_quant_reference(x, w, sa, sb, BF16, scale)
+    assert got.dtype == FP8 and got.shape == want.shape == (*rows, n // 2)
+    assert want.float().abs().max() > 16  # the outputs span e4m3's steps, not its few smallest values
+    assert steps(got, want).max().item() <= 0.125 + 1e-6
+    assert (got.float() == want.float()).float().mean().item() >= 0.9

@@ -45,7 +45,7 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 # experts] with no two equal in a row, the router's kind; its ids compared exactly)
 # test_moe_route_gpu.py; the NVFP4 ops (packed values, block scales) test_quant_nvfp4_gpu.py; the
 # block FP8 ops (a group argument, per-group scales) test_quant_block_ops.py, the block-FP8 GEMM
-# (FP8 operands and scales) test_linear_block_fp8_ops.py, the FP8 GEMM with per-tensor scales
+# (FP8 operands and scales) test_linear_block_fp8_ops.py, the FP8 GEMMs with per-tensor scales
 # (e4m3 operands) test_linear_fp8_gpu.py; the qkv GEMM that rotates its output (positions, a
 # cache) test_linear_fused_gpu.py.
 # act_mul + block FP8 / NVFP4 (a group or a global scale, packed outputs): test_quant_act_mul_ops.py
@@ -53,7 +53,7 @@ QUANT_ACT_MUL_OWN = tuple(op for op in quant_act_mul.DEFS if op.name in ("act_mu
 GENERIC = [op for op in ops.DEFS
            if op not in rotary.DEFS + collective.DEFS + sequence_parallel.DEFS + async_tp.DEFS + moe.DEFS + moe_route.DEFS
            + quant_nvfp4.DEFS + quant_block.DEFS + linear_block_fp8.DEFS + QUANT_ACT_MUL_OWN
-           and op.name not in ("rms_norm_linear_rotary", "linear_fp8")]
+           and op.name not in ("rms_norm_linear_rotary", "linear_fp8", "linear_fp8_silu_and_mul_quant")]
 SHAPES = [(1, 4096), (7, 4096), (64, 4096), (513, 4096), (4096, 4096), (3, 33), (5, 3420), (2, 5120)]
 
 
