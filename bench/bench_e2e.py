@@ -278,7 +278,14 @@ class Unguarded:
 
 
 def _fx(fused: bool, mode: str, rules: list[Any] | str | None, sizes: str, unguarded: bool = False,
-        gemm: bool = False, pdl: bool = True, attention: str | None = None, provider: str | None = None) -> Build:  # fmt: skip
+        gemm: bool = False, pdl: bool = True, attention: str | None = None, provider: str | None = None,
+        off: tuple[str, ...] = ()) -> Build:  # fmt: skip
+    """fxrewrite in ``mode`` (the rules named in ``off`` refused at every site, as
+    ``Config.match_filter`` would be told by a user)."""
+
+    def refuse(m: Any) -> str | None:
+        return "off in this row" if getattr(m.rule, "name", m.rule) in off else None
+
     def build(model: EngineLlama, twin: EngineLlama | str, capture: dict[str, tuple[int, ...]],
               options: dict[str, Any] | None = None) -> tuple[Step, Any]:  # fmt: skip
         import fxrewrite
@@ -286,7 +293,7 @@ def _fx(fused: bool, mode: str, rules: list[Any] | str | None, sizes: str, ungua
         nonlocal rules
         rules = {"no-rope": _without_rope}[rules]() if isinstance(rules, str) else rules
         config = fxrewrite.Config(mode=mode, splitting_ops=SPLITTING_OPS, capture_sizes=capture[sizes], gemm_fusion=gemm,
-                                  **(options or {}))  # fmt: skip
+                                  match_filter=refuse if off else None, **(options or {}))  # fmt: skip
         backend = fxrewrite.Backend(config=config, rules=rules)
         step = backend.compile(_target(twin if fused else model))
         step = Unguarded(backend, step) if unguarded else step
@@ -342,10 +349,14 @@ SYSTEMS = (
     System("fxrewrite-norope", "fxrewrite piecewise, RoPE rule off", _fx(False, "piecewise", "no-rope", "all")),
     System("fxrewrite-full-norope", "fxrewrite full, RoPE rule off", _fx(False, "full", "no-rope", "decode"),
            kinds=("decode",)),  # fmt: skip
-    # --quant fp8: the FP8 linears on cuBLASLt's _scaled_mm at every size, not the decode kernel
-    # (and the MLP's activation + quantization a kernel of its own after it)
+    # --quant fp8: the FP8 linears on cuBLASLt's _scaled_mm at every size, not the decode kernel,
+    # and the MLP's activation + quantization a kernel of its own after gate_up (the row before
+    # the gated kernel: its "torch" provider would be its eager reference); then the decode
+    # kernel without the gated one
     System("fxrewrite-full-cublaslt", "fxrewrite full, FP8 GEMMs on cuBLASLt",
-           _fx(False, "full", None, "all", provider="linear_fp8=torch,linear_fp8_silu_and_mul_quant=torch")),  # fmt: skip
+           _fx(False, "full", None, "all", provider="linear_fp8=torch", off=("linear_fp8_silu_and_mul_quant",))),
+    System("fxrewrite-full-ungated", "fxrewrite full, FP8 gate_up and its activation apart",
+           _fx(False, "full", None, "all", off=("linear_fp8_silu_and_mul_quant",))),  # fmt: skip
     System("fxrewrite-full-gemm", "fxrewrite full, norms, adds and RoPE in the GEMMs (Config.gemm_fusion)",
            _fx(False, "full", None, "all", gemm=True)),  # fmt: skip
     System("fxrewrite-full-gemm-nopdl", "fxrewrite full, gemm_fusion, no programmatic dependent launch",

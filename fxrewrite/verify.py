@@ -370,7 +370,7 @@ def check(m: Match, seed: int = 0) -> str | None:
         exact = run_float64(sub, [values[n] for n in ext]) if exact is None else exact
         return exact[i] if i < len(exact) else None
 
-    judged, why = _quantized_outputs(got, expected, [values[n] for n in ext])
+    judged, why = _quantized_outputs(got, expected, [values[n] for n in ext], exact_output)
     if why is not None:
         return f"verify: {why} on {where}"
     for i, (a, b) in enumerate(zip(got, expected)):
@@ -388,10 +388,12 @@ def check(m: Match, seed: int = 0) -> str | None:
     return None
 
 
-def _quantized_outputs(got: Sequence[Any], expected: Sequence[Any], inputs: Sequence[Any]) -> tuple[set[int], str | None]:
+def _quantized_outputs(got: Sequence[Any], expected: Sequence[Any], inputs: Sequence[Any],
+                       exact: Callable[[int], Any]) -> tuple[set[int], str | None]:  # fmt: skip
     """(indices of the quantized outputs, what differs or None), judged as quantizations
-    (``quant.quantized_output_mismatches``): an FP8 value one e4m3 step from the code's, a scale
-    within two roundings of the least precise input's dtype (a kernel's amax of values one
+    (``quant.quantized_output_mismatches``): an FP8 value one e4m3 step from the code's (or,
+    statically scaled, from the code's float64 run's, ``exact``: where the code's sum cancels), a
+    scale within two roundings of the least precise input's dtype (a kernel's amax of values one
     rounding apart, e.g. a bf16 activation through another ``exp``, moves a scale by one bf16
     step, which float32's tolerance refuses); NVFP4 one e2m1 and one e4m3 scale step."""
     if not all(isinstance(t, torch.Tensor) for t in (*got, *expected)):
@@ -400,7 +402,7 @@ def _quantized_outputs(got: Sequence[Any], expected: Sequence[Any], inputs: Sequ
 
     floats = [t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.element_size() > 1]
     least = max(floats, key=lambda d: torch.finfo(d).eps, default=torch.float32)
-    problems, rest = quantized_output_mismatches(got, expected, fp8_scale_rtol(least))
+    problems, rest = quantized_output_mismatches(got, expected, fp8_scale_rtol(least), exact)
     return set(range(len(got))) - set(rest), "; ".join(problems) or None
 
 

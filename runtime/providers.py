@@ -189,7 +189,7 @@ def configure(spec: str | None = None) -> None:
 def overriding(spec: str) -> Iterator[None]:
     """The override ``spec`` (as :func:`configure` takes it) inside, the one before restored
     after: a side-by-side measure of two providers of one op in one process (bench_e2e)."""
-    before = dict(_REGISTRY.overrides)
+    before = None if _REGISTRY.overrides is None else dict(_REGISTRY.overrides)  # None: not read yet
     configure(spec)
     try:
         yield

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -100,13 +101,18 @@ def fp8_scale_rtol(dtype: torch.dtype) -> float:
 
 
 def fp8_mismatch(
-    q: Tensor, q_ref: Tensor, s: Tensor | None = None, s_ref: Tensor | None = None, *, scale_rtol: float = 0.0
+    q: Tensor, q_ref: Tensor, s: Tensor | None = None, s_ref: Tensor | None = None, *, scale_rtol: float = 0.0,
+    q_exact: Tensor | None = None,
 ) -> str | None:
     """None when ``q`` (FP8) is as good as the spec's ``q_ref``, else what differs: every scale
     ``s`` within ``scale_rtol`` of ``s_ref`` (per-token [..., 1]; None for a static scale, the
     same for both), and every value ``q * s`` within one e4m3 step of ``q_ref`` in the
     reference's grid: between its neighbours times ``s_ref``, widened by ``scale_rtol``. Scales
-    of a group of columns each (``[..., H / G]``, block FP8) apply to their group."""
+    of a group of columns each (``[..., H / G]``, block FP8) apply to their group.
+
+    ``q_exact`` (a static scale only): the exact result quantized, e.g. the spec run in float64.
+    A value off the spec's passes when it is within one step of that: where a sum the spec rounds
+    cancels (a gate near zero), the spec's own value may be steps from the exact one."""
     if s is None or s_ref is None:
         s = s_ref = torch.ones((), device=q.device)
     else:
@@ -120,6 +126,11 @@ def fp8_mismatch(
     below, above = _fp8_neighbours(q_ref)
     slack = got.abs() * scale_rtol
     bad = ~((got >= below * s_ref - slack) & (got <= above * s_ref + slack))  # NaN is bad
+    if q_exact is not None and bool(bad.any()):
+        if s is not s_ref or q_exact.shape != q.shape or q_exact.dtype != FP8_DTYPE:
+            raise ValueError("q_exact: an FP8 tensor of q's shape, with a static scale")
+        below, above = _fp8_neighbours(q_exact)
+        bad &= ~((got >= below) & (got <= above))
     if bool(bad.any()):
         i = int(bad.flatten().nonzero()[0])
         worst = f"{float(got.flatten()[i]):.4g} where the spec has {float(want.flatten()[i]):.4g}"
@@ -136,13 +147,16 @@ def _scales_of(s: Tensor, q: Tensor) -> bool:
 
 
 def quantized_output_mismatches(
-    got: Sequence[Tensor], want: Sequence[Tensor], scale_rtol: float
+    got: Sequence[Tensor], want: Sequence[Tensor], scale_rtol: float,
+    exact: Callable[[int], Any] | None = None,
 ) -> tuple[list[str], list[int]]:
     """The quantized outputs of an op judged as quantizations, not as numbers: an FP8 output
     (followed by its per-token or per-group float32 scales, if any) by :func:`fp8_mismatch`, an
     NVFP4 pair (packed uint8 values, then e4m3 scales of a sixteenth of their count, twice as
     many bytes apart) by :func:`quant_nvfp4.nvfp4_mismatch`, both in ``got`` and ``want`` of one
-    dtype and shape. Returns (what differs, indices of the outputs left to the caller)."""
+    dtype and shape. ``exact(i)``: output i of the spec run exactly (float64), asked for only
+    where a statically scaled FP8 output is off the spec's (``fp8_mismatch``'s ``q_exact``).
+    Returns (what differs, indices of the outputs left to the caller)."""
     from fxrewrite.runtime.ops.quant_nvfp4 import BLOCK, SCALE_DTYPE, nvfp4_mismatch
 
     def alike(j: int, dtype: torch.dtype) -> bool:
@@ -163,6 +177,10 @@ def quantized_output_mismatches(
         dynamic = alike(i + 1, torch.float32) and _scales_of(got[i + 1], got[i])
         scales = (got[i + 1], want[i + 1]) if dynamic else (None, None)
         problem = fp8_mismatch(got[i], want[i], *scales, scale_rtol=scale_rtol)
+        if problem and not dynamic and exact is not None:
+            q_exact = exact(i)
+            if isinstance(q_exact, Tensor) and q_exact.dtype == FP8_DTYPE and q_exact.shape == got[i].shape:
+                problem = fp8_mismatch(got[i], want[i], scale_rtol=scale_rtol, q_exact=q_exact.to(got[i].device))
         problems += [f"out{i}: {problem}"] if problem else []
         i += 2 if dynamic else 1
     return problems, rest

@@ -448,3 +448,53 @@ def test_the_float64_reference_of_an_fp8_gemm_is_its_exact_product() -> None:
     wrong = want.clone().view(-1)
     wrong[i] = -wrong[i] + float(exact.abs().max())
     assert verify.agrees(wrong.view_as(want), want, lambda: exact) is not None
+
+
+# -- FP8 outputs where the code's own sum cancels ----------------------------------------------------
+
+
+def shifted_quant_pattern(a, b, s):
+    return quant.quant_fp8_static((a * 256 + b) - a * 256, s)
+
+
+def shifted_quant_once(a, b, s):  # the sum in float32, rounded once: b, nearly exactly
+    return quant.quant_fp8_static(((a.float() * 256 + b.float()) - a.float() * 256).to(torch.bfloat16), s)
+
+
+def shifted_quant_doubled(a, b, s):  # wrong: twice the value
+    return quant.quant_fp8_static(b * 2, s)
+
+
+def shifted_quantized(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return quant.quant_fp8_static((a * 256 + b) - a * 256, s).float() * s
+
+
+@pytest.mark.parametrize(("replacement", "fused"), [(shifted_quant_once, True), (shifted_quant_doubled, False)])
+def test_an_fp8_output_off_the_code_where_its_sum_cancels_is_judged_against_float64(replacement: Any,
+                                                                                      fused: bool) -> None:  # fmt: skip
+    """bf16 ``(256 a + b) - 256 a`` quantized statically: the code rounds ``256 a + b`` to bf16, so
+    its result is several e4m3 steps from ``b``; a kernel summing in float32 is then more than one
+    step from the code's values, within one of the exact (float64) result's, and passes. A wrong
+    value (twice the result) is more than one step from both and is refused, with the count."""
+    a, b = (torch.randn(16, 64, dtype=torch.bfloat16) for _ in range(2))
+    s = torch.tensor(0.01)
+    code, once = shifted_quant_pattern(a, b, s), shifted_quant_once(a, b, s)
+    assert quant.fp8_mismatch(once, code) is not None, "the case must need the float64 reference"
+    assert quant.fp8_mismatch(once, code, q_exact=quant.quant_fp8_static(b.double(), s)) is None
+    rule = Rule("shifted_quant", shifted_quant_pattern, replacement)
+    r = compile_once(shifted_quantized, a, b, s, rules=[rule], verify=True)
+    assert r.report.rules() == ({"shifted_quant": 1} if fused else {})
+    if not fused:
+        [rejected] = r.report.rejected
+        assert re.match(r"verify: out0: \d+ of 1024 FP8 values more than one e4m3 step off", rejected.reason), rejected.reason
+    assert_close(r.output, (once if fused else code).float() * s)
+
+
+def test_the_exact_quantization_must_be_fp8_of_the_values_shape() -> None:
+    q = torch.zeros(4, dtype=torch.float8_e4m3fn)
+    far = torch.full((4,), 8.0).to(torch.float8_e4m3fn)
+    assert quant.fp8_mismatch(far, q) is not None
+    with pytest.raises(ValueError, match="q_exact"):
+        quant.fp8_mismatch(far, q, q_exact=far.float())
+    with pytest.raises(ValueError, match="q_exact"):
+        quant.fp8_mismatch(far, q, torch.ones(4, 1), torch.ones(4, 1), q_exact=far)

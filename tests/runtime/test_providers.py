@@ -175,6 +175,22 @@ def test_an_override_inside_a_block_restores_the_one_before(registry: providers.
     assert providers._REGISTRY.overrides == {"silu_and_mul": "sgl_kernel"}
 
 
+def test_an_override_block_before_any_configure_leaves_the_env_var_to_be_read(
+    registry: providers._Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A side-by-side row's override in a process whose first fused op runs inside it (a CPU run
+    of bench_e2e): the block works, and after it the override is unread again, so the env var
+    still decides."""
+    install(registry, sgl_kernel=lib("sgl_kernel"), flashinfer=lib("flashinfer"))
+    assert providers._REGISTRY.overrides is None
+    kernels = (tagged("sgl_kernel"), tagged("flashinfer"))
+    with providers.overriding("rms_norm=flashinfer"):
+        assert providers.dispatch("rms_norm", kernels, reference, X) == "flashinfer"
+    assert providers._REGISTRY.overrides is None
+    monkeypatch.setenv(providers.ENV_VAR, "torch")
+    assert providers.dispatch("rms_norm", kernels, reference, X) == "torch"
+
+
 def test_env_var_read_when_configure_gets_none(registry: providers._Registry, monkeypatch: pytest.MonkeyPatch) -> None:
     install(registry, sgl_kernel=lib("sgl_kernel"))
     monkeypatch.setenv(providers.ENV_VAR, "torch")
