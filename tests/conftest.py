@@ -45,6 +45,10 @@ def _seed() -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The tests marked slow (each tens of seconds up to minutes on a 2-core CI machine) first, in
+    # their order: under pytest-xdist a long test handed out last keeps one worker busy while the
+    # others have finished (every worker sorts alike, as xdist requires)
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

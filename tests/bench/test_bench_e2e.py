@@ -17,6 +17,7 @@ import torch
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_e2e.py"
 
 
+@pytest.mark.slow
 def test_full_graph_rows_of_fxrewrite_and_the_twin(tmp_path: Path) -> None:
     out = tmp_path / "e2e.md"
     argv = ["--shape", "tiny", "--device", "cpu", "--systems", "fxrewrite-full,fused-full,fxrewrite-full-ug,full-norewrite,fxrewrite-full-warm,dynamo-eager",

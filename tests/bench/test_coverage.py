@@ -240,6 +240,7 @@ def test_a_top_k_over_keys_is_not_a_router() -> None:
 SUBSET = ("llama", "gpt2", "qwen3_moe", "falcon_mamba")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", [family_param(f) for f in SUBSET])
 def test_representative_families_run_through_the_sweep(family: str) -> None:
     row = coverage.run_family(family, F32)

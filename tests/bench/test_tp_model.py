@@ -176,6 +176,7 @@ def cpu_results() -> dict[str, list[dict[str, Any]]]:
     return {name: [r[name] for r in ranks] for name in CPU_GROUPS}
 
 
+@pytest.mark.slow
 def test_tp2_equals_single_device_on_cpu(cpu_results: dict[str, list[dict[str, Any]]]) -> None:
     """Two gloo ranks, float32: the TP model eager and compiled (no CUDA graphs on CPU: the
     Runner's emulation) equals the single-device model; 2 sites per layer fused."""

@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import warm_start
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "warm_start.py"
 
 
+@pytest.mark.slow
 def test_rows_table_and_goal_lines() -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--device", "cpu", "--repeat", "1"],
                           capture_output=True, text=True, timeout=600)  # fmt: skip

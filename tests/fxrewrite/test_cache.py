@@ -76,6 +76,7 @@ def child(cache_dir: Path, mode: str) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_second_process_loads_the_graph_and_runs_no_pass(tmp_path: Path) -> None:
     """Piecewise: the runner (split, dispatch, emulated capture) is built on the loaded graph."""
     first, second = child(tmp_path, "piecewise"), child(tmp_path, "piecewise")

@@ -87,6 +87,7 @@ def child(path: Path, mode: str, action: str) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_new_process_runs_the_artifact_without_tracing_or_passes(tmp_path: Path) -> None:
     """Piecewise: the runner (split, dispatch, emulated capture) is rebuilt from the loaded graph;
     the outputs are the cold process's, bit for bit, at the traced size and another."""

@@ -31,7 +31,7 @@ from fxrewrite.generate import (
     windows,
 )
 
-pytestmark = pytest.mark.real
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 TOKENS = 16  # greedy tokens per prompt: 32 took the CI worker 82 s with the compile
 PROMPTS, TEXT = models.SMOLLM2_PROMPTS, models.SMOLLM2_TEXT
