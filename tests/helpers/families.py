@@ -4,6 +4,7 @@ between releases: the GPU machine runs transformers 5.17, which has no ``kolibri
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ def missing(family: str, cls: str | None = None) -> str | None:
     except ImportError:
         return "transformers is not installed"
     if cls is not None:
-        return None if cls in dir(tf) else f"transformers {tf.__version__} has no {cls}"
+        return None if cls in _names() else f"transformers {tf.__version__} has no {cls}"
     if family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return f"transformers {tf.__version__} has no causal-LM family {family!r}"
     return None
@@ -29,3 +30,12 @@ def family_param(family: str, *values: Any, id: str | None = None, cls: str | No
     """``pytest.param(family, *values, id=id)``, skipped where :func:`missing` says why."""
     reason = missing(family, cls)
     return pytest.param(family, *values, id=id, marks=[pytest.mark.skip(reason=reason)] if reason else [])
+
+
+@functools.cache
+def _names() -> frozenset[str]:
+    """The names transformers exports, listed once: ``dir()`` of its lazy module takes a quarter
+    of a second on a CI core, and the parameter lists of the family tests ask it about 80 times."""
+    import transformers as tf
+
+    return frozenset(dir(tf))
