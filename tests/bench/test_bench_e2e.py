@@ -55,7 +55,7 @@ def test_full_graph_rows_of_fxrewrite_and_the_twin(tmp_path: Path) -> None:
 
 SYSTEM_KEYS = {"eager": "eager", "fxrewrite full": "fxrewrite-full"}
 QUANT_OPS = {
-    "fp8": ("fused_add_rms_norm_quant_fp8 x3", "rms_norm_quant_fp8 x1", "silu_and_mul_quant_fp8 x2"),
+    "fp8": ("fused_add_rms_norm_quant_fp8 x3", "rms_norm_quant_fp8 x1", "linear_fp8_silu_and_mul_quant x2"),
     # the quantizers alone (the attention outputs'), named whole: "fused: " or ", " before them
     "block-fp8": ("fused_add_rms_norm_block_quant_fp8 x3", "rms_norm_block_quant_fp8 x1", "silu_and_mul_block_quant_fp8 x2",
                   "fused: block_quant_fp8 x2"),
@@ -64,8 +64,10 @@ QUANT_OPS = {
 }
 # the report's sites per decoder layer (2 layers), as the notes list them
 PER_LAYER = {
+    # the activation's quantization, then the gate_up GEMM taking it in (select_gemm): both rules' sites
     "fp8": "quant fusions per layer: add_rms_norm_quant_fp8 x1 layer 0, x2 layer 1; attention_quant_fp8 x1 layers 0-1; "
-           "rms_norm_quant_fp8 x1 layer 0, x0 layer 1; silu_and_mul_quant_fp8 x1 layers 0-1",
+           "linear_fp8_silu_and_mul_quant x1 layers 0-1; rms_norm_quant_fp8 x1 layer 0, x0 layer 1; "
+           "silu_and_mul_quant_fp8 x1 layers 0-1",
     "block-fp8": "quant fusions per layer: add_rms_norm_block_quant_fp8 x1 layer 0, x2 layer 1; block_quant_fp8 x1 "
                  "layers 0-1; rms_norm_block_quant_fp8 x1 layer 0, x0 layer 1; silu_and_mul_block_quant_fp8 x1 layers "
                  "0-1; near miss attention_quant_fp8 x2 (a dynamic quantization: its scale is reduced from the attention "

@@ -86,7 +86,7 @@ def test_the_fp8_kernel_widens_e4m3_tiles_on_hopper() -> None:
 
     types = {n: "*fp8e4nv" for n in ("x_ptr", "w_ptr")}
     types.update({n: "*bf16" for n in ("b_ptr", "y_ptr", "g_ptr", "r_ptr", "pos_ptr", "cs_ptr", "sg_ptr")})
-    types.update(parts_ptr="*fp32", sa_ptr="*fp32", sb_ptr="*fp32", eps="fp32")
+    types.update(parts_ptr="*fp32", sa_ptr="*fp32", sb_ptr="*fp32", qs_ptr="*fp32", eps="fp32")
     ptx = compile_for_hopper("fxrewrite.runtime.triton_gemm", "_skinny_linear_kernel", types,
                              dict(BN=32, BK=512, HAS_BIAS=False, EVEN_K=True, GATED=False, NORM=False,
                                   NORM_WEIGHT=False, RESIDUAL=False, HALF=0, HAND_OFF=False, PARTS=0, PDL=False,
