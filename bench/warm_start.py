@@ -127,7 +127,8 @@ def _time_collector(seconds: dict[str, float], clock: Any) -> None:
 
 def child(args: argparse.Namespace) -> dict[str, float]:
     import fxrewrite
-    from bench_e2e import SYSTEM_BY_KEY, _warm_process
+    from bench_e2e import _warm_process
+    from e2e_systems import SYSTEM_BY_KEY
 
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
