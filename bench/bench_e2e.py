@@ -5,7 +5,8 @@ On the GPU machine (the devkit serves the fused ops with sgl-kernel), then a CPU
     source .devkit/setup.sh && python bench/bench_e2e.py --shape 8b --out bench/e2e.md
     python bench/bench_e2e.py --shape tiny --device cpu --out /tmp/e2e.md
 
-Rows, in the order they run (what the goals compare first):
+Rows, in the order they run (what the goals compare first; each row's build is in
+``bench/e2e_systems.py``, with the rows of one switch on or off that only ``--paired`` names):
     eager                   the model as written
     fxrewrite piecewise     ``fxrewrite.Backend()`` (default rules), mode "piecewise"
     hand-fused piecewise    the hand-fused twin under ``Backend(rules=[])``, piecewise: the ceiling
