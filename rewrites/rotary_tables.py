@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -416,11 +417,20 @@ class _Folder:
         """The graph's in-place writes, in order (read when the first table is built; folds add none)."""
         return [n for n in self.graph.nodes if meta.written_args(n)]
 
-    def node(self, target: Any, *args: Any, like: fx.Node) -> fx.Node:
+    def node(self, target: Any, *args: Any, like: fx.Node, shape: Sequence[Any] | None = None) -> fx.Node:
+        """A new node before the insertion point; its value propagated, or, given ``shape``, a
+        contiguous tensor of that shape in ``like``'s dtype and device (a reshape whose sizes the
+        fold knows: propagating ``reshape(x, [-1, heads, head_dim])`` over symbolic head dims
+        costs sympy a third of a second a node)."""
         n = self.graph.call_function(target, args)
         n.meta["fxr_rule"] = "rotary_embedding"
         meta.copy_provenance(like, n)
-        meta.propagate(n, self.fake_mode)
+        src = meta.tensor(args[0])
+        if shape is not None and self.fake_mode is not None and src is not None:
+            with self.fake_mode:
+                n.meta["example_value"] = torch.empty(tuple(shape), dtype=src.dtype, device=src.device)
+        else:
+            meta.propagate(n, self.fake_mode)
         return n
 
     def cache(self, n: fx.Node) -> fx.Node:
@@ -493,7 +503,8 @@ class _Folder:
             if out_dtype != xt.dtype:  # tables wider than x, read so: rotate x in their dtype, as the rotation did
                 x = self.node(CAST, x, out_dtype, like=n)
             xp = x if perm == sorted(perm) else self.node(PERMUTE, x, perm, like=n)
-            x3 = self.node(RESHAPE, xp, [-1, heads_n, head_dim], like=n)
+            rows = functools.reduce(operator.mul, (xt.shape[d] for d in tokens), 1)
+            x3 = self.node(RESHAPE, xp, [-1, heads_n, head_dim], like=n, shape=(rows, heads_n, head_dim))
             r = self.node(ROTARY_Q, self.positions(pos), x3, cache, not interleaved, like=n)
             sizes = [s if isinstance(s, int) else self.node(SYM_SIZE, xp, i, like=n) for i, s in enumerate(meta.tensor(xp).shape)]
             out = self.node(RESHAPE, r, sizes, like=n)

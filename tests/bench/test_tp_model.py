@@ -176,7 +176,7 @@ def cpu_results() -> dict[str, list[dict[str, Any]]]:
     return {name: [r[name] for r in ranks] for name in CPU_GROUPS}
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # slow tests run first, in file order: the three CPU tests stay on one worker
 def test_tp2_equals_single_device_on_cpu(cpu_results: dict[str, list[dict[str, Any]]]) -> None:
     """Two gloo ranks, float32: the TP model eager and compiled (no CUDA graphs on CPU: the
     Runner's emulation) equals the single-device model; 2 sites per layer fused."""
@@ -192,6 +192,7 @@ def check_async_tp(results: list[dict[str, Any]], systems: dict, cfg: Any) -> No
             assert res[name]["atp"] == [(2 * layers, 2 * layers - 1)] * len(res[name]["atp"]), (name, res[name])
 
 
+@pytest.mark.slow  # beside the test above: one worker computes the module's fixture (two ranks, ~50 s)
 @pytest.mark.parametrize("group", ["sp", "async-tp"])
 def test_sequence_parallel_tp2_equals_single_device_on_cpu(cpu_results: dict[str, list[dict[str, Any]]], group: str) -> None:
     """Two gloo ranks, float32: with sequence parallelism (and async TP) the TP model equals the
