@@ -16,7 +16,7 @@ from fxrewrite import AttentionQuant, Config
 from fxrewrite.split import split_graph
 from fxrewrite.testing import op_counts
 from fxrewrite.runtime.ops.quant import quant_fp8_static
-from helpers.rewrites import BF16, DYNAMIC, F32, check, quant_per_token, quant_static, reasons, sites
+from helpers.rewrites import BF16, DTYPE_MODES, F32, check, quant_per_token, quant_static, reasons, sites
 
 RULE = "attention_quant_fp8"
 HEADS, DIM, T, SLOTS = 4, 16, 6, 32
@@ -102,8 +102,7 @@ def counts(r: object, name: str) -> int:
 
 
 @pytest.mark.parametrize("quant", ["static", "runtime"])
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@DYNAMIC
+@DTYPE_MODES
 def test_static_quant_moves_into_the_twin(dtype: torch.dtype, dynamic: bool | str, quant: str) -> None:
     """op -> view -> (x.float() / s).clamp(-448, 448).to(fp8)  =>  twin(..., s) -> view; the
     FP8 bytes equal eager's."""

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from helpers.rewrites import (
-    BF16, DYNAMIC, F32, LlamaRMSNorm, check, fake_process_group, fused_nodes, quant_static, reasons, sites,
+    BF16, DTYPE_MODES, F32, LlamaRMSNorm, check, fake_process_group, fused_nodes, quant_static, reasons, sites,
 )  # fmt: skip
 
 from fxrewrite.rewrites import collective
@@ -52,8 +52,7 @@ def _inputs(dtype: torch.dtype = F32, tokens: int = 8) -> tuple[torch.Tensor, to
     return torch.randn(tokens, 64, dtype=dtype), torch.randn(tokens, 64, dtype=dtype)
 
 
-@DYNAMIC
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@DTYPE_MODES
 def test_all_reduce_add_rms_norm(dtype: torch.dtype, dynamic: bool) -> None:
     r = check(RowParallelThenNorm().to(dtype), *_inputs(dtype), expect={AR: 1}, dynamic=dynamic)
     assert r.report.rules() == {AR: 1}

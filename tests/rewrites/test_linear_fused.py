@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.rewrites import BF16, DYNAMIC, F32, check, reasons, sites
+from helpers.rewrites import BF16, DTYPE_MODES, F32, check, reasons, sites
 
 from fxrewrite.rewrites import linear_fused
 from fxrewrite.testing import Compiled
@@ -109,8 +109,7 @@ def decoder(order: str, dtype: torch.dtype, dynamic: bool | str = True) -> Compi
     return check(model, IDS, expect=PROLOGUES if order == "none" else FUSED, dynamic=dynamic, **FULL)
 
 
-@DYNAMIC
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@DTYPE_MODES
 def test_a_decoder_layer_is_four_gemms_with_its_norms_and_adds_inside(dtype: torch.dtype, dynamic: bool | str) -> None:
     r = decoder("llama", dtype, dynamic)
     assert all(s.inplace for s in sites(r, "linear_add_rms_norm_inplace"))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from typing import Any
 
-from helpers.rewrites import BF16, DYNAMIC, F32, assert_same, compile_modes, fused, sites
+from helpers.rewrites import BF16, DTYPE_MODES, F32, assert_same, compile_modes, fused, sites
 
 from fxrewrite import Config
 from fxrewrite.testing import Compiled, compile_once
@@ -71,8 +71,7 @@ def check(model: torch.nn.Module, x: tuple[torch.Tensor, torch.Tensor], expect: 
     return r
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-@DYNAMIC
+@DTYPE_MODES
 def test_gate_and_up_merge_and_their_activation_fuses_with_its_quantization(dtype: torch.dtype,
                                                                          dynamic: bool | str) -> None:  # fmt: skip
     model = Mlp().to(dtype)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.rewrites import BF16, DYNAMIC, F32, check, fused_nodes, quant_per_token, reasons, sites
+from helpers.rewrites import BF16, DTYPE_MODES, check, fused_nodes, quant_per_token, reasons, sites
 
 from fxrewrite import rewrites
 from fxrewrite.runtime.ops.quant import quant_fp8_per_token
@@ -69,9 +69,8 @@ def rows(dtype: torch.dtype, *lead: int) -> torch.Tensor:
     return x.view(*(lead or (6,)), HIDDEN).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("spelling", ["per-token", "block", "nvfp4"])
-@DYNAMIC
+@DTYPE_MODES
 def test_a_quantized_gemm_output_fuses_into_the_quantizer_alone(spelling: str, dtype: torch.dtype,
                                                                  dynamic: bool | str) -> None:  # fmt: skip
     quantize, op = QUANTS[spelling]

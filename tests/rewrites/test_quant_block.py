@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from helpers.rewrites import (
-    BF16, DYNAMIC, F32, FP8, check, fake_process_group, fused_nodes, quant_per_token, reasons, sites,
+    BF16, DYNAMIC, DTYPE_MODES, F32, FP8, check, fake_process_group, fused_nodes, quant_per_token, reasons, sites,
 )  # fmt: skip
 
 from fxrewrite.rewrites import quant_block
@@ -93,9 +93,8 @@ def compiled(kind: str, dtype: torch.dtype, dynamic: bool | str, expect: dict[st
 
 
 @pytest.mark.parametrize("spelling", list(QUANTS))
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("kind", list(FUSED))
-@DYNAMIC
+@DTYPE_MODES
 def test_block_fp8_fusions(kind: str, dtype: torch.dtype, spelling: str, dynamic: bool | str) -> None:
     op, rules = FUSED[kind]
     r = compiled(kind, dtype, dynamic, {op: 1}, quant=QUANTS[spelling])

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from helpers.rewrites import BF16, DYNAMIC, F32, check, fake_process_group, reasons, sites
+from helpers.rewrites import BF16, DYNAMIC, DTYPE_MODES, F32, check, fake_process_group, reasons, sites
 
 from fxrewrite.runtime.ops.quant_nvfp4 import quant_e2m1_blocks, quant_nvfp4
 
@@ -118,9 +118,8 @@ def nvfp4_misses(r: Any) -> list[tuple[str, str]]:
     return [(m.rule, m.reason) for m in r.report.near_misses if "nvfp4" in m.rule]
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("kind", KINDS)
-@DYNAMIC
+@DTYPE_MODES
 def test_nvfp4_fusions(kind: str, dtype: torch.dtype, dynamic: bool | str) -> None:
     op, rules = FUSED[kind]
     r = check(Nvfp4Block(kind).to_dtype(dtype), *inputs(dtype), expect={op: 1}, dynamic=dynamic, exact=True)
@@ -222,8 +221,7 @@ def all_reduce_model(w: torch.Tensor, block: int = 16) -> Callable[..., Any]:
     return fn
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-@DYNAMIC
+@DTYPE_MODES
 @pytest.mark.usefixtures("fake_group")
 def test_all_reduce_add_rms_norm_nvfp4(dtype: torch.dtype, dynamic: bool | str) -> None:
     """The all-reduce that ends a row-parallel linear, the residual add, the norm and NVFP4: one op."""

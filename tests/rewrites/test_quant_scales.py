@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.rewrites import BF16, DYNAMIC, F32, check, misses, quant_static, sites
+from helpers.rewrites import BF16, DTYPE_MODES, F32, check, misses, quant_static, sites
 
 HIDDEN = 64
 
@@ -66,9 +66,8 @@ FUSED = {(False, False): ("rms_norm_quant_fp8", "rms_norm_quant_fp8"),
 IDS = ["norm", "add-norm", "norm-cast-last", "add-norm-cast-last"]
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(("add", "cast_last"), list(FUSED), ids=IDS)
-@DYNAMIC
+@DTYPE_MODES
 def test_one_shared_scale_is_one_quantization_and_fuses(add: bool, cast_last: bool, dtype: torch.dtype,
                                                        dynamic: bool | str) -> None:  # fmt: skip
     op, rule = FUSED[(add, cast_last)]

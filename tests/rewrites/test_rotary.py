@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.rewrites import BF16, DYNAMIC, F32, LlamaRMSNorm, check, fused, fused_nodes, reasons, sites
+from helpers.rewrites import BF16, DYNAMIC, DTYPE_MODES, F32, LlamaRMSNorm, check, fused, fused_nodes, reasons, sites
 
 from fxrewrite import Config
 from fxrewrite.rewrites import rotary
@@ -169,17 +169,15 @@ def hf_rope(layout: str, dtype: torch.dtype, dynamic: bool | str) -> Compiled:
 # --------------------------------------------------------------------------- positive
 
 
-@DYNAMIC
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@DTYPE_MODES
 def test_a_gathered_table_folds_bounded_by_its_rows(dtype: torch.dtype, dynamic: bool) -> None:
     r = check(GatheredRope(positions=64), *qk(dtype=dtype), expect=PAIR, dynamic=dynamic)
     assert r.graph.fxr_rotary_cache_0.shape[0] == 64  # the table's rows, not max_positions
     assert reasons(r, "rotary_embedding") == []
 
 
-@DYNAMIC
+@DTYPE_MODES
 @pytest.mark.parametrize("layout", ["bhtd", "bthd", "flat"])
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_hf_rotate_half_folds_inv_freq_tables(layout: str, dtype: torch.dtype, dynamic: bool) -> None:
     r = hf_rope(layout, dtype, dynamic)
     cache = r.graph.fxr_rotary_cache_0
@@ -199,8 +197,7 @@ def test_cache_rows_follow_max_positions() -> None:
     assert r.graph.fxr_rotary_cache_0.shape == (128, HEAD_DIM)
 
 
-@DYNAMIC
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@DTYPE_MODES
 def test_engine_cache_indexed_by_positions(dtype: torch.dtype, dynamic: bool) -> None:
     model = EngineRope(positions=64)
     r = check(model, *qk(batch=None, dtype=dtype), expect=PAIR, dynamic=dynamic)
@@ -218,8 +215,7 @@ class MatmulRope(HFRope):
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
-@DYNAMIC
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@DTYPE_MODES
 def test_indexing_inv_freq_does_not_bound_the_positions(dtype: torch.dtype, dynamic: bool) -> None:
     """``inv_freq[None, :, None]`` reads a constant, not a table at the positions: the cache keeps
     ``max_positions`` rows, not ``len(inv_freq)`` (8 here; the positions go up to 49)."""
@@ -417,8 +413,7 @@ class SinusoidalRope(torch.nn.Module):
         return rotate(q), rotate(k)
 
 
-@DYNAMIC
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@DTYPE_MODES
 def test_sinusoidal_table_read_at_arange_folds(dtype: torch.dtype, dynamic: bool) -> None:
     model = SinusoidalRope().to(dtype)
     r = check(model, *qk(dtype=dtype)[:2], expect=PAIR, dynamic=dynamic)
@@ -493,8 +488,7 @@ class SectionRope(HFRope):
         return recompose(freqs.cos()).to(x.dtype), recompose(freqs.sin()).to(x.dtype)
 
 
-@DYNAMIC
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@DTYPE_MODES
 def test_sections_of_one_positions_row_fold_with_their_in_place_writes(dtype: torch.dtype, dynamic: bool) -> None:
     check(SectionRope("bhtd"), *qk(dtype=dtype), expect=PAIR, dynamic=dynamic)
 
@@ -595,8 +589,7 @@ class ComplexRope(HFRope):
         return rotate(q), rotate(k)
 
 
-@DYNAMIC
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@DTYPE_MODES
 def test_complex_rotation_folds(dtype: torch.dtype, dynamic: bool) -> None:
     r = check(ComplexRope(), *qk(dtype=dtype), expect=PAIR, dynamic=dynamic)
     assert [n.args[-1] for n in fused_nodes(r, "rotary_embedding")] == [False]  # pairs: not NeoX
@@ -640,9 +633,8 @@ def hidden(dtype: torch.dtype = F32) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(1, TOKENS, 64).to(dtype), torch.arange(TOKENS)[None]
 
 
-@DYNAMIC
+@DTYPE_MODES
 @pytest.mark.parametrize("order", ["norm_then_rope", "rope_then_norm"])
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_per_head_norms_on_either_side_of_the_rotation(order: str, dtype: torch.dtype, dynamic: bool) -> None:
     """Both fuse. The rotation's closing add is no residual add for add + norm to take."""
     model = QKNormRope(order).to(dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.rewrites import BF16, DYNAMIC, F32, check, reasons
+from helpers.rewrites import BF16, DTYPE_MODES, F32, check, reasons
 from test_rotary import HEAD_DIM, PAIR, TOKENS, EngineRope, GPTJRope, HFRope, hf_rope, qk
 
 from fxrewrite.rewrites import rotary
@@ -66,9 +66,8 @@ def assert_sin_negated(reverse: torch.Tensor, forward: torch.Tensor) -> None:
 # --------------------------------------------------------------------------- positive
 
 
-@DYNAMIC
+@DTYPE_MODES
 @pytest.mark.parametrize("layout", ["bhtd", "flat"])
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_hf_rotate_half_the_other_way_folds_with_sin_negated(layout: str, dtype: torch.dtype, dynamic: bool) -> None:
     inputs = qk(batch=None if layout == "flat" else 1, dtype=dtype)
     r = check(ReverseHFRope(layout, scaling=0.75), *inputs, expect=PAIR, dynamic=dynamic)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.rewrites import BF16, DYNAMIC, F32, check
+from helpers.rewrites import BF16, DTYPE_MODES, F32, check
 
 N = 64
 
@@ -26,8 +26,7 @@ class Norm(torch.nn.Module):
         return self.norm(x)
 
 
-@DYNAMIC
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@DTYPE_MODES
 @pytest.mark.parametrize("affine", [True, False], ids=["weight", "weightless"])
 @pytest.mark.parametrize("eps", [1e-6, None], ids=["eps", "eps-none"])
 def test_nn_rms_norm_fuses(affine: bool, eps: float | None, dtype: torch.dtype, dynamic: bool | str) -> None:
