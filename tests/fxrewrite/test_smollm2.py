@@ -99,12 +99,13 @@ def test_greedy_tokens_equal_eager_in_float32_with_every_layer_fused() -> None:
         assert g.near_misses == [] and g.rejected == []
 
 
-def bf16_errors(model: torch.nn.Module, tokenizer: Any) -> tuple[float, float, torch.nn.Module, Any, Any]:
+def bf16_errors(model: torch.nn.Module, tokenizer: Any, count: int | None = None) -> tuple[float, float, torch.nn.Module, Any, Any]:
     """``(eager_err, compiled_err, half, compiled, backend)``: the mean |logits - ``model``'s float32
-    logits| of ``model`` in bf16, eager and compiled, over the windows of the fixed text."""
+    logits| of ``model`` in bf16, eager and compiled, over the windows of the fixed text (the
+    first ``count`` of them)."""
     ids = tokenizer(TEXT, return_tensors="pt").input_ids
     assert 200 <= ids.shape[-1] <= 400
-    texts = windows(ids, *models.SMOLLM2_WINDOWS)
+    texts = windows(ids, *models.SMOLLM2_WINDOWS)[:count]
     references = [logits(model, t) for t in texts]
     half = copy.deepcopy(model).to(torch.bfloat16)
     compiled, backend = compile_for_generation(half, progress=False)
@@ -150,9 +151,10 @@ def test_bfloat16_logits_of_the_first_two_layers_round_no_worse_than_eager() -> 
     threads against 1, sibling merging alone, the rotation alone and the whole pipeline all stay
     within 1.3 % of eager (0.987x .. 1.007x over sets of 8, 12 and 24 windows; torch 2.13,
     transformers 5.24), while eager with its RMSNorm computed in bf16 (no float32 upcast: a rule
-    that matched another computation) is 1.16x."""
+    that matched another computation) is 1.16x. The first 8 windows: the bf16 LM head over each
+    is most of this test's time on a CPU without bf16 instructions (76 s over 12 in CI)."""
     model, tokenizer = smollm2()
-    eager_err, compiled_err, half, compiled, _ = bf16_errors(first_layers(model, 2), tokenizer)
+    eager_err, compiled_err, half, compiled, _ = bf16_errors(first_layers(model, 2), tokenizer, count=8)
     assert compiled_err <= eager_err * 1.03
     print_bf16_greedy(half, compiled, tokenizer)
 
