@@ -419,7 +419,7 @@ class _Folder:
 
     def node(self, target: Any, *args: Any, like: fx.Node, shape: Sequence[Any] | None = None) -> fx.Node:
         """A new node before the insertion point; its value propagated, or, given ``shape``, a
-        contiguous tensor of that shape in ``like``'s dtype and device (a reshape whose sizes the
+        contiguous tensor of that shape in its input's dtype and device (a reshape whose sizes the
         fold knows: propagating ``reshape(x, [-1, heads, head_dim])`` over symbolic head dims
         costs sympy a third of a second a node)."""
         n = self.graph.call_function(target, args)

@@ -5,9 +5,9 @@ What must hold: greedy decoding gives the same 16 tokens as eager in float32 on 
 prompts, with every layer's norms, rotary and gated MLP fused; in bfloat16 the compiled model's
 logits are no further from the float32 model's than eager bfloat16's are, by the mean error over
 windows of a fixed text: within 3 % after the first two layers, within the measure's noise after
-all 30 (the evidence: the bf16 tests' docstrings; the 30-layer one is ``exhaustive``, not in CI). Marked ``real`` (deselect with ``-m "not
-real"``); without the ``real`` extra these tests skip, except under CI, where a missing extra is
-an error.
+all 30 (the evidence: the bf16 tests' docstrings; the 30-layer one is ``exhaustive``, not in
+CI). Marked ``real`` (deselect with ``-m "not real"``); without the ``real`` extra these tests
+skip, except under CI, where a missing extra is an error.
 """
 
 from __future__ import annotations

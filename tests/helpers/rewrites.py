@@ -30,8 +30,8 @@ F32 = torch.float32
 DYNAMIC = pytest.mark.parametrize("dynamic", [True, False, "lifted"], ids=["dynamic", "static", "lifted"])
 # dtype x DYNAMIC, as ("dtype", "dynamic"): float32 in every mode and bf16 with its floats lifted
 # (plain torch.compile of a bf16 model) in the default run, so every dtype and every mode is
-# checked; the three other pairs are marked ``exhaustive`` (``-m exhaustive``, not in CI: tracing
-# dominates the suite's time, and no rule reads the dtype and the mode together).
+# checked; the three other pairs are marked ``exhaustive`` (``-m exhaustive``, not in CI: Dynamo's
+# tracing is most of the suite's time; they check pairs, not a dtype or a mode the run misses).
 DEFAULT_DTYPE_MODES = {("f32", "dynamic"), ("f32", "static"), ("bf16", "lifted")}
 DTYPE_MODES = pytest.mark.parametrize(("dtype", "dynamic"), [
     pytest.param(dtype, mode, id=f"{dname}-{mname}",
