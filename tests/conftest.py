@@ -44,11 +44,21 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+def _case(item: pytest.Item) -> str:
+    spec = getattr(item, "callspec", None)
+    return spec.id if spec is not None else ""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The tests marked slow (each tens of seconds up to minutes on a 2-core CI machine) first, in
     # their order: under pytest-xdist a long test handed out last keeps one worker busy while the
-    # others have finished (every worker sorts alike, as xdist requires)
-    items.sort(key=lambda item: "slow" not in item.keywords)
+    # others have finished (every worker sorts alike, as xdist requires). Within a file, the cases
+    # of one parameter set side by side: the family tests compile each case once for several test
+    # functions (``functools.cache``), and xdist's worksteal hands out runs of adjacent tests, so a
+    # case's tests land on the worker that compiled it (function by function they were split
+    # between the workers and compiled twice: about 90 s of the suite's CPU time)
+    files = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
+    items.sort(key=lambda item: ("slow" not in item.keywords, files[item.path], _case(item)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
