@@ -9,6 +9,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -48,6 +49,21 @@ def saved(tmp_path: Path, model: torch.nn.Module, x: tuple[Any, ...], **kw: Any)
         step = backend(tmp_path, **kw).aot_compile(model, x)
         out = models.hidden_states(step(*x))
     return step.save(tmp_path / "model.fxr"), out
+
+
+@pytest.fixture(scope="module")
+def _artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch._dynamo.reset()
+    model, x = llama()
+    path, _ = saved(tmp_path_factory.mktemp("artifact"), model, x)
+    return path
+
+
+@pytest.fixture
+def artifact(_artifact: Path, tmp_path: Path) -> Path:
+    """The default configuration's artifact of ``llama()`` (its weights seeded alike), compiled
+    once for the tests that only load it (each compile ~3 s on a CI core): a copy of its own."""
+    return Path(shutil.copy(_artifact, tmp_path / "model.fxr"))
 
 
 # --------------------------------------------------------------------------- a new process
@@ -156,11 +172,10 @@ def test_the_collector_is_paused_for_the_whole_aot_compile_and_restored(tmp_path
     assert step is not None
 
 
-def test_merged_weights_are_made_from_the_loading_models_parameters(tmp_path: Path) -> None:
+def test_merged_weights_are_made_from_the_loading_models_parameters(tmp_path: Path, artifact: Path) -> None:
     """The artifact holds no weights: another model of the same architecture loads it, and its
     merged q/k/v and gate/up weights are views of its own parameters."""
-    a, x = llama()
-    path, _ = saved(tmp_path, a, x)
+    (_, x), path = llama(), artifact
     b = models.build("llama", layers=1, seed=1)
     step = fxrewrite.load(path, b, backend(tmp_path))
     names = [n for n, recipe in step.graph.state["recipes"].items() if recipe is not None]
@@ -235,17 +250,15 @@ def test_aot_compile_generates_the_graphs_code_when_run(tmp_path: Path, monkeypa
 
 @pytest.mark.parametrize("change", [dict(verify=False), dict(max_positions=64), dict(mode="piecewise"), dict(merge_siblings=False)],
                          ids=["verify", "max_positions", "mode", "merge_siblings"])  # fmt: skip
-def test_a_changed_configuration_misses(tmp_path: Path, change: dict[str, Any]) -> None:
-    model, x = llama()
-    path, _ = saved(tmp_path, model, x)
+def test_a_changed_configuration_misses(tmp_path: Path, artifact: Path, change: dict[str, Any]) -> None:
+    (model, _), path = llama(), artifact
     fxrewrite.load(path, model, backend(tmp_path))  # the same configuration: a hit
     with pytest.raises(fxrewrite.StaleArtifact, match="the configuration or rules"):
         fxrewrite.load(path, model, backend(tmp_path, **change))
 
 
-def test_a_changed_rule_set_misses(tmp_path: Path) -> None:
-    model, x = llama()
-    path, _ = saved(tmp_path, model, x)
+def test_a_changed_rule_set_misses(tmp_path: Path, artifact: Path) -> None:
+    (model, _), path = llama(), artifact
     relu = Rule("relu_clamp", lambda t: torch.relu(t), lambda t: torch.clamp(t, min=0))
     for b in (backend(tmp_path, extra_rules=[relu]), backend(tmp_path, rules=[relu])):
         with pytest.raises(fxrewrite.StaleArtifact, match="the configuration or rules"):
@@ -253,9 +266,8 @@ def test_a_changed_rule_set_misses(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("what", ["torch", "fxrewrite_source", "kernel_library"])
-def test_a_changed_version_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
-    model, x = llama()
-    path, _ = saved(tmp_path, model, x)
+def test_a_changed_version_misses(tmp_path: Path, artifact: Path, monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    (model, _), path = llama(), artifact
     if what == "torch":
         monkeypatch.setattr(torch, "__version__", "0.0.1")
     elif what == "fxrewrite_source":
@@ -361,9 +373,8 @@ def test_inputs_marked_as_at_compile_time_pass_the_loaded_guards(tmp_path: Path,
                 step(x=y)
 
 
-def test_damaged_artifacts_are_misses(tmp_path: Path) -> None:
-    model, x = llama()
-    path, _ = saved(tmp_path, model, x)
+def test_damaged_artifacts_are_misses(tmp_path: Path, artifact: Path) -> None:
+    (model, _), path = llama(), artifact
     data = path.read_bytes()
     for bad in (b"not an artifact", data[: len(data) // 2]):
         path.write_bytes(bad)
