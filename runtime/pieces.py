@@ -126,10 +126,11 @@ def _clear_cublas_workspaces() -> None:
 
 @contextlib.contextmanager
 def capture_context(device: torch.device) -> Iterator[None]:
-    """Side stream, gc frozen and disabled, for the whole capture loop."""
+    """Side stream and the cyclic collector off, for the whole capture loop. The caller's frozen
+    objects stay frozen: a serving engine freezes its heap after loading (``gc.freeze``), and an
+    unfreeze here put every loaded object back under the collector's walks."""
     torch.cuda.synchronize(device)
     gc_was_enabled = gc.isenabled()
-    gc.freeze()
     gc.disable()
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -141,7 +142,6 @@ def capture_context(device: torch.device) -> Iterator[None]:
         torch.cuda.synchronize(device)
         if gc_was_enabled:
             gc.enable()
-        gc.unfreeze()
 
 
 _ABANDONED: list[Any] = []  # CUDAGraphs whose capture torch could not end: kept for the process (see abandon_pool)

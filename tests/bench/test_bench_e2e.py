@@ -20,7 +20,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_e2e.py"
 @pytest.mark.slow
 def test_full_graph_rows_of_fxrewrite_and_the_twin(tmp_path: Path) -> None:
     out = tmp_path / "e2e.md"
-    argv = ["--shape", "tiny", "--device", "cpu", "--systems", "fxrewrite-full,fused-full,fxrewrite-full-ug,full-norewrite,fxrewrite-full-warm,dynamo-eager",
+    # every system but Dynamo alone (its row is the same harness over a backend with nothing of
+    # ours: ~10 s of the CI's test stage)
+    argv = ["--shape", "tiny", "--device", "cpu", "--systems", "fxrewrite-full,fused-full,fxrewrite-full-ug,full-norewrite,fxrewrite-full-warm",
             "--budget-s", "400",
             "--target-s", "0.02", "--min-reps", "2", "--warmup", "2", "--paired", "fxrewrite-full,fused-full", "--rounds", "2",
             "--out", str(out)]  # fmt: skip
@@ -30,7 +32,7 @@ def test_full_graph_rows_of_fxrewrite_and_the_twin(tmp_path: Path) -> None:
     text = out.read_text()
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
     for system in ("fxrewrite full", "hand-fused full", "fxrewrite full, unguarded", "full, no rewrites",
-                   "fxrewrite full, cache warm", "Dynamo alone (backend eager)"):
+                   "fxrewrite full, cache warm"):
         cells = [c.strip() for c in rows[system].split("|")[2:-1]]
         assert len(cells) == 8 and all(re.fullmatch(r"\d+\.\d+", c) for c in cells[:5]), rows[system]
         assert float(cells[7]) < 1e-3  # float32 on CPU: the rewritten graph computes what eager does

@@ -121,6 +121,29 @@ def test_pool_memory_is_shared_across_sizes() -> None:
     assert pools[(64, 128, 256, 384, 512)] < 2.0 * pools[(512,)], pools
 
 
+@pytest.mark.parametrize("enabled", [True, False], ids=["collector-on", "collector-off"])
+def test_capture_leaves_the_collector_as_the_caller_had_it(enabled: bool) -> None:
+    """A serving engine freezes its heap once its model is loaded (``gc.freeze``): after the
+    capture those objects are still frozen, and the collector is on or off as it was. (The
+    capture used to unfreeze every object, the caller's too.)"""
+    import gc
+
+    rec = record(seeded(lambda: ToyAttention(), "cuda"), toy_inputs((8,), "cuda"), dynamic=True)
+    runner = make_runner(rec, "sdpa", "piecewise")
+    was = gc.isenabled()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        runner.capture()
+        assert gc.get_freeze_count() >= frozen > 0
+        assert gc.isenabled() == enabled
+    finally:
+        gc.unfreeze()
+        (gc.enable if was else gc.disable)()
+    assert_matches_eager(runner, rec, 8)
+
+
 def test_copies_per_step() -> None:
     cases = {("llama", "piecewise"): (1, 2), ("llama", "full"): (1, 0), ("sdpa", "piecewise"): (1, 2),
              ("custom_out", "piecewise"): (1, 0)}
