@@ -202,6 +202,23 @@ def abandon_pool(owner: Any, graph: Any) -> None:
     owner._pools.append(owner._pool)
     logger.info("graph pool %s retired after a capture torch could not end; now capturing into %s",
                 owner._pools[-2], owner._pool)
+    _end_generator_capture()
+
+
+def _end_generator_capture() -> None:
+    """The same raise skips the default CUDA generator's capture epilogue (torch 2.11): the
+    generator stays in capture mode, and every later eager random op on the device (a sampler's
+    ``torch.multinomial``) raises "Offset increment outside graph capture encountered
+    unexpectedly". A capture of one tiny kernel, begun and ended in a pool of its own, runs the
+    prologue and the epilogue again and leaves the generator out of capture mode; where torch
+    keeps capture state per capture (2.13) it changes nothing."""
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(pool=torch.cuda.graph_pool_handle())
+    try:
+        torch.zeros(1, device="cuda")
+    finally:
+        graph.capture_end()
+    graph.reset()
 
 
 class EagerPiece:

@@ -105,8 +105,10 @@ def test_a_refused_capture_is_contained_and_later_captures_work(sync: bool) -> N
     # CUDA refusing the capture (a sync) leaves torch's allocators recording to the pool: the
     # later captures go to a fresh one (pieces.abandon_pool); a copy torch refuses ends cleanly
     assert s["pools"] == (2 if sync else 1)
-    # the stream left capture mode and the allocator serves it from its own memory again
+    # the stream left capture mode and the allocator serves it from its own memory again; the
+    # CUDA generator left it too: eager random numbers (a sampler's) are drawn as before
     assert not torch.cuda.is_current_stream_capturing()
+    assert torch.rand(4, device="cuda").shape == (4,)
     llama = record(seeded(TinyLlama, "cuda"), llama_inputs((8,), "cuda"), dynamic=True)
     other = runner_for(llama, mode="piecewise")
     torch.testing.assert_close(other(*llama.calls[0]), llama.gm(*llama.calls[0]), rtol=1e-4, atol=1e-4)

@@ -136,7 +136,7 @@ def test_capture_leaves_the_collector_as_the_caller_had_it(enabled: bool) -> Non
     (gc.enable if enabled else gc.disable)()
     try:
         runner.capture()
-        assert gc.get_freeze_count() >= frozen > 0
+        assert gc.get_freeze_count() > frozen // 2 > 0  # objects freed meanwhile leave the count; unfrozen, it is 0
         assert gc.isenabled() == enabled
     finally:
         gc.unfreeze()
