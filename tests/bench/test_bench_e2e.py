@@ -17,6 +17,10 @@ import torch
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "bench_e2e.py"
 
 
+# ~100 s of CI's test stage: exhaustive. Its library paths (the cache's restart, Backend.unguarded,
+# the first call) have tests of their own in tests/fxrewrite, and the harness runs in CI through
+# the quantized rows below; run it with -m exhaustive after a change to bench_e2e.py
+@pytest.mark.exhaustive
 @pytest.mark.slow
 def test_full_graph_rows_of_fxrewrite_and_the_twin(tmp_path: Path) -> None:
     out = tmp_path / "e2e.md"

@@ -15,6 +15,10 @@ import warm_start
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "warm_start.py"
 
 
+# ~50 s of CI's test stage (a process per row): exhaustive. What the rows run is tested in
+# tests/fxrewrite (test_precompile's new process, test_cold_start); the rows' cache directories
+# below; run it with -m exhaustive after a change to warm_start.py
+@pytest.mark.exhaustive
 @pytest.mark.slow
 def test_rows_table_and_goal_lines() -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--device", "cpu", "--repeat", "1"],
