@@ -209,16 +209,21 @@ def _end_generator_capture() -> None:
     """The same raise skips the default CUDA generator's capture epilogue (torch 2.11): the
     generator stays in capture mode, and every later eager random op on the device (a sampler's
     ``torch.multinomial``) raises "Offset increment outside graph capture encountered
-    unexpectedly". A capture of one tiny kernel, begun and ended in a pool of its own, runs the
-    prologue and the epilogue again and leaves the generator out of capture mode; where torch
-    keeps capture state per capture (2.13) it changes nothing."""
+    unexpectedly". A capture of one tiny kernel, on a stream and in a pool of its own, runs the
+    prologue and the epilogue again and leaves the generator out of capture mode (torch 2.13's
+    generator keeps that state per capture id: there it is one more short capture). Where even
+    that fails, the capture's own error is still the one raised, and the log says why."""
     graph = torch.cuda.CUDAGraph()
-    graph.capture_begin(pool=torch.cuda.graph_pool_handle())
     try:
-        torch.zeros(1, device="cuda")
-    finally:
-        graph.capture_end()
-    graph.reset()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            graph.capture_begin(pool=torch.cuda.graph_pool_handle())
+            try:
+                torch.zeros(1, device="cuda")
+            finally:
+                graph.capture_end()
+        graph.reset()
+    except RuntimeError as e:
+        logger.warning("the CUDA generator may still be in capture mode after the failed capture: %s", e)
 
 
 class EagerPiece:
