@@ -83,7 +83,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
                           GATED: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, RESIDUAL: tl.constexpr,
                           HALF: tl.constexpr = 0, HAND_OFF: tl.constexpr = False, PARTS: tl.constexpr = 0,
                           PDL: tl.constexpr = False, FP8: tl.constexpr = False, OUT_QUANT: tl.constexpr = False,
-                          ROUND: tl.constexpr = None):  # fmt: skip
+                          ROUND: tl.constexpr = None, QUANT_A: tl.constexpr = False):  # fmt: skip
     """Program p: ``y[:, p*BN : (p+1)*BN] = x @ w[p*BN : (p+1)*BN].T (+ bias)`` for all (at most
     16) rows at once, walking k in blocks of ``BK``: every weight element is read once.
 
@@ -104,7 +104,10 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
     dot, so each product is exact and the sum float32, as in the FP8 MMA. ``OUT_QUANT``: the
     output, rounded to ``ROUND`` as the unfused op's would be, is quantized to e4m3 with the static
     scale ``qs[0]`` (``quant_fp8_static``: divided, clamped to +-448, rounded to nearest even) and
-    stored so: the next FP8 GEMM's input, written once."""
+    stored so: the next FP8 GEMM's input, written once. ``QUANT_A`` (with ``FP8``, ``NORM`` and
+    ``PARTS``): ``x`` is a hand-off's ``s * g`` in its dtype, and the A tiles are the norm's
+    output quantized as the GEMM's input: each row's scale from its slots before the k loop, then
+    ``e4m3(clamp(round(x * scale) / sa[0]))`` per tile (``sa`` is the quantization's scale)."""
     pid = tl.program_id(0)
     if HALF > 0:
         first = (pid // (HALF // BN)) * (2 * HALF) + (pid % (HALF // BN)) * BN
@@ -120,13 +123,22 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
         tl.extra.cuda.gdc_wait()
     if NORM and PARTS == 0:
         squares = tl.zeros([SKINNY_ROWS], tl.float32)
+    if QUANT_A:  # the norm's per-row scale first: each A tile is quantized as it is loaded
+        slots = tl.arange(0, PARTS)
+        squares = tl.sum(tl.load(parts_ptr + r[:, None] * parts_n + slots[None, :],
+                                 mask=(r < rows)[:, None] & (slots < parts_n)[None, :], other=0.0), axis=1)
+        row_scale = tl.math.rsqrt(squares / k + eps)[:, None]
+        quant_scale = tl.load(sa_ptr)
     for k0 in range(0, k, BK):
         ks = k0 + tl.arange(0, BK)
         x_mask, w_mask = (r < rows)[:, None], (cols < n)[:, None]
         if not EVEN_K:
             x_mask, w_mask = x_mask & (ks < k)[None, :], w_mask & (ks < k)[None, :]
         x = tl.load(x_ptr + r[:, None] * x_stride + ks[None, :], mask=x_mask, other=0.0)
-        if FP8:
+        if QUANT_A:  # rms_norm's output rounded to x's dtype, then quant_fp8_static's e4m3, widened
+            normed = (x.to(tl.float32) * row_scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = tl.clamp(tl.math.div_rn(normed, quant_scale), -448.0, 448.0).to(tl.float8e4nv).to(tl.float16)
+        elif FP8:
             x = x.to(tl.float16)
         if NORM and PARTS == 0:
             xf = x.to(tl.float32)
@@ -148,7 +160,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
     dtype = y_ptr.dtype.element_ty
     if OUT_QUANT:  # y is e4m3: the values are rounded as the unquantized output's dtype first
         dtype = ROUND
-    if NORM:
+    if NORM and not QUANT_A:  # (QUANT_A applied the row scale before the quantization)
         if PARTS > 0:
             slots = tl.arange(0, PARTS)
             squares = tl.sum(tl.load(parts_ptr + r[:, None] * parts_n + slots[None, :],
@@ -335,8 +347,10 @@ class Fusion:
     stored into it; ``hand_off``: the next norm's ``s * g`` and sums of squares stored too, ``g``
     in ``norm_weight``), rotary (``cos_sin_cache`` [P, D] indexed by ``positions``, the first
     ``rotated`` columns in heads of D rotated, NeoX halves), ``scales`` (FP8 operands: the
-    per-tensor scales of ``x`` and the weight), ``out_dtype`` (the output's, else ``x``'s; with
-    ``out_scale`` the dtype the values round to before they are quantized to e4m3 with it)."""
+    per-tensor scales of ``x`` and the weight; ``quant_input``: ``x`` is the norm's input in its
+    dtype, quantized to e4m3 with the first scale in the prologue), ``out_dtype`` (the output's,
+    else ``x``'s; with ``out_scale`` the dtype the values round to before they are quantized to
+    e4m3 with it)."""
 
     gated: bool = False
     norm: bool = False
@@ -352,6 +366,7 @@ class Fusion:
     scales: tuple[Tensor, Tensor] | None = None
     out_dtype: torch.dtype | None = None
     out_scale: Tensor | None = None
+    quant_input: bool = False
 
     @property
     def half(self) -> int:
@@ -404,6 +419,8 @@ def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion,
         meta["HAND_OFF"] = True
     if f.scales is not None:
         meta["FP8"] = True
+    if f.quant_input:
+        meta["QUANT_A"] = True
     if f.out_scale is not None:
         meta.update(OUT_QUANT=True, ROUND=_TL_DTYPES[f.out_dtype or x.dtype])
     if launch_pdl(x.device):
@@ -466,6 +483,8 @@ def _prepare(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion) -> tuple
                 _or(f.positions, weight), _or(f.cos_sin_cache, weight), x if f.hand_off else weight)  # fmt: skip
     dtypes = [t.dtype for t in pointers]
     dtypes[3] = _stored(x, f)  # y
+    if f.hand_off:
+        dtypes[8] = dtypes[3]  # s * g, stored as the sum is
     parts = torch.float32 if f.hand_off or f.parts is not None else weight.dtype
     scales = [t.dtype for t in (*(f.scales or (weight, weight)), _or(f.out_scale, weight))]
     args = (*dtypes, parts, *scales, linear_ops.SKINNY_ROWS, p.n, p.k, p.x_stride, weight.stride(0),
@@ -503,6 +522,14 @@ _LAUNCH: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor | None, Fusion]]] 
     "linear_add_": lambda x, w, residual: (x, w, None, Fusion(residual=residual, inplace=True)),
     "linear_add_rms_parts": lambda x, w, residual, g: (x, w, None, Fusion(residual=residual, norm_weight=g,
                                                                            hand_off=True)),
+    "linear_fp8_add_rms_parts": lambda x, w, scale_a, scale_b, out_dtype, residual, g: (
+        x, w, None, Fusion(scales=(scale_a, scale_b), out_dtype=out_dtype, residual=residual, norm_weight=g,
+                           hand_off=True)),
+    "rms_norm_quant_linear_fp8": lambda x, parts, eps, scale, w, scale_b, out_dtype: (
+        x, w, None, _norm(None, eps, parts=parts, scales=(scale, scale_b), out_dtype=out_dtype, quant_input=True)),
+    "rms_norm_quant_linear_fp8_silu_and_mul_quant": lambda x, parts, eps, scale, w, scale_b, out_dtype, out_scale: (
+        x, w, None, _norm(None, eps, parts=parts, scales=(scale, scale_b), out_dtype=out_dtype, quant_input=True,
+                          gated=True, out_scale=out_scale)),
 }
 
 
@@ -574,6 +601,22 @@ def rms_norm_linear_rotary(x: Tensor, norm_weight: Tensor | None, eps: float, we
 
 def linear_add_rms_parts(x: Tensor, weight: Tensor, residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return skinny(*_LAUNCH["linear_add_rms_parts"](x, weight, residual, norm_weight))
+
+
+def linear_fp8_add_rms_parts(x: Tensor, weight: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+                             residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    return skinny(*_LAUNCH["linear_fp8_add_rms_parts"](x, weight, scale_a, scale_b, out_dtype, residual, norm_weight))
+
+
+def rms_norm_quant_linear_fp8(x: Tensor, parts: Tensor, eps: float, scale: Tensor, weight: Tensor, scale_b: Tensor,
+                              out_dtype: torch.dtype) -> Tensor:  # fmt: skip
+    return skinny(*_LAUNCH["rms_norm_quant_linear_fp8"](x, parts, eps, scale, weight, scale_b, out_dtype))
+
+
+def rms_norm_quant_linear_fp8_silu_and_mul_quant(x: Tensor, parts: Tensor, eps: float, scale: Tensor, weight: Tensor,
+                                                 scale_b: Tensor, out_dtype: torch.dtype, out_scale: Tensor) -> Tensor:  # fmt: skip
+    return skinny(*_LAUNCH["rms_norm_quant_linear_fp8_silu_and_mul_quant"](x, parts, eps, scale, weight, scale_b,
+                                                                           out_dtype, out_scale))  # fmt: skip
 
 
 def linear_add(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:

@@ -81,11 +81,12 @@ def _linear_fp8_fake(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out
     return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=out_dtype)
 
 
-def fp8_operands(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> str | None:
+def fp8_operands(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+                 x_dtype: torch.dtype = FP8) -> str | None:  # fmt: skip
     """What ``fxr.linear_fp8`` serves (its rule's guard): e4m3 operands, a 2-D weight of x's
     width, per-tensor float32 scales (one element each; row- or block-wise scales are other
-    recipes), a floating output."""
-    if x.dtype != FP8 or w.dtype != FP8:
+    recipes), a floating output. ``x_dtype``: x's, where a kernel quantizes x itself."""
+    if x.dtype != x_dtype or w.dtype != FP8:
         return f"operands {x.dtype} x {w.dtype}, not float8_e4m3fn"
     if w.dim() != 2 or x.dim() == 0 or x.shape[-1] != w.shape[-1]:
         return f"shapes {tuple(x.shape)} x {tuple(w.shape)}"
@@ -97,10 +98,11 @@ def fp8_operands(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out_dty
     return None
 
 
-def fp8_skinny_check(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype) -> str | None:
+def fp8_skinny_check(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out_dtype: torch.dtype,
+                     x_dtype: torch.dtype = FP8) -> str | None:  # fmt: skip
     """The Triton kernel of ``linear_fp8``: :func:`fp8_operands`, at most ``SKINNY_ROWS`` rows, a
     weight with unit stride along k."""
-    reason = fp8_operands(x, w, scale_a, scale_b, out_dtype)
+    reason = fp8_operands(x, w, scale_a, scale_b, out_dtype, x_dtype)
     if reason:
         return reason
     rows = x.numel() // max(x.shape[-1], 1)

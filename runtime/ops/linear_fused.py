@@ -213,12 +213,14 @@ def _norm_rotary_check(x: Tensor, norm_weight: Tensor | None, eps: float, w: Ten
             or rotary_layout_check(x, w, positions, cos_sin_cache, rotated))
 
 
-def residual_check(x: Tensor, w: Tensor, residual: Tensor) -> str | None:
-    """What adding ``residual`` to ``linear(x, w)`` in an epilogue needs: its dtype and shape,
-    rows of unit stride along n (viewable as [rows, n]), no memory shared with ``x``."""
+def residual_check(x: Tensor, w: Tensor, residual: Tensor, dtype: torch.dtype | None = None) -> str | None:
+    """What adding ``residual`` to ``linear(x, w)`` in an epilogue needs: the output's dtype
+    (``dtype``, else x's) and shape, rows of unit stride along n (viewable as [rows, n]), no
+    memory shared with ``x``."""
     shape = (*x.shape[:-1], w.shape[0]) if w.dim() == 2 else None
-    if residual.dtype != x.dtype or residual.shape != shape:
-        return f"residual {residual.dtype}{tuple(residual.shape)} != output {x.dtype}{shape}"
+    dtype = dtype or x.dtype
+    if residual.dtype != dtype or residual.shape != shape:
+        return f"residual {residual.dtype}{tuple(residual.shape)} != output {dtype}{shape}"
     rows = as_rows(residual)
     if rows is None or rows.stride(-1) != 1:
         return "residual rows not viewable with unit stride"
@@ -232,17 +234,23 @@ def _add_check(x: Tensor, w: Tensor, residual: Tensor) -> str | None:
     return skinny_check(x, w) or residual_check(x, w, residual)
 
 
+def hand_off_check(x: Tensor, w: Tensor, residual: Tensor, norm_weight: Tensor,
+                   dtype: torch.dtype | None = None) -> str | None:  # fmt: skip
+    """The sum's operands of a hand-off (:func:`residual_check`) and the next norm's weight:
+    ``[n]`` contiguous, of the output's dtype (``dtype``, else ``x``'s)."""
+    n, dtype = w.shape[0], dtype or x.dtype
+    if norm_weight.dtype != dtype or tuple(norm_weight.shape) != (n,) or norm_weight.stride(0) != 1:
+        return f"norm weight {norm_weight.dtype}{tuple(norm_weight.shape)}: needs a contiguous [{n}] of {dtype}"
+    return residual_check(x, w, residual, dtype) or constraints.check_same_device(x, norm_weight)
+
+
 def _hand_off_check(x: Tensor, w: Tensor, residual: Tensor, norm_weight: Tensor) -> str | None:
-    """:func:`_add_check`, and the next norm's weight: ``[n]`` contiguous, ``x``'s dtype."""
-    n = w.shape[0]
-    if norm_weight.dtype != x.dtype or tuple(norm_weight.shape) != (n,) or norm_weight.stride(0) != 1:
-        return f"norm weight {norm_weight.dtype}{tuple(norm_weight.shape)}: needs a contiguous [{n}] of {x.dtype}"
-    return _add_check(x, w, residual) or constraints.check_same_device(x, norm_weight)
+    return skinny_check(x, w) or hand_off_check(x, w, residual, norm_weight)
 
 # --------------------------------------------------------------------------- above SKINNY_ROWS rows
 
 
-def _rows_kernels(t: Tensor) -> Any:
+def rows_kernels(t: Tensor) -> Any:
     """The Triton module's row kernels of the hand-off (:mod:`fxrewrite.runtime.triton_gemm`) for
     ``t``'s contiguous rows on CUDA, else None (torch's ops compute the same)."""
     return providers.library(TRITON_GEMM) if t.is_cuda and t.is_contiguous() else None
@@ -254,7 +262,7 @@ def _norm_cublas(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, b
     (torch's ops where Triton is absent or a weight remains)."""
     if parts is None:
         return F.linear(torch.ops.fxr.rms_norm.default(x, norm_weight, eps, cast_last), w, bias)
-    kernels = _rows_kernels(x) if norm_weight is None and parts.is_contiguous() else None
+    kernels = rows_kernels(x) if norm_weight is None and parts.is_contiguous() else None
     rows = kernels.scale_rows(x, parts, eps) if kernels is not None else normed(x, norm_weight, eps, cast_last, parts)
     return F.linear(rows, w, bias)
 
@@ -312,8 +320,13 @@ def _addmm_(x: Tensor, w: Tensor, residual: Tensor) -> None:
 def _addmm_parts(x: Tensor, w: Tensor, residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """cuBLAS with the add in its epilogue, then the hand-off in one Triton kernel (torch's ops
     where Triton is absent)."""
-    s = _addmm(x, w, residual)
-    kernels = _rows_kernels(s) if norm_weight.is_contiguous() else None
+    return hand_off_rows(_addmm(x, w, residual), norm_weight)
+
+
+def hand_off_rows(s: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`hand_off` of rows a library GEMM made, in one Triton kernel (torch's ops where
+    Triton is absent)."""
+    kernels = rows_kernels(s) if norm_weight.is_contiguous() else None
     return kernels.hand_off_rows(s, norm_weight) if kernels is not None else hand_off(s, norm_weight)
 
 

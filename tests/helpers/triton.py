@@ -67,7 +67,11 @@ for line in sys.stdin:
         path, (module, kernel, types, constexprs, options) = json.loads(line)
         sys.path[:] = path
         fn = getattr(importlib.import_module(module), kernel)
-        names = list(inspect.signature(fn.fn).parameters)
+        params = inspect.signature(fn.fn).parameters
+        names = list(params)
+        for n, p in params.items():  # a constexpr switch not named takes its default (off)
+            if n not in constexprs and "constexpr" in str(p.annotation) and p.default is not p.empty:
+                constexprs[n] = p.default.value if hasattr(p.default, "value") else p.default
         signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
         source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
         reply = {"ptx": triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]}
@@ -128,7 +132,7 @@ def compile_for_hopper(module: str, kernel: str, types: dict[str, str], constexp
     through (this Triton's; the GPU machine's may refuse more). In a process of its own, without
     ``TRITON_INTERPRET`` (under it the kernels are the interpreter's), kept for the next call
     (``_SERVE``). ``types``: each non-constexpr parameter's Triton type (``"*bf16"``, ``"fp32"``);
-    unnamed ones are ``i32``. Skipped without Triton, or where it cannot build for a GPU (no
+    unnamed ones are ``i32``, unnamed constexprs with a default take it. Skipped without Triton, or where it cannot build for a GPU (no
     ``ptxas``, another API)."""
     import atexit
 

@@ -65,17 +65,41 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
     for name in moe_samples.NAMES:
         values[name] = functools.partial(moe_samples.moe_arg, name, shape, dtype, gen)
     names = inspect.signature(op.reference).parameters
-    if op.name.startswith("linear_fp8"):  # e4m3 operands: x of shape, a [hidden (x2 gated), hidden] weight, scales
-        gated = op.name == "linear_fp8_silu_and_mul_quant"
-        x, w = rand(gen, *shape) * 40, rand(gen, (1 + gated) * shape[-1], shape[-1]) * 40
-        return [x.clamp(-448, 448).to(torch.float8_e4m3fn), w.clamp(-448, 448).to(torch.float8_e4m3fn),
-                torch.tensor(0.013), torch.tensor(0.0021), dtype, *([torch.tensor(0.01)] if gated else [])]  # fmt: skip
+    if "scale_b" in names:  # the FP8 GEMMs
+        return fp8_gemm_args(op, shape, gen, dtype)
     if "rotated" in names:  # a GEMM rotating its output: a position per row of x, two heads of [hidden] rotated
         values["positions"] = lambda: torch.randint(0, rotary_samples.POSITIONS, (math.prod(shape[:-1]),), generator=gen)
         values["w"] = lambda: rand(gen, 2 * shape[-1], shape[-1], dtype=dtype) * shape[-1] ** -0.5
         values["bias"] = lambda: rand(gen, 2 * shape[-1], dtype=dtype)
         values["rotated"] = lambda: 2 * shape[-1]
     return [rand(gen, *shape, dtype=dtype) if name in ("x", "y", "residual", "a", "b") else values[name]() for name in names]
+
+
+def e4m3(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return (rand(gen, *shape) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def fp8_gemm_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> list[Any]:
+    """The FP8 GEMMs' arguments: an e4m3 ``x`` of ``shape`` (a hand-off's reader: ``s * g`` in
+    ``dtype`` with the squares of ``s`` by slot, g = 1), an e4m3 [hidden (x2 gated), hidden]
+    weight, per-tensor scales (the input's 0.013, or 0.02 where the op quantizes it; the
+    weight's 0.0021; the output's 0.01), the output in ``dtype``; a residual and norm weight as
+    :func:`op_args` makes them."""
+    from fxrewrite.runtime.ops.linear_fused import hand_off
+
+    names = inspect.signature(op.reference).parameters
+    gated = "silu_and_mul" in op.name
+    values: dict[str, Any] = {"w": e4m3(gen, (1 + gated) * shape[-1], shape[-1]), "scale_a": torch.tensor(0.013),
+                              "scale_b": torch.tensor(0.0021), "out_dtype": dtype, "eps": EPS,
+                              "out_scale": torch.tensor(0.01), "residual": rand(gen, *shape, dtype=dtype),
+                              "norm_weight": 1.0 + rand(gen, shape[-1], dtype=dtype) * 0.1}  # fmt: skip
+    if "parts" in names:
+        s = rand(gen, *shape, dtype=dtype)
+        _, values["x"], values["parts"] = hand_off(s, torch.ones(shape[-1], dtype=dtype))
+        values["scale"] = torch.tensor(0.02)
+    else:
+        values["x"], values["scale"] = e4m3(gen, *shape), torch.tensor(0.01)  # linear_fp8_silu_and_mul_quant's output
+    return [values[name] for name in names]
 
 
 def with_arg(op: OpDef, args: list[Any], name: str, value: Any) -> list[Any]:
