@@ -22,7 +22,21 @@ tensor: the same bytes at decode), and the readers of the sum read ``%s``.
 
 A norm without a weight, or whose GEMM input is not such a sum, keeps its prologue; a sum read
 by two norms hands off to the first (the other keeps its prologue). Each is a near miss with
-its reason where the input is such a sum. The ops' references are the spec: the pair computes
+its reason where the input is such a sum.
+
+Pass ``hand_off_norm_quant``: the same in a static FP8 layer, where no GEMM took the norm (the
+norm quantizes for the FP8 GEMMs after it, one kernel of its own)::
+
+    %o = fxr.linear_fp8(%a, %w_o, %s_a, %s_o, bf16)                    # maybe reshaped to [B, S, n]
+    %q, %s = fxr.fused_add_rms_norm_quant_fp8(%o, %r, %g, eps, %s_q)   # -> two getitems
+    %y = fxr.linear_fp8(%q, %w, %s_q, %s_w, bf16)                      # each reader, maybe of %q flattened
+    ->
+    %h = fxr.linear_fp8_add_rms_parts(%a, %w_o, %s_a, %s_o, bf16, %r, %g)
+    %y = fxr.rms_norm_quant_linear_fp8(%h[1], %h[2], eps, %s_q, %w, %s_w, bf16)
+
+Every reader of the quantized norm must be such a GEMM with the quantization's scale as its
+input scale (``fxr.linear_fp8_silu_and_mul_quant`` too); the sum's other readers read ``%h[0]``
+(reshaped back as the residual stream is). The ops' references are the spec: the pair computes
 ``rms_norm(s, g, eps) @ w.T`` with ``s * g`` rounded once where the unfused norm rounds ``s *
 rsqrt(...)`` then the product (runtime/ops/linear_fused.py).
 """
@@ -113,3 +127,165 @@ def hand_off_norms(gm: fx.GraphModule, site_filter: SiteFilter | None = None) ->
         result.notes.append(note)
     return result
 
+
+
+# --------------------------------------------------------------------------- the FP8 layer's norms
+
+FP8_RULE = "linear_fp8_add_rms_parts"
+FP8_HAND_OFF = FXR.linear_fp8_add_rms_parts.default
+FP8_GEMM = FXR.linear_fp8.default
+QUANT_NORM = FXR.fused_add_rms_norm_quant_fp8.default
+# the GEMM reading a quantized norm -> the GEMM quantizing the hand-off's norm in its prologue
+FP8_READERS = {FP8_GEMM: FXR.rms_norm_quant_linear_fp8.default,
+               FXR.linear_fp8_silu_and_mul_quant.default: FXR.rms_norm_quant_linear_fp8_silu_and_mul_quant.default}  # fmt: skip
+
+
+def _outputs(node: fx.Node) -> dict[int, fx.Node] | None:
+    """``node``'s ``getitem`` readers by index, None if anything else reads it."""
+    outs = {}
+    for user in node.users:
+        if user.target is not operator.getitem or user.args[1] in outs:
+            return None
+        outs[user.args[1]] = user
+    return outs
+
+
+ATEN = torch.ops.aten
+RESHAPES = {torch.reshape, torch.flatten, torch.unflatten, ATEN.reshape.default, ATEN.view.default,
+            ATEN.flatten.using_ints, ATEN.unflatten.int, ATEN._unsafe_view.default}  # fmt: skip
+RESHAPE_METHODS = {"view", "reshape", "flatten", "unflatten"}
+
+
+def _regroups_rows(node: fx.Node) -> bool:
+    """``node`` reshapes its input keeping the last dimension: the same rows, grouped otherwise
+    (a GEMM's [T, n] output unflattened to [B, S, n], a norm's [B, S, k] flattened for a GEMM)."""
+    if not ((node.op == "call_function" and node.target in RESHAPES)
+            or (node.op == "call_method" and node.target in RESHAPE_METHODS)):  # fmt: skip
+        return False
+    out, src = meta.tensor(node), meta.tensor(node.args[0])
+    return out is not None and src is not None and out.dim() >= 1 and src.dim() >= 1 and (
+        meta.dim_key(out.shape[-1]) == meta.dim_key(src.shape[-1]))
+
+
+def _gemm_behind(x: Any) -> tuple[fx.Node | None, list[fx.Node]]:
+    """The FP8 GEMM whose rows ``x`` is, up to reshapes only ``x`` reads (and those reshapes)."""
+    between = []
+    while isinstance(x, fx.Node) and _regroups_rows(x) and len(x.users) == 1:
+        between.append(x)
+        x = x.args[0]
+    return (x, between) if isinstance(x, fx.Node) and x.target is FP8_GEMM else (None, [])
+
+
+def _fp8_site(norm: fx.Node) -> tuple[fx.Node, int, list[fx.Node], list[fx.Node]] | str | None:
+    """``(producer, residual, readers, replaced)`` where ``norm`` (``fxr.fused_add_rms_norm_quant_fp8``)
+    adds an FP8 GEMM's output (either addend; ``residual``: the other's index) to the residual stream and only FP8 GEMMs read its quantized output,
+    each with the norm's scale as its input scale (a merged q/k/v GEMM, or q, k and v apart), the
+    rows on both sides as the producer made them up to a reshape each way (``replaced``: the
+    nodes between, which go); a reason where the sum is an FP8 GEMM's but no more holds; None
+    where it is not (nothing of this pass's there)."""
+    found = [(*_gemm_behind(norm.args[i]), 1 - i) for i in (0, 1)]  # either addend
+    found = [f for f in found if f[0] is not None]
+    if not found:
+        return None
+    producer, between, other = found[0]
+    residual = norm.args[other]
+    g, scale = norm.args[2], norm.args[4]
+    if len(producer.users) != 1:
+        return "the GEMM's output has readers besides the norm: the hand-off stores only their sum"
+    outs = _outputs(norm)
+    q = outs.get(0) if outs is not None else None
+    if q is None or not q.users:
+        return "the norm's outputs are read other than by index"
+    rows = q
+    if len(q.users) == 1 and _regroups_rows(next(iter(q.users))):
+        rows = next(iter(q.users))
+        between.append(rows)
+    readers = list(rows.users)
+    for reader in readers:
+        if reader.target not in FP8_READERS or reader.args[0] is not rows or rows in reader.args[1:]:
+            return f"the quantized norm is read by {reader.target}, not as an FP8 GEMM's input"
+        if reader.args[2] is not scale:
+            return f"{reader.name}'s input scale is not the quantization's scale"
+    s, weight, read = meta.tensor(producer), meta.tensor(g), meta.tensor(rows)
+    if s is None or read is None or read.shape != s.shape:
+        return "the GEMMs reading the norm see its rows shaped otherwise than the GEMM making them"
+    if weight is None or weight.dim() != 1 or weight.dtype != s.dtype:
+        return f"norm weight {getattr(weight, 'dtype', None)} is not a [n] vector of the sum's dtype"
+    r = meta.tensor(residual)
+    if r is None or r.dtype != s.dtype or (r.dim() != s.dim() and (s.dim() != 2 or not isinstance(s.shape[-1], int))):
+        return "the residual stream is not the GEMM output's dtype, or its rows are not [T, n] of a static n"
+    return producer, other, readers, between
+
+
+def _replace_fp8(graph: fx.Graph, norm: fx.Node, producer: fx.Node, residual: int, readers: list[fx.Node],
+                 between: list[fx.Node], outs: dict[int, fx.Node], fake_mode: Any) -> list[fx.Node]:  # fmt: skip
+    """The hand-off in place of ``producer`` and ``norm``, each reader in place by its quantizing
+    form: the new nodes, the hand-off first. The sum's rows are reshaped as the residual stream's
+    where the norm saw them so."""
+    x, w, scale_a, scale_b, out_dtype = producer.args[:5]
+    residual, g, eps, scale = norm.args[residual], norm.args[2], norm.args[3], norm.args[4]  # (as they are now)
+    shape = meta.tensor(producer).shape
+    reshaped = meta.tensor(residual).dim() != len(shape)
+    with graph.inserting_before(norm):
+        rows = graph.call_function(ATEN.reshape.default, (residual, [-1, shape[-1]])) if reshaped else residual
+        both = graph.call_function(FP8_HAND_OFF, (x, w, scale_a, scale_b, out_dtype, rows, g))
+        s, sg, parts = (graph.call_function(operator.getitem, (both, i)) for i in range(3))
+        total = graph.call_function(torch.Tensor.view_as, (s, residual)) if reshaped else s
+    made = [both]
+    for reader in readers:
+        with graph.inserting_before(reader):
+            _, w_r, _, scale_b_r, out_dtype_r, *out_scale = reader.args
+            made.append(graph.call_function(FP8_READERS[reader.target], (sg, parts, eps, scale, w_r, scale_b_r,
+                                                                         out_dtype_r, *out_scale)))  # fmt: skip
+        meta.copy_provenance(reader, made[-1])
+    meta.copy_provenance(producer, both)
+    for n in dict.fromkeys((rows, both, s, sg, parts, total, *made[1:])):
+        if n is not residual:
+            n.meta["fxr_rule"] = FP8_RULE
+            meta.propagate(n, fake_mode)
+    for reader, read in zip(readers, made[1:]):
+        reader.replace_all_uses_with(read)
+    if 1 in outs:
+        outs[1].replace_all_uses_with(total)
+    gone = [*readers, *between, *outs.values(), norm, producer]
+    while gone:  # each once nothing reads it (readers first, the producer last)
+        n = next(n for n in gone if not n.users)
+        graph.erase_node(n)
+        gone.remove(n)
+    return made
+
+
+def hand_off_norm_quants(gm: fx.GraphModule, mode: str = "full", site_filter: SiteFilter | None = None) -> PassResult:
+    """The FP8 layer's add + norm + quantization between two static FP8 GEMMs
+    (``fxr.fused_add_rms_norm_quant_fp8`` between ``fxr.linear_fp8``s) -> the producing GEMM's
+    hand-off and the reading GEMM's quantizing prologue (runtime/ops/linear_fp8_fused.py), in the
+    CUDA-graph modes; the kernels are built ahead here."""
+    result = PassResult()
+    if mode not in ("piecewise", "full"):
+        return result
+    fake_mode = meta.fake_mode_of(gm.graph)
+    sites = []
+    for norm in gm.graph.nodes:
+        if norm.op != "call_function" or norm.target is not QUANT_NORM:
+            continue
+        site = _fp8_site(norm)
+        if isinstance(site, str):
+            result.near_misses.append(NearMiss(FP8_RULE, norm.name, meta.source_line(norm), norm.args[0].name, site,
+                                               meta.module_path(norm)))  # fmt: skip
+            continue
+        if site is None:
+            continue
+        producer, _, readers, _ = site
+        if site_filter is not None and (refusal := site_filter(norm, [producer, norm, *readers])) is not None:
+            result.rejected.append(Rejected(FP8_RULE, norm.name, meta.source_line(norm), refusal))
+            continue
+        sites.append((norm, *site))
+    calls = []
+    for norm, producer, residual, readers, between in sites:
+        made = _replace_fp8(gm.graph, norm, producer, residual, readers, between, _outputs(norm), fake_mode)
+        result.matches += 1
+        result.sites.append(Site(FP8_RULE, made[0].name, meta.source_line(made[0]), meta.module_path(made[0])))
+        calls += [(n.target, meta.at_hints(n.args), meta.at_hints(n.kwargs)) for n in made]
+    if calls and (note := providers.prebuild(calls)):
+        result.notes.append(note)
+    return result

@@ -14,6 +14,7 @@ import torch
 import fxrewrite
 from engine_fp8 import ATTENTION_QUANT, float32_reference, to_fp8
 from engine_model import SPLITTING_OPS, _decode, build_model, make_batch, mark_static_metadata, tiny
+from fxrewrite.runtime import providers
 from fxrewrite.runtime.ops.quant import FP8_DTYPE, fp8_mismatch, quant_fp8_static
 from fxrewrite.testing import op_counts
 from helpers.triton import interpreted
@@ -182,3 +183,27 @@ def test_fp8_model_gpu(mode: str) -> None:
     fused = step(**inputs)
     assert counts(backend, "fxbench.attention_quant_fp8") == CFG.num_layers
     assert max_error(fused, ref) <= 1.05 * max_error(unfused, ref) + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", [1, 8])
+def test_fp8_layers_hand_off_their_norms_gpu(size: int) -> None:
+    """``gemm_fusion`` on the FP8 model, mode full, decode: every add + norm + quantization between
+    two FP8 GEMMs is a hand-off and quantizing prologues (``hand_off_norm_quant``), the Triton
+    kernels serve them, and the error against the float32 model is no larger than without
+    ``gemm_fusion`` (5% slack: the norm rounds in another order before its quantization)."""
+    model = fp8_model(device="cuda")
+    model.fill_kv_cache_random()
+    inputs = batch("decode", size, 40, device="cuda")
+    ref = float32_reference(model, inputs)
+    plain = compiled(model, declared=True, mode="full", capture_sizes=(1, 8))[0](**inputs)  # type: ignore[operator]
+    providers.reset_counts()
+    step, backend = compiled(model, declared=True, mode="full", capture_sizes=(1, 8), gemm_fusion=True)
+    got = step(**inputs)
+    fused = backend.report.fused_ops()
+    assert fused["linear_fp8_add_rms_parts"] == 2 * CFG.num_layers - 1
+    assert "fused_add_rms_norm_quant_fp8" not in fused
+    served = providers.served()
+    for op in ("linear_fp8_add_rms_parts", "rms_norm_quant_linear_fp8", "rms_norm_quant_linear_fp8_silu_and_mul_quant"):
+        assert served[op]["fallbacks"] == {} and served[op].get("triton", 0) > 0, served.get(op)
+    assert max_error(got, ref) <= 1.05 * max_error(plain, ref) + 1e-6

@@ -132,8 +132,8 @@ def compile_for_hopper(module: str, kernel: str, types: dict[str, str], constexp
     through (this Triton's; the GPU machine's may refuse more). In a process of its own, without
     ``TRITON_INTERPRET`` (under it the kernels are the interpreter's), kept for the next call
     (``_SERVE``). ``types``: each non-constexpr parameter's Triton type (``"*bf16"``, ``"fp32"``);
-    unnamed ones are ``i32``, unnamed constexprs with a default take it. Skipped without Triton, or where it cannot build for a GPU (no
-    ``ptxas``, another API)."""
+    unnamed ones are ``i32``, and unnamed constexprs with a default take it. Skipped without
+    Triton, or where it cannot build for a GPU (no ``ptxas``, another API)."""
     import atexit
 
     pytest.importorskip("triton")

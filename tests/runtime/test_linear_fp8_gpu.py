@@ -105,3 +105,36 @@ def test_gate_up_with_the_activation_and_its_quantization(rows: int, gen: torch.
     exact = quant.silu_and_mul_quant_fp8_reference(((x.double() @ w.double().t()) * (sa * sb).double()), scale)
     assert quant.fp8_mismatch(got, want, q_exact=exact) is None
     assert (got.float() == want.float()).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_the_norms_hand_off_and_quantizing_prologue_at_the_8b_shapes(rows: int, gen: torch.Generator) -> None:
+    """o_proj's FP8 GEMM handing off the add + norm, gate_up (with its activation) and qkv
+    quantizing the norm in their prologues: the Triton kernels, no further from the float64
+    result than the unfused ops (``fused_add_rms_norm_quant_fp8`` between ``linear_fp8``s) are,
+    each value of the quantized activation within one e4m3 step of the unfused ops' or the exact
+    one's (tests/runtime/test_linear_fp8_fused_ops.py has the CPU twin)."""
+    n, k = SHAPES["o"]
+    a, w_o = e4m3(gen, rows, k), e4m3(gen, n, k)
+    sa, sb, sq, sw, so = (torch.tensor(v, device="cuda") for v in (0.01, 2e-3, 2**-6, 2e-3, 0.05))
+    r = torch.randn(rows, n, device="cuda", generator=gen).to(BF16)
+    g = (1 + 0.2 * torch.randn(n, device="cuda", generator=gen)).to(BF16)
+    w_gu, w_qkv = e4m3(gen, *SHAPES["gate_up"]), e4m3(gen, *SHAPES["qkv"])
+    s, sg, parts = torch.ops.fxr.linear_fp8_add_rms_parts(a, w_o, sa, sb, BF16, r, g)
+    h = torch.ops.fxr.rms_norm_quant_linear_fp8_silu_and_mul_quant(sg, parts, 1e-6, sq, w_gu, sw, BF16, so)
+    y = torch.ops.fxr.rms_norm_quant_linear_fp8(sg, parts, 1e-6, sq, w_qkv, sw, BF16)
+    served = providers.served()
+    for op in ("linear_fp8_add_rms_parts", "rms_norm_quant_linear_fp8_silu_and_mul_quant", "rms_norm_quant_linear_fp8"):
+        assert served[op] == {"fallbacks": {}, "triton": 1}, served
+    o = torch.ops.fxr.linear_fp8(a, w_o, sa, sb, BF16)
+    q, s_ref = torch.ops.fxr.fused_add_rms_norm_quant_fp8(o, r, g, 1e-6, sq)
+    torch.testing.assert_close(s, s_ref, rtol=2**-7, atol=2**-7)
+    h_ref = torch.ops.fxr.linear_fp8_silu_and_mul_quant(q, w_gu, sq, sw, BF16, so)
+    y_ref = torch.ops.fxr.linear_fp8(q, w_qkv, sq, sw, BF16)
+    s64 = a.double() @ w_o.double().t() * (sa * sb).double() + r.double()
+    normed = s64 * torch.rsqrt(s64.square().mean(-1, keepdim=True) + 1e-6) * g.double()
+    y64 = normed @ w_qkv.double().t() * sw.double()
+    gate, up = (normed @ w_gu.double().t() * sw.double()).chunk(2, dim=-1)
+    h64 = torch.nn.functional.silu(gate) * up / so.double()
+    for got, want, exact in ((y, y_ref, y64), (h, h_ref, h64)):
+        assert (got.double() - exact).abs().mean() <= 1.05 * (want.double() - exact).abs().mean()
