@@ -68,9 +68,9 @@ class Unguarded:
 
 def _fx(fused: bool, mode: str, rules: list[Any] | str | None, sizes: str, unguarded: bool = False,
         gemm: bool = False, pdl: bool = True, attention: str | None = None, provider: str | None = None,
-        off: tuple[str, ...] = ()) -> Build:  # fmt: skip
+        off: tuple[str, ...] = (), **fields: Any) -> Build:  # fmt: skip
     """fxrewrite in ``mode`` (the rules named in ``off`` refused at every site, as
-    ``Config.match_filter`` would be told by a user)."""
+    ``Config.match_filter`` would be told by a user; ``fields``: more ``Config`` fields)."""
 
     def refuse(m: Any) -> str | None:
         return "off in this row" if getattr(m.rule, "name", m.rule) in off else None
@@ -82,7 +82,7 @@ def _fx(fused: bool, mode: str, rules: list[Any] | str | None, sizes: str, ungua
         nonlocal rules
         rules = {"no-rope": _without_rope}[rules]() if isinstance(rules, str) else rules
         config = fxrewrite.Config(mode=mode, splitting_ops=SPLITTING_OPS, capture_sizes=capture[sizes], gemm_fusion=gemm,
-                                  match_filter=refuse if off else None, **(options or {}))  # fmt: skip
+                                  match_filter=refuse if off else None, **{**(options or {}), **fields})  # fmt: skip
         backend = fxrewrite.Backend(config=config, rules=rules)
         step = backend.compile(_target(twin if fused else model))
         step = Unguarded(backend, step) if unguarded else step
@@ -148,6 +148,9 @@ SYSTEMS = (
            _fx(False, "full", None, "all", off=("linear_fp8_silu_and_mul_quant",))),  # fmt: skip
     System("fxrewrite-full-gemm", "fxrewrite full, norms, adds and RoPE in the GEMMs (Config.gemm_fusion)",
            _fx(False, "full", None, "all", gemm=True)),  # fmt: skip
+    # --quant fp8: the norms' quantization in the reading FP8 GEMMs' prologues too
+    System("fxrewrite-full-gemm-fp8norm", "fxrewrite full, gemm_fusion, FP8 norms in the GEMMs (Config.fp8_norm_prologue)",
+           _fx(False, "full", None, "all", gemm=True, fp8_norm_prologue=True)),  # fmt: skip
     System("fxrewrite-full-gemm-nopdl", "fxrewrite full, gemm_fusion, no programmatic dependent launch",
            _fx(False, "full", None, "all", gemm=True, pdl=False)),  # fmt: skip
     # the attention op's decode kernel without its L2 prefetch, and launched plainly (bench/decode_attention.py)

@@ -16,7 +16,7 @@ adds the kernels and the host-side CUDA calls of 5 steps of the first row and of
 adds and profiles a row with ``Config.gemm_fusion``: norms, residual adds and RoPE in the GEMMs, issue 30); ``--pyprofile`` the
 Python functions of the unguarded row's host time (:func:`python_profile`).
 
-    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host] [--pyprofile] [--gemm-fusion] [--floor 1,8,64] [--quant block-fp8]
+    source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host] [--pyprofile] [--gemm-fusion [--fp8-norm-prologue]] [--floor 1,8,64] [--quant block-fp8]
 """
 
 from __future__ import annotations
@@ -249,6 +249,9 @@ def main() -> None:
     p.add_argument("--gemm-fusion", action="store_true",
                    help="add a row with Config.gemm_fusion (norms, residual adds and RoPE in the GEMMs: issue 30), "
                         "profiled too with --profile")
+    p.add_argument("--fp8-norm-prologue", action="store_true",
+                   help="the --gemm-fusion row with Config.fp8_norm_prologue (static FP8: the norms' quantization in "
+                        "the reading GEMMs)")
     p.add_argument("--floor", default=None, help="comma-separated decode sizes: the first row's floor table at each "
                    "(floor_table; capture sizes default to these)")
     p.add_argument("--capture-sizes", default=None, help="comma-separated (default: --seqs); bench_e2e uses 1,8,64,512")
@@ -272,7 +275,8 @@ def main() -> None:
 
     def fx(rules: list[Any] | None = None, gemm_fusion: bool = False) -> fxrewrite.Backend:
         return fxrewrite.Backend(mode=args.mode, splitting_ops=SPLITTING_OPS, capture_sizes=sizes, progress=False,
-                                 rules=rules, gemm_fusion=gemm_fusion, **plan.fx_options)  # fmt: skip
+                                 rules=rules, gemm_fusion=gemm_fusion, fp8_norm_prologue=args.fp8_norm_prologue,
+                                 **plan.fx_options)  # fmt: skip
 
     label = f"fxrewrite {args.mode}"
     torch._dynamo.reset()

@@ -105,6 +105,13 @@ class Config:
                      add + norm kernel they replace. None: one graph, ``gemm_fusion`` at every
                      size. A graph of static shapes, or one whose capture sizes all lie on one
                      side, is rewritten once.
+    fp8_norm_prologue: with ``gemm_fusion``, in a static FP8 layer: the add + RMSNorm +
+                     quantization between two FP8 GEMMs in them, the producing GEMM's hand-off
+                     and the quantization in each reading GEMM's prologue (pass
+                     ``hand_off_norm_quant``). Off by default: on the H100 at the 8B shape each
+                     reading GEMM's programs quantize the whole input again, which costs more than
+                     the norm kernel it removes (decode 1: 3.457 ms a step against 3.388;
+                     bench/RESULTS.md, issue 30).
     cache:           keep rewritten graphs on disk and load them in later processes instead of
                      running the passes (:mod:`fxrewrite.cache`); on unless False or env
                      FXREWRITE_CACHE=0. Not read while ``dump_dir`` is set (dumps need the passes).
@@ -141,6 +148,7 @@ class Config:
     async_tp: bool = False
     gemm_fusion: bool = False
     gemm_fusion_max_tokens: int | None = 16
+    fp8_norm_prologue: bool = False
     cache: bool | None = None
     cache_dir: str | None = None
     strict: bool | None = None

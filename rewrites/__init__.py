@@ -72,10 +72,11 @@ PIPELINE: tuple[Step, ...] = (
     # each norm GEMM reading a sum an add-GEMM made takes that GEMM's hand-off (s * g and the
     # sums of squares by slot) and loses its k loop's squares: last, after the rotation took its GEMM
     GraphPass("hand_off_norms", norm_hand_off.hand_off_norms, switch="gemm_fusion", fusion=True),
-    # the same in a static FP8 layer: the add + norm + quantization between two FP8 GEMMs ->
-    # the producing GEMM's hand-off and the reading GEMM's quantizing prologue
-    GraphPass("hand_off_norm_quant", norm_hand_off.hand_off_norm_quants, options=("mode",), switch="gemm_fusion",
-              fusion=True),
+    # the same in a static FP8 layer, with gemm_fusion: the add + norm + quantization between two
+    # FP8 GEMMs -> the producing GEMM's hand-off and the reading GEMMs' quantizing prologues
+    # (Config.fp8_norm_prologue, off: slower on the H100 at the 8B shape)
+    GraphPass("hand_off_norm_quant", norm_hand_off.hand_off_norm_quants, options=("mode", "gemm_fusion"),
+              switch="fp8_norm_prologue", fusion=True),
 )
 
 __all__ = ["PIPELINE", "activation", "async_tp", "attention_quant", "collective", "layernorm", "linear", "linear_fused",

@@ -255,13 +255,15 @@ def _replace_fp8(graph: fx.Graph, norm: fx.Node, producer: fx.Node, residual: in
     return made
 
 
-def hand_off_norm_quants(gm: fx.GraphModule, mode: str = "full", site_filter: SiteFilter | None = None) -> PassResult:
+def hand_off_norm_quants(gm: fx.GraphModule, mode: str = "full", gemm_fusion: bool = True,
+                         site_filter: SiteFilter | None = None) -> PassResult:  # fmt: skip
     """The FP8 layer's add + norm + quantization between two static FP8 GEMMs
     (``fxr.fused_add_rms_norm_quant_fp8`` between ``fxr.linear_fp8``s) -> the producing GEMM's
     hand-off and the reading GEMM's quantizing prologue (runtime/ops/linear_fp8_fused.py), in the
-    CUDA-graph modes; the kernels are built ahead here."""
+    CUDA-graph modes, with ``gemm_fusion`` (the decode sizes: ``gemm_fusion_max_tokens``); the
+    kernels are built ahead here."""
     result = PassResult()
-    if mode not in ("piecewise", "full"):
+    if mode not in ("piecewise", "full") or not gemm_fusion:
         return result
     fake_mode = meta.fake_mode_of(gm.graph)
     sites = []

@@ -107,7 +107,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
     stored so: the next FP8 GEMM's input, written once. ``QUANT_A`` (with ``FP8``, ``NORM`` and
     ``PARTS``): ``x`` is a hand-off's ``s * g`` in its dtype, and the A tiles are the norm's
     output quantized as the GEMM's input: each row's scale from its slots before the k loop, then
-    ``e4m3(clamp(round(x * scale) / sa[0]))`` per tile (``sa`` is the quantization's scale)."""
+    ``e4m3(clamp(round(x * scale) * (1 / sa[0])))`` per tile (``sa``: the quantization's scale)."""
     pid = tl.program_id(0)
     if HALF > 0:
         first = (pid // (HALF // BN)) * (2 * HALF) + (pid % (HALF // BN)) * BN
@@ -128,7 +128,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
         squares = tl.sum(tl.load(parts_ptr + r[:, None] * parts_n + slots[None, :],
                                  mask=(r < rows)[:, None] & (slots < parts_n)[None, :], other=0.0), axis=1)
         row_scale = tl.math.rsqrt(squares / k + eps)[:, None]
-        quant_scale = tl.load(sa_ptr)
+        inverse = 1.0 / tl.load(sa_ptr)  # a product per element, not a division (see quant_input)
     for k0 in range(0, k, BK):
         ks = k0 + tl.arange(0, BK)
         x_mask, w_mask = (r < rows)[:, None], (cols < n)[:, None]
@@ -137,7 +137,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
         x = tl.load(x_ptr + r[:, None] * x_stride + ks[None, :], mask=x_mask, other=0.0)
         if QUANT_A:  # rms_norm's output rounded to x's dtype, then quant_fp8_static's e4m3, widened
             normed = (x.to(tl.float32) * row_scale).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = tl.clamp(tl.math.div_rn(normed, quant_scale), -448.0, 448.0).to(tl.float8e4nv).to(tl.float16)
+            x = tl.clamp(normed * inverse, -448.0, 448.0).to(tl.float8e4nv).to(tl.float16)
         elif FP8:
             x = x.to(tl.float16)
         if NORM and PARTS == 0:
@@ -348,7 +348,9 @@ class Fusion:
     in ``norm_weight``), rotary (``cos_sin_cache`` [P, D] indexed by ``positions``, the first
     ``rotated`` columns in heads of D rotated, NeoX halves), ``scales`` (FP8 operands: the
     per-tensor scales of ``x`` and the weight; ``quant_input``: ``x`` is the norm's input in its
-    dtype, quantized to e4m3 with the first scale in the prologue), ``out_dtype`` (the output's,
+    dtype, quantized to e4m3 with the first scale in the prologue, multiplied by its reciprocal:
+    within a float32 ulp of the division, so an e4m3 value may differ only where the quotient lies
+    that close to a rounding boundary), ``out_dtype`` (the output's,
     else ``x``'s; with ``out_scale`` the dtype the values round to before they are quantized to
     e4m3 with it)."""
 
@@ -405,8 +407,8 @@ def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion,
     paired = f.gated or f.half > 0  # programs of two column blocks (gate and up, rotation pairs)
     bn, bk, warps, stages = config or (gated_config(n // (1 if f.gated else 2), _sms(x.device)) if paired
                                        else skinny_config(n, _sms(x.device)))  # fmt: skip
-    if f.scales is not None and config is None and k % (2 * bk) == 0:
-        bk *= 2  # FP8: half the bytes a row, the same bytes a k step
+    if f.scales is not None and not f.quant_input and config is None and k % (2 * bk) == 0:
+        bk *= 2  # FP8: half the bytes a row, the same bytes a k step (x quantized here is still bf16)
     if f.half:
         bn = bn if f.half % bn == 0 else math.gcd(bn, f.half)  # a program's block inside half a head
     meta = {"BN": bn, "BK": bk, "HAS_BIAS": bias is not None, "EVEN_K": k % bk == 0, "GATED": f.gated,

@@ -188,7 +188,7 @@ def test_fp8_model_gpu(mode: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("size", [1, 8])
 def test_fp8_layers_hand_off_their_norms_gpu(size: int) -> None:
-    """``gemm_fusion`` on the FP8 model, mode full, decode: every add + norm + quantization between
+    """``gemm_fusion`` and ``fp8_norm_prologue`` on the FP8 model, mode full, decode: every add + norm + quantization between
     two FP8 GEMMs is a hand-off and quantizing prologues (``hand_off_norm_quant``), the Triton
     kernels serve them, and the error against the float32 model is no larger than without
     ``gemm_fusion`` (5% slack: the norm rounds in another order before its quantization)."""
@@ -198,7 +198,8 @@ def test_fp8_layers_hand_off_their_norms_gpu(size: int) -> None:
     ref = float32_reference(model, inputs)
     plain = compiled(model, declared=True, mode="full", capture_sizes=(1, 8))[0](**inputs)  # type: ignore[operator]
     providers.reset_counts()
-    step, backend = compiled(model, declared=True, mode="full", capture_sizes=(1, 8), gemm_fusion=True)
+    step, backend = compiled(model, declared=True, mode="full", capture_sizes=(1, 8), gemm_fusion=True,
+                             fp8_norm_prologue=True)
     got = step(**inputs)
     fused = backend.report.fused_ops()
     assert fused["linear_fp8_add_rms_parts"] == 2 * CFG.num_layers - 1

@@ -48,9 +48,10 @@ def test_the_library_in_its_order_with_gemms_selected_for_replayed_graphs_only(m
 
 def test_gemm_fusion_puts_its_passes_around_select_gemm_in_the_replayed_modes() -> None:
     for mode in ("none", "piecewise", "full"):
-        got = names(Config(mode=mode, gemm_fusion=True))
+        assert "hand_off_norm_quant" not in names(Config(mode=mode, gemm_fusion=True))  # its own switch
         # fuse_gemm_rotary, hand_off_norms listed, no-ops: no GEMM there took its norm; hand_off_norm_quant
-        # returns at once outside the replayed modes
+        # (with fp8_norm_prologue) returns at once outside the replayed modes and without gemm_fusion
+        got = names(Config(mode=mode, gemm_fusion=True, fp8_norm_prologue=True))
         after = ["fuse_gemm_rotary", "hand_off_norms", "hand_off_norm_quant"]
         if mode == "none":
             assert [n for n in got if n not in after] == names(Config(mode=mode))
@@ -107,4 +108,4 @@ def test_the_readme_lists_the_passes_in_order() -> None:
     assert paragraph is not None
     text = " ".join(paragraph.group(1).split()).replace("your rules", "`user_rules`")
     listed = [n for n in re.findall(r"`(\w+)`", text) if n not in ("piecewise", "full")]  # the modes named
-    assert listed == names(Config(mode="piecewise", extra_rules=(DOUBLE,), gemm_fusion=True))
+    assert listed == names(Config(mode="piecewise", extra_rules=(DOUBLE,), gemm_fusion=True, fp8_norm_prologue=True))

@@ -50,7 +50,7 @@ def fp8_model(family: str, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.T
 @functools.cache
 def compiled(family: str, dtype: torch.dtype, gemm_fusion: bool, mode: str = "piecewise") -> Compiled:
     model, ids, _ = fp8_model(family, dtype)
-    return compile_once(model, ids, mode=mode, gemm_fusion=gemm_fusion)
+    return compile_once(model, ids, mode=mode, gemm_fusion=gemm_fusion, fp8_norm_prologue=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -84,9 +84,11 @@ def test_bf16_error_against_float32_is_the_unfused_ops(family: str) -> None:
     assert err[True] <= 1.1 * err[False], err
 
 
-def test_nothing_changes_where_graphs_run_eagerly() -> None:
-    """Negative twin: mode ``none`` keeps the FP8 norms (the pass serves the CUDA-graph modes)."""
-    r = compiled("llama", F32, True, "none")
+@pytest.mark.parametrize(("gemm_fusion", "mode"), [(True, "none"), (False, "piecewise")], ids=["eager", "no-gemm-fusion"])
+def test_nothing_changes_where_graphs_run_eagerly_or_without_gemm_fusion(gemm_fusion: bool, mode: str) -> None:
+    """Negative twins: mode ``none`` keeps the FP8 norms (the pass serves the CUDA-graph modes),
+    and so does ``fp8_norm_prologue`` without ``gemm_fusion`` (it serves the decode sizes)."""
+    r = compiled("llama", F32, gemm_fusion, mode)
     assert RULE not in fused(r.counts()) and fused(r.counts())["fused_add_rms_norm_quant_fp8"] == 2 * LAYERS - 1
 
 
@@ -117,7 +119,8 @@ class Block(torch.nn.Module):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_block_takes_the_hand_off(dtype: torch.dtype) -> None:
-    r = compile_once(Block().to(dtype), torch.randn(4, 64).to(dtype), mode="piecewise", gemm_fusion=True)
+    r = compile_once(Block().to(dtype), torch.randn(4, 64).to(dtype), mode="piecewise", gemm_fusion=True,
+                     fp8_norm_prologue=True)  # fmt: skip
     assert fused(r.counts()) == {RULE: 1, "rms_norm_quant_linear_fp8": 1}
     for got, want in zip(r.output, r.eager):
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())
@@ -133,7 +136,8 @@ def test_a_site_that_cannot_hand_off_keeps_its_norm_and_says_why(leak: bool, oth
     """Negative twins: the first GEMM's output read besides the norm (the hand-off stores only the
     sum), the second GEMM scaling its input by another scale than the quantization's, a float32
     norm weight on a bf16 sum (the hand-off stores ``s * g`` in the sum's dtype)."""
-    r = compile_once(Block(leak, other_scale), torch.randn(4, 64).to(dtype), mode="piecewise", gemm_fusion=True)
+    r = compile_once(Block(leak, other_scale), torch.randn(4, 64).to(dtype), mode="piecewise", gemm_fusion=True,
+                     fp8_norm_prologue=True)  # fmt: skip
     assert RULE not in fused(r.counts()) and fused(r.counts())["fused_add_rms_norm_quant_fp8"] == 1
     [why] = misses(r, RULE)
     assert reason in why.reason
