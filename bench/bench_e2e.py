@@ -302,6 +302,7 @@ def run_system(system: System, cols: list[Scenario], ctx: RunContext, save: Call
     except Exception as e:  # noqa: BLE001  (a row that cannot be built says why, the run goes on)
         res.notes.append(f"not built: {_short(e)}")
         res.cells = {c.name: "failed" for c in cols}
+        save(res)  # the parent reads the row from what was saved
         return res
     errors = []
     for col in cols:

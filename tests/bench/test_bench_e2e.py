@@ -135,3 +135,23 @@ def test_quantized_model_in_every_row(tmp_path: Path, monkeypatch: pytest.Monkey
     notes = [line for line in text.splitlines() if line.startswith("- fxrewrite full: graph")]
     assert notes and all(op in " ".join(notes) for op in QUANT_OPS[quant]), notes
     assert any(PER_LAYER[quant] in line for line in notes), notes
+
+
+def test_a_system_that_cannot_be_built_is_saved_failed_with_the_reason() -> None:
+    """The child saves the row of a system whose build raises, so the table says ``failed`` and
+    the notes why (it returned unsaved once: the row read "-" and the notes "none")."""
+    import types
+
+    import bench_e2e
+    from e2e_systems import System
+
+    def build(*_: Any) -> Any:
+        raise ValueError("no kernel for this shape")
+
+    saved: list[Any] = []
+    cols = [types.SimpleNamespace(name="decode 1", kind="decode"), types.SimpleNamespace(name="prefill 64", kind="prefill")]
+    ctx = types.SimpleNamespace(model=None, twin=None, capture={}, fx_options={})
+    res = bench_e2e.run_system(System("broken", "broken row", build), cols, ctx, saved.append)  # type: ignore[arg-type]
+    assert saved and saved[-1] is res
+    assert res.cells == {"decode 1": "failed", "prefill 64": "failed"}
+    assert res.notes == ["not built: ValueError: no kernel for this shape"]
