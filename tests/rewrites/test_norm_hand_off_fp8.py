@@ -72,24 +72,16 @@ def test_each_add_and_norm_between_fp8_gemms_leaves_the_graph(family: str, dtype
         assert torch.equal(models.hidden_states(r.output), models.hidden_states(r.eager))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_error_against_float32_is_the_unfused_ops(family: str) -> None:
+def test_bf16_error_against_float32_is_the_unfused_ops(family: str = "llama") -> None:
     """bf16: the norm rounds in another order, so a value next to an e4m3 step may quantize to the
-    neighbour: the output moves, but no further from the float32 model than without the hand-off."""
+    neighbour: the output moves, but no further from the float32 model than without the hand-off
+    (Llama; Qwen2's bf16 graph is the same but for the biases)."""
     _, ids, reference = fp8_model(family, BF16)
     with torch.no_grad():
         truth = models.hidden_states(reference(ids)).float()
     err = {on: (models.hidden_states(compiled(family, BF16, on).output).float() - truth).abs().mean().item()
            for on in (False, True)}  # fmt: skip
     assert err[True] <= 1.1 * err[False], err
-
-
-@pytest.mark.parametrize(("gemm_fusion", "mode"), [(True, "none"), (False, "piecewise")], ids=["eager", "no-gemm-fusion"])
-def test_nothing_changes_where_graphs_run_eagerly_or_without_gemm_fusion(gemm_fusion: bool, mode: str) -> None:
-    """Negative twins: mode ``none`` keeps the FP8 norms (the pass serves the CUDA-graph modes),
-    and so does ``fp8_norm_prologue`` without ``gemm_fusion`` (it serves the decode sizes)."""
-    r = compiled("llama", F32, gemm_fusion, mode)
-    assert RULE not in fused(r.counts()) and fused(r.counts())["fused_add_rms_norm_quant_fp8"] == 2 * LAYERS - 1
 
 
 class Block(torch.nn.Module):
@@ -124,6 +116,15 @@ def test_a_block_takes_the_hand_off(dtype: torch.dtype) -> None:
     assert fused(r.counts()) == {RULE: 1, "rms_norm_quant_linear_fp8": 1}
     for got, want in zip(r.output, r.eager):
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())
+
+
+@pytest.mark.parametrize(("gemm_fusion", "mode"), [(True, "none"), (False, "piecewise")], ids=["eager", "no-gemm-fusion"])
+def test_nothing_changes_where_graphs_run_eagerly_or_without_gemm_fusion(gemm_fusion: bool, mode: str) -> None:
+    """Negative twins: mode ``none`` keeps the FP8 norm (the pass serves the CUDA-graph modes),
+    and so does ``fp8_norm_prologue`` without ``gemm_fusion`` (it serves the decode sizes)."""
+    r = compile_once(Block(), torch.randn(4, 64), mode=mode, gemm_fusion=gemm_fusion, fp8_norm_prologue=True)
+    assert RULE not in fused(r.counts()) and fused(r.counts())["fused_add_rms_norm_quant_fp8"] == 1
+    assert misses(r, RULE) == []
 
 
 @pytest.mark.parametrize(("leak", "other_scale", "dtype", "reason"), [
