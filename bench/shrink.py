@@ -485,14 +485,23 @@ def _decoder_part(family: str, cls: type) -> tuple[type, Any, dict[str, Any]]:
     raise NotImplementedError(f"{cls.__name__} is a multimodal model whose text decoder has no causal LM class")
 
 
-def build(family: str, shape: Shape = TINY, seed: int = 0) -> tuple[torch.nn.Module, str]:
+def build(family: str, shape: Shape = TINY, seed: int = 0,
+          kinds: tuple[str, ...] | None = None) -> tuple[torch.nn.Module, str]:  # fmt: skip
     """The family's causal LM at ``shape``, float32, eval mode, and the attention it runs
     (SDPA where the family has it, else its eager attention). Only the part built is shrunk (a
-    multimodal config's text part, not its vision tower)."""
+    multimodal config's text part, not its vision tower). ``kinds``: only the layers of these
+    kinds (``layer_types``), e.g. a hybrid model's attention layers for a test of its attention."""
     import transformers as tf
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     cls, part, extra = _decoder_part(family, getattr(tf, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]))
+    if kinds is not None:
+        cfg = _rebuilt(part, shape, extra, 1)
+        types = [t for t in (getattr(cfg, "layer_types", None) or ()) if t in kinds]
+        if not types:
+            raise ValueError(f"{family}: no layer of the kinds {kinds} in {getattr(cfg, 'layer_types', None)}")
+        cfg.layer_types, cfg.num_hidden_layers = types, len(types)
+        return _build(cls, cfg, seed)
     try:
         return _build(cls, _rebuilt(part, shape, extra, 1), seed)
     except ValueError as e:

@@ -130,9 +130,11 @@ def fp8_gated_check(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, out_
                     scale: Tensor) -> str | None:  # fmt: skip
     """The Triton kernel of ``linear_fp8_silu_and_mul_quant``: :func:`fp8_skinny_check`, an even
     number of weight rows (gate, then up), one float32 output scale."""
-    reason = fp8_skinny_check(x, w, scale_a, scale_b, out_dtype)
-    if reason:
-        return reason
+    return fp8_skinny_check(x, w, scale_a, scale_b, out_dtype) or fp8_gated_output_check(x, w, scale)
+
+
+def fp8_gated_output_check(x: Tensor, w: Tensor, scale: Tensor) -> str | None:
+    """A gated FP8 kernel's weight and output: gate then up rows (even), one float32 scale."""
     if w.shape[0] % 2:
         return f"odd weight rows {w.shape[0]}"
     if scale.numel() != 1 or scale.dtype != torch.float32:

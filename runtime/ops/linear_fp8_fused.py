@@ -35,9 +35,10 @@ import torch
 from torch import Tensor
 
 from fxrewrite.runtime import constraints, providers
-from fxrewrite.runtime.ops.linear import (FP8, PART, TRITON_GEMM, fp8_skinny_check, gate_up_rows,
+from fxrewrite.runtime.ops.linear import (FP8, PART, fp8_gated_output_check, fp8_skinny_check, gate_up_rows,
                                           linear_fp8_reference, linear_fp8_silu_and_mul_quant_reference)
-from fxrewrite.runtime.ops.linear_fused import hand_off, hand_off_check, hand_off_rows, normed, parts_check
+from fxrewrite.runtime.ops.linear_fused import (always, gemm_kernel, hand_off, hand_off_check, hand_off_rows, normed,
+                                                parts_check)
 from fxrewrite.runtime.ops.quant import quant_fp8_static
 from fxrewrite.runtime.providers import Kernel, OpDef
 
@@ -111,14 +112,7 @@ def _reader_check(x: Tensor, parts: Tensor, eps: float, scale: Tensor, w: Tensor
 def _gated_reader_check(x: Tensor, parts: Tensor, eps: float, scale: Tensor, w: Tensor, scale_b: Tensor,
                         out_dtype: torch.dtype, out_scale: Tensor) -> str | None:  # fmt: skip
     """:func:`_reader_check`, gate and up rows, one float32 output scale."""
-    reason = _reader_check(x, parts, eps, scale, w, scale_b, out_dtype)
-    if reason:
-        return reason
-    if w.shape[0] % 2:
-        return f"odd weight rows {w.shape[0]}"
-    if out_scale.numel() != 1 or out_scale.dtype != torch.float32:
-        return f"output scale is {tuple(out_scale.shape)} {out_scale.dtype}: not one float32 scale"
-    return constraints.check_same_device(x, out_scale)
+    return _reader_check(x, parts, eps, scale, w, scale_b, out_dtype) or fp8_gated_output_check(x, w, out_scale)
 
 
 # --------------------------------------------------------------------------- above SKINNY_ROWS rows
@@ -130,25 +124,17 @@ def _cublaslt_hand_off(x: Tensor, w: Tensor, scale_a: Tensor, scale_b: Tensor, o
     return hand_off_rows(linear_fp8_reference(x, w, scale_a, scale_b, out_dtype) + residual, norm_weight)
 
 
-def _always(*args: object) -> None:
-    return None
-
-
-def _triton(op: str, check: object) -> Kernel:
-    return providers.triton_kernel(op, check, prepare=True, module=TRITON_GEMM)  # type: ignore[arg-type]
-
-
 DEFS: tuple[OpDef, ...] = (
     OpDef("linear_fp8_add_rms_parts", linear_fp8_add_rms_parts_reference, _hand_off_fake,
-          (_triton("linear_fp8_add_rms_parts", _hand_off_check),
-           Kernel("torch", _cublaslt_hand_off, _always, label="cublaslt+add+hand_off"))),
+          (gemm_kernel("linear_fp8_add_rms_parts", _hand_off_check),
+           Kernel("torch", _cublaslt_hand_off, always, label="cublaslt+add+hand_off"))),
     OpDef("rms_norm_quant_linear_fp8", rms_norm_quant_linear_fp8_reference, _reader_fake,
-          (_triton("rms_norm_quant_linear_fp8", _reader_check),
-           Kernel("torch", rms_norm_quant_linear_fp8_reference, _always, label="norm+quant+cublaslt"))),
+          (gemm_kernel("rms_norm_quant_linear_fp8", _reader_check),
+           Kernel("torch", rms_norm_quant_linear_fp8_reference, always, label="norm+quant+cublaslt"))),
     OpDef("rms_norm_quant_linear_fp8_silu_and_mul_quant", rms_norm_quant_linear_fp8_silu_and_mul_quant_reference,
           _gated_reader_fake,
-          (_triton("rms_norm_quant_linear_fp8_silu_and_mul_quant", _gated_reader_check),
-           Kernel("torch", rms_norm_quant_linear_fp8_silu_and_mul_quant_reference, _always,
+          (gemm_kernel("rms_norm_quant_linear_fp8_silu_and_mul_quant", _gated_reader_check),
+           Kernel("torch", rms_norm_quant_linear_fp8_silu_and_mul_quant_reference, always,
                   label="norm+quant+cublaslt+silu_and_mul_quant"))),
 )  # fmt: skip
 OPS: tuple[str, ...] = providers.define_all(DEFS)

@@ -336,31 +336,33 @@ def _same_dtype(x: Tensor, w: Tensor, residual: Tensor, *_: object) -> str | Non
     return None
 
 
-def _always(*args: object) -> None:
+def always(*args: object) -> None:
+    """A torch path's check: it serves every call."""
     return None
 
 
-def _triton(op: str, check: object) -> Kernel:
+def gemm_kernel(op: str, check: object) -> Kernel:
+    """The Triton GEMM module's kernel of ``op`` (runtime/triton_gemm.py), built ahead."""
     return providers.triton_kernel(op, check, prepare=True, module=TRITON_GEMM)  # type: ignore[arg-type]
 
 
 DEFS: tuple[OpDef, ...] = (
     OpDef("rms_norm_linear", rms_norm_linear_reference, _norm_linear_fake,
-          (_triton("rms_norm_linear", _norm_check), Kernel("torch", _norm_cublas, _always, label="rms_norm+cublas"))),
+          (gemm_kernel("rms_norm_linear", _norm_check), Kernel("torch", _norm_cublas, always, label="rms_norm+cublas"))),
     OpDef("rms_norm_linear_silu_and_mul", rms_norm_linear_silu_and_mul_reference, _norm_gated_fake,
-          (_triton("rms_norm_linear_silu_and_mul", _norm_gated_check),
-           Kernel("torch", _norm_cublas_silu_and_mul, _always, label="rms_norm+cublas+silu_and_mul"))),
+          (gemm_kernel("rms_norm_linear_silu_and_mul", _norm_gated_check),
+           Kernel("torch", _norm_cublas_silu_and_mul, always, label="rms_norm+cublas+silu_and_mul"))),
     OpDef("rms_norm_linear_rotary", rms_norm_linear_rotary_reference, _norm_rotary_fake,
-          (_triton("rms_norm_linear_rotary", _norm_rotary_check),
+          (gemm_kernel("rms_norm_linear_rotary", _norm_rotary_check),
            Kernel("flashinfer", _norm_cublas_rope, _rope_check, label="rms_norm+cublas+flashinfer_rope",
                   module="flashinfer.rope"))),
     OpDef("linear_add", linear_add_reference, _linear_add_fake,
-          (_triton("linear_add", _add_check), Kernel("torch", _addmm, _same_dtype, label="cublas_addmm"))),
+          (gemm_kernel("linear_add", _add_check), Kernel("torch", _addmm, _same_dtype, label="cublas_addmm"))),
     OpDef("linear_add_", linear_add_inplace_reference, _inplace_fake,
-          (_triton("linear_add_", _add_check), Kernel("torch", _addmm_, _same_dtype, label="cublas_addmm")),
+          (gemm_kernel("linear_add_", _add_check), Kernel("torch", _addmm_, _same_dtype, label="cublas_addmm")),
           mutates_args=("residual",)),
     OpDef("linear_add_rms_parts", linear_add_rms_parts_reference, _hand_off_fake,
-          (_triton("linear_add_rms_parts", _hand_off_check),
+          (gemm_kernel("linear_add_rms_parts", _hand_off_check),
            Kernel("torch", _addmm_parts, _same_dtype, label="cublas_addmm+hand_off"))),
 )  # fmt: skip
 OPS: tuple[str, ...] = providers.define_all(DEFS)

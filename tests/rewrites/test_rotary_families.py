@@ -57,6 +57,8 @@ def explicit(family: str) -> Any:
 
 
 def build(family: str) -> torch.nn.Module:
+    if family in HYBRID:  # the attention layer alone: the linear-attention layer has no rotation
+        return coverage().build(family, kinds=("full_attention",))[0]
     if family not in EXPLICIT:
         return coverage().build(family)[0]
     import transformers as tf
@@ -68,6 +70,9 @@ def build(family: str) -> torch.nn.Module:
 
 
 EXPLICIT = ("gptj", "codegen", "deepseek_v2")
+# built with their attention layer only (the shrinker's tiny configs keep one layer of each kind;
+# the linear-attention layer took half of each compile: bench/RESULTS.md, twelfth session)
+HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # family -> fused rotary_embedding ops (one per layer that rotates; the tiny configs keep one
 # layer of each kind: one attention layer in the hybrid Qwen3-Next / Qwen3.5, one RoPE layer in
 # Llama 4 and Cohere 2)
