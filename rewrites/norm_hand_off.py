@@ -22,9 +22,11 @@ tensor: the same bytes at decode), and the readers of the sum read ``%s``.
 
 A norm without a weight, or whose GEMM input is not such a sum, keeps its prologue; a sum read
 by two norms hands off to the first (the other keeps its prologue). Each is a near miss with
-its reason where the input is such a sum.
+its reason where the input is such a sum. The ops' references are the spec: the pair computes
+``rms_norm(s, g, eps) @ w.T`` with ``s * g`` rounded once where the unfused norm rounds ``s *
+rsqrt(...)`` then the product (runtime/ops/linear_fused.py).
 
-Pass ``hand_off_norm_quant``: the same in a static FP8 layer, where no GEMM took the norm (the
+Pass ``hand_off_norm_quant`` (``Config.fp8_norm_prologue``): the same in a static FP8 layer, where no GEMM took the norm (the
 norm quantizes for the FP8 GEMMs after it, one kernel of its own)::
 
     %o = fxr.linear_fp8(%a, %w_o, %s_a, %s_o, bf16)                    # maybe reshaped to [B, S, n]
@@ -36,9 +38,7 @@ norm quantizes for the FP8 GEMMs after it, one kernel of its own)::
 
 Every reader of the quantized norm must be such a GEMM with the quantization's scale as its
 input scale (``fxr.linear_fp8_silu_and_mul_quant`` too); the sum's other readers read ``%h[0]``
-(reshaped back as the residual stream is). The ops' references are the spec: the pair computes
-``rms_norm(s, g, eps) @ w.T`` with ``s * g`` rounded once where the unfused norm rounds ``s *
-rsqrt(...)`` then the product (runtime/ops/linear_fused.py).
+(reshaped back as the residual stream is). The spec: runtime/ops/linear_fp8_fused.py.
 """
 
 from __future__ import annotations
@@ -126,7 +126,6 @@ def hand_off_norms(gm: fx.GraphModule, site_filter: SiteFilter | None = None) ->
     if calls and (note := providers.prebuild(calls)):
         result.notes.append(note)
     return result
-
 
 
 # --------------------------------------------------------------------------- the FP8 layer's norms

@@ -32,7 +32,11 @@ the end: what an elementwise op after it needs. Its constexpr switches:
   ``torch._scaled_mm`` takes them: each tile widened to float16 in registers (exact), the sum
   float32, the product of the scales applied in the epilogue. ``OUT_QUANT`` (with ``GATED``:
   ``fxr.linear_fp8_silu_and_mul_quant``): the output quantized to e4m3 with a static scale before
-  it is stored, the next FP8 GEMM's input.
+  it is stored, the next FP8 GEMM's input. ``QUANT_A`` (with ``PARTS``:
+  ``fxr.rms_norm_quant_linear_fp8``): ``x`` is a hand-off's ``s * g`` in bf16/fp16, normed by
+  each row's scale from its slots and quantized to e4m3 in the prologue, tile by tile: the norm's
+  quantization in the GEMM that reads it (issue 30, item 5; ``Config.fp8_norm_prologue``, off:
+  bench/RESULTS.md).
 
     # before: three launches at decode                  # after: one each
     n = rms_norm(x, g, eps); y = linear(n, w)            y = rms_norm_linear(x, g, eps, w)
@@ -350,9 +354,8 @@ class Fusion:
     per-tensor scales of ``x`` and the weight; ``quant_input``: ``x`` is the norm's input in its
     dtype, quantized to e4m3 with the first scale in the prologue, multiplied by its reciprocal:
     within a float32 ulp of the division, so an e4m3 value may differ only where the quotient lies
-    that close to a rounding boundary), ``out_dtype`` (the output's,
-    else ``x``'s; with ``out_scale`` the dtype the values round to before they are quantized to
-    e4m3 with it)."""
+    that close to a rounding boundary), ``out_dtype`` (the output's, else ``x``'s; with
+    ``out_scale`` the dtype the values round to before they are quantized to e4m3 with it)."""
 
     gated: bool = False
     norm: bool = False

@@ -7,8 +7,9 @@ A static FP8 layer (per-tensor scales: ``fxr.linear_fp8``) runs, per residual ad
     q, s = fxr.fused_add_rms_norm_quant_fp8(s_o, r, g, eps, s_q)     # add, norm, quantize: a kernel
     y = fxr.linear_fp8(q, w, s_q, s_w, bf16)                         # the next GEMM reads e4m3
 
-Under ``Config.gemm_fusion`` (pass ``hand_off_norm_quant``, rewrites/norm_hand_off.py) the middle
-kernel is gone::
+Under ``Config.gemm_fusion`` with ``Config.fp8_norm_prologue`` (pass ``hand_off_norm_quant``,
+rewrites/norm_hand_off.py; off by default: not faster on the H100 at 8B, bench/RESULTS.md) the
+middle kernel is gone::
 
     s, sg, parts = fxr.linear_fp8_add_rms_parts(a, w_o, s_a, s_wo, bf16, r, g)
     y = fxr.rms_norm_quant_linear_fp8(sg, parts, eps, s_q, w, s_w, bf16)
@@ -16,9 +17,10 @@ kernel is gone::
 The first GEMM adds the residual in its epilogue and hands off what the norm needs of whole rows
 (``s * g`` and each row's sums of squares by slot, as ``fxr.linear_add_rms_parts`` does); the
 second computes each row's ``rsqrt(mean(s^2) + eps)`` from the slots before its k loop and
-quantizes every A tile as it loads it: ``e4m3(clamp(round(sg * scale) / s_q))``, widened to
-float16 for the MMA like any e4m3 tile, with ``s_q * s_w`` in the epilogue (runtime/triton_gemm.py,
-``QUANT_A``). ``fxr.rms_norm_quant_linear_fp8_silu_and_mul_quant`` is the MLP's gate_up with its
+quantizes every A tile as it loads it: ``e4m3(clamp(round(sg * scale) * (1 / s_q)))`` (the
+spec divides by ``s_q``: the two differ by at most a float32 ulp before the e4m3 rounding),
+widened to float16 for the MMA like any e4m3 tile, with ``s_q * s_w`` in the epilogue
+(runtime/triton_gemm.py, ``QUANT_A``). ``fxr.rms_norm_quant_linear_fp8_silu_and_mul_quant`` is the MLP's gate_up with its
 activation and the activation's quantization after (``fxr.linear_fp8_silu_and_mul_quant``).
 
 Rounding against the spec (the unfused ops): the sum is rounded once (the spec rounds the GEMM's
