@@ -23,8 +23,8 @@ from helpers.gpu import force, fresh_counts, gen  # noqa: F401  (fresh_counts, g
 
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
-from fxrewrite.runtime.ops import (activation, async_tp, collective, linear, linear_block_fp8, moe, moe_route, norm,
-                                   norm_variants, quant, quant_act_mul, quant_block, quant_nvfp4, rotary,
+from fxrewrite.runtime.ops import (activation, async_tp, collective, linear, linear_block_fp8, linear_fp8_fused, moe,
+                                   moe_route, norm, norm_variants, quant, quant_act_mul, quant_block, quant_nvfp4, rotary,
                                    sequence_parallel)
 from fxrewrite.runtime.providers import Kernel, OpDef
 
@@ -52,7 +52,7 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 QUANT_ACT_MUL_OWN = tuple(op for op in quant_act_mul.DEFS if op.name in ("act_mul_block_quant_fp8", "act_mul_quant_nvfp4"))
 GENERIC = [op for op in ops.DEFS
            if op not in rotary.DEFS + collective.DEFS + sequence_parallel.DEFS + async_tp.DEFS + moe.DEFS + moe_route.DEFS
-           + quant_nvfp4.DEFS + quant_block.DEFS + linear_block_fp8.DEFS + QUANT_ACT_MUL_OWN
+           + quant_nvfp4.DEFS + quant_block.DEFS + linear_block_fp8.DEFS + linear_fp8_fused.DEFS + QUANT_ACT_MUL_OWN
            and op.name not in ("rms_norm_linear_rotary", "linear_fp8", "linear_fp8_silu_and_mul_quant")]
 SHAPES = [(1, 4096), (7, 4096), (64, 4096), (513, 4096), (4096, 4096), (3, 33), (5, 3420), (2, 5120)]
 
