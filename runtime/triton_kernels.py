@@ -144,14 +144,15 @@ def row_offsets(rows, d1, d2, s0, s1, s2):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, d1, d2,
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, slot_stride, d1, d2,
                      xs0, xs1, xs2, rs0, rs1, rs2, os0, os1, os2,
                      BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      CAST_LAST: tl.constexpr, OFFSET: tl.constexpr, HAS_WEIGHT: tl.constexpr = True,
-                     ROUND_SCALE: tl.constexpr = False, MEAN: tl.constexpr = True):  # fmt: skip
+                     ROUND_SCALE: tl.constexpr = False, MEAN: tl.constexpr = True, SLOTS: tl.constexpr = 1):  # fmt: skip
     """``ROWS`` rows per program, each at its own address (leading dims [d0, d1, d2] at any
-    strides, the last dim contiguous): ``h = x.float()`` (with ``HAS_RESIDUAL``: ``s = (x + r)``
-    rounded to the dtype, written over ``r``, and ``h = s.float()``); ``h *= rsqrt(mean(h^2) +
+    strides, the last dim contiguous): ``h = x.float()`` (``SLOTS`` > 1: the float32 sum of the
+    ``SLOTS`` partial rows ``slot_stride`` elements apart, not rounded; with ``HAS_RESIDUAL``: ``s = (x + r)`` rounded to the dtype, written at ``sum``
+    (``r``'s strides: over ``r`` in place), and ``h = s.float()``); ``h *= rsqrt(mean(h^2) +
     eps)`` (``sum`` for ``MEAN=False``: the L2 norm); ``y = (w + OFFSET) * h`` rounded once
     (``CAST_LAST``) or ``w * h.to(dtype)`` rounded again, as the spec rounds; without a weight
     ``h`` rounded; ``ROUND_SCALE``: ``x * rsqrt(..).to(dtype)`` in the dtype (then times ``w``);
@@ -162,6 +163,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, d1, 
     dtype = x_ptr.dtype.element_ty
     x_off = row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
     h = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+    for slot in tl.static_range(1, SLOTS):
+        h += tl.load(x_ptr + slot * slot_stride + x_off, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r_off = row_offsets(rows, d1, d2, rs0, rs1, rs2)[:, None] + cols[None, :]
         total = (h + tl.load(r_ptr + r_off, mask=mask, other=0.0).to(tl.float32)).to(dtype)
@@ -306,16 +309,19 @@ def rows_launch(width: int, *tensors: Tensor) -> tuple[tuple[int, ...], list[int
 
 
 def _norm_rows(x: Tensor, weight: Tensor | None, eps: float, out: Tensor, residual: Tensor | None,
-               cast_last: bool, offset: float, round_scale: bool = False, mean: bool = True) -> None:  # fmt: skip
-    """Launch ``_rms_norm_kernel`` over ``x``'s rows (each tensor at its own strides)."""
+               cast_last: bool, offset: float, round_scale: bool = False, mean: bool = True,
+               total: Tensor | None = None, slots: int = 1, slot_stride: int = 0) -> None:  # fmt: skip
+    """Launch ``_rms_norm_kernel`` over ``x``'s rows (each tensor at its own strides; ``total``,
+    where the sum goes when not over ``residual``, at ``residual``'s)."""
     n = x.shape[-1]
     r = residual if residual is not None else x
+    assert total is None or total.stride() == r.stride(), "the sum is stored at the residual's strides"
     grid, layout, meta = rows_launch(n, x, r, out)
     with device_of(x):
         _rms_norm_kernel[grid](
-            x, r, weight if weight is not None else x, out, r, x.numel() // n, n, eps, *layout,
-            HAS_RESIDUAL=residual is not None, CAST_LAST=cast_last, OFFSET=offset, HAS_WEIGHT=weight is not None,
-            ROUND_SCALE=round_scale, MEAN=mean, **meta,
+            x, r, weight if weight is not None else x, out, r if total is None else total, x.numel() // n, n, eps,
+            slot_stride, *layout, HAS_RESIDUAL=residual is not None, CAST_LAST=cast_last, OFFSET=offset,
+            HAS_WEIGHT=weight is not None, ROUND_SCALE=round_scale, MEAN=mean, SLOTS=slots, **meta,
         )  # fmt: skip
 
 
@@ -371,6 +377,17 @@ def fused_add_rms_norm_(x: Tensor, residual: Tensor, weight: Tensor | None, eps:
 
 def gemma_fused_add_rms_norm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
     _norm_rows(x, weight, eps, x, residual, True, 1.0)
+
+
+def sum_add_rms_norm(partials: Tensor, residual: Tensor, weight: Tensor, eps: float, out: Tensor, total: Tensor) -> None:
+    """``partials`` ``[S, n, H]`` (rows contiguous, any slot stride): ``total = sum of the S
+    partials + residual`` in float32, rounded once; ``out = rms_norm(total, weight, eps)``;
+    ``residual``, ``out`` and ``total`` ``[n, H]`` (``total`` at ``residual``'s strides). A
+    reduce-scatter's partial products, the residual add and the norm in one pass
+    (``runtime/ops/async_tp.py``); the sum is not rounded before the add, as the fused
+    all-reduce kernels do not round it (a reduce-scatter on its own would)."""
+    _norm_rows(partials[0], weight, eps, out, residual, False, 0.0, total=total, slots=partials.shape[0],
+               slot_stride=partials.stride(0))  # fmt: skip
 
 
 def silu_and_mul(x: Tensor) -> Tensor:

@@ -198,6 +198,25 @@ def test_add_norm_in_place_without_weight(triton_kernels: types.ModuleType, gen:
     assert_same_bytes((x, r), (want_x, want_r))
 
 
+@pytest.mark.parametrize("slots", [2, 3])
+def test_partials_summed_added_and_normed(triton_kernels: types.ModuleType, gen: torch.Generator, slots: int) -> None:
+    """The async-TP reduce-scatter's last step (``sum_add_rms_norm``): this rank's rows of every
+    rank's partial product (slots ``chunk`` rows apart, only the first ``n`` real) and the
+    residual summed in float32 and rounded once, then normed as ``fused_add_rms_norm_`` norms
+    its sum; the sum stored apart from the residual, which stays as it was."""
+    chunk, n = 6, 5
+    partials, r, w = rand(gen, slots, chunk, 64), rand(gen, n, 64), rand(gen, 64)
+    keep = r.clone()
+    out, total = torch.full_like(r, float("nan")), torch.full_like(r, float("nan"))
+    triton_kernels.sum_add_rms_norm(partials[:, :n], r, w, EPS, out, total)
+    want_total = (partials[:, :n].float().sum(0) + r.float()).to(r.dtype)
+    want_out = norm.rms_norm_reference(want_total, w, EPS)
+    assert_same_bytes((out, total, r), (want_out, want_total, keep))
+    # a reduce-scatter that rounds its sum before the add differs somewhere: the rounding is skipped
+    rounded = partials[:, :n].float().sum(0).to(r.dtype)
+    assert not torch.equal((rounded.float() + r.float()).to(r.dtype), want_total)
+
+
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("cast_last", [False, True], ids=["round-then-scale", "scale-then-round"])
 @pytest.mark.parametrize("activation", ["silu", "sigmoid"])
