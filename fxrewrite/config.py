@@ -88,9 +88,9 @@ class Config:
                      opt-in; vLLM-Ascend: from 1000 tokens); 1024 is the value to start from,
                      and ``bench/bench_tp.py`` measures it.
     async_tp:        with ``sequence_parallel_min_tokens``: the GEMM before each sharded site and
-                     the GEMM after it fused with its reduce-scatter and all-gather (torch's
-                     symmetric-memory ops on CUDA: communication overlaps compute;
-                     ``rewrites/async_tp.py``). Off by default.
+                     the GEMM after it fused with its reduce-scatter and all-gather (on CUDA
+                     the rows go through symmetric memory on the copy engines while the GEMMs
+                     run; ``rewrites/async_tp.py``, ``runtime/ops/async_tp.py``). Off by default.
     gemm_fusion:     in modes ``piecewise`` and ``full``: the decode GEMMs take in the small ops
                      around them (``rewrites/linear_fused.py``, ``linear_rotary.py``,
                      ``norm_hand_off.py``): RMSNorm as a prologue or the hand-off of the add-GEMM

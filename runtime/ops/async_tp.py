@@ -28,27 +28,46 @@ padding, one graph for every token count); rows that are not a multiple of the g
 
 The reference (the spec, and the CPU implementation, gloo) spells each path in
 ``_c10d_functional`` collectives and ``fxr`` ops. On CUDA ``providers.served()`` counts the path
-each call took: ``symm-mem`` (torch's ``symm_mem.fused_matmul_reduce_scatter`` /
-``fused_all_gather_matmul``: the GEMM in row blocks on two streams, each block's exchange over
-NVLink overlapping the next block's GEMM, through a symmetric-memory workspace), else the
-reference's NCCL steps (``reduce-scatter`` / ``all-gather``), and ``all-reduce`` / ``linear``
-below the threshold. Why a sharded call did not take ``symm-mem`` (dtype, no workspace, the
-workspace too small) is counted in :func:`refusals` and logged once per reason.
+each call took: ``symm-mem``, else the reference's NCCL steps (``reduce-scatter`` /
+``all-gather``), and ``all-reduce`` / ``linear`` below the threshold. Why a sharded call did not
+take ``symm-mem`` (dtype, no symmetric memory or too little, no Triton) is counted in
+:func:`refusals` and logged once per reason.
+
+The ``symm-mem`` paths exchange rows through two symmetric-memory buffers per group (memory each
+rank maps from every rank, so a copy into a peer's goes over NVLink), each ``[world, chunk, width]``
+slots: slot ``r`` of rank ``q``'s buffer holds what rank ``r`` sent to ``q``. Each path copies
+on a side stream (the copy engines: no SMs taken from the GEMMs) while its next GEMM runs::
+
+    reduce: GEMM + reduce-scatter + add + norm          all-gather + GEMM
+    barrier                                             barrier
+    for each other rank r: a[r's rows] @ w.T,           for each other rank r: copy x[my rows]
+        copied into r's partials, slot [me]      |          into r's gathered rows, slot [me]  |
+    a[my rows] @ w.T into my partials, slot [me] |      x[my rows] @ w.T -> y[my rows]         |
+    barrier                                             barrier
+    one kernel: sum of my slots + residual -> sum,      for each other rank r:
+        its RMSNorm -> out (my rows)                        (my slot [r]) @ w.T -> y[r's rows]
+
+The first barrier of each keeps a rank from copying into a peer's buffer before that peer has
+read the call before's; the second, from reading its slots before every peer's copy has
+landed (each rank waits for its side stream first). ``triton_kernels.sum_add_rms_norm`` does
+what the reduce-scatter's sum, the residual add and the norm did as three kernels. torch's
+``symm_mem.fused_matmul_reduce_scatter`` / ``fused_all_gather_matmul`` do the same exchange with
+more steps: a stacked partials buffer summed by ``torch.sum`` after the peers' rows were pulled
+once both GEMMs ended, the shard copied into the workspace before the first barrier, one more
+barrier at the end. bench/RESULTS.md (issue 32) has both against the fused all-reduce, on the
+8B shape at TP=2.
 
 torch facts used (read in torch 2.13 ``torch/distributed/_symmetric_memory/__init__.py``; the
-same ops and signatures in 2.11):
+same in 2.11):
 
-- ``fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name) -> Tensor``:
-  ``reduce_scatter(A @ B)`` along ``scatter_dim``; its rows must split evenly over the group.
-  The partial products go to a stacked ``[M, N]`` buffer, summed by one ``torch.sum``.
-- ``fused_all_gather_matmul(A_shard, Bs, gather_dim, group_name, *, return_A=True) -> (A?, [A @ B])``;
-  ``A_shard`` contiguous. Multicast variants need ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` unset and
-  multicast hardware (off where NVLS is); the native one ``TORCH_SYMM_MEM_ENABLE_NATIVE_ASYNC_TP``.
-- Both take a workspace from ``get_symm_mem_workspace(group_name, min_size)``, which reallocates
-  when asked for more and raises during CUDA graph capture then. A reallocation would free memory
-  that captured graphs read: :func:`workspace` allocates it once, eagerly, at
-  ``FXREWRITE_SYMM_MEM_MB`` (default 128 MiB) or the first call's need, and refuses calls that
-  need more. Their barriers, side stream and copies are CUDA-graph capturable.
+- ``symm_mem.empty(size, dtype=, device=)`` then ``symm_mem.rendezvous(tensor, group_name)``
+  (collective) give a handle: ``get_buffer(rank, sizes, dtype, storage_offset=0)`` is a tensor
+  over that rank's memory, usable by this rank's kernels and copies; ``barrier(channel=0)`` is a
+  kernel that returns once every rank has reached its own, ordering the memory operations
+  before it on each rank before those after it on every other. Both are CUDA-graph capturable.
+- The buffers never grow (captured graphs hold their addresses): :func:`workspace` makes them
+  once, eagerly, at ``FXREWRITE_SYMM_MEM_MB`` (default 128 MiB each) or the first call's need,
+  never during capture, and refuses calls that need more.
 - torch before 2.11 registers a group for symmetric memory with ``enable_symm_mem_for_group``
   (deprecated from 2.11 on, where the group resolves by name).
 """
@@ -56,10 +75,13 @@ same ops and signatures in 2.11):
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import os
 import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -68,12 +90,13 @@ from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.ops.collective import _fake
 from fxrewrite.runtime.ops.linear import _linear_fake, _linear_silu_and_mul_fake
 from fxrewrite.runtime.ops.sequence_parallel import (add_norm_own_rows, all_gather_rows, group_size_and_rank, own_rows,
-                                                     pad_rows, reduce_scatter_rows, sharded, split_rows)
+                                                     reduce_scatter_rows, sharded, split_rows)
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 log = logging.getLogger(__name__)
 
 SYMM_MEM = "torch.distributed._symmetric_memory"
+TRITON_KERNELS = "fxrewrite.runtime.triton_kernels"
 SYMM_MEM_ENV = "FXREWRITE_SYMM_MEM_MB"
 DEFAULT_SYMM_MEM_MIB = 128  # 16384 tokens of a 4096-wide bf16 hidden state at TP=2
 
@@ -117,11 +140,37 @@ def _reduce_nccl(a: Tensor, w: Tensor | None, residual: Tensor, weight: Tensor, 
 
 def _reduce_symm(a: Tensor, w: Tensor | None, residual: Tensor, weight: Tensor, eps: float, min_tokens: int,
                  gather: bool, group_name: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The other ranks' rows' partial products first, each copied into its owner's partials
+    while the next GEMM runs; this rank's own into its own; a barrier; one kernel sums this
+    rank's partials, adds the residual's rows and normalizes (module docstring)."""
     assert w is not None
-    world = group_size_and_rank(group_name)[0]
-    a2 = pad_rows(a, split_rows(_rows(a), group_name)[0] * world)
-    mine = torch.ops.symm_mem.fused_matmul_reduce_scatter.default(a2, w.t(), "sum", 0, group_name)
-    return _norm_and_place(mine, residual, weight, eps, gather, group_name)
+    world, rank = group_size_and_rank(group_name)
+    a2 = a.reshape(-1, a.shape[-1])
+    rows, hidden = a2.shape[0], w.shape[0]
+    chunk, lo, hi = split_rows(rows, group_name)
+    memory = _SYMM[group_name].partials
+
+    def slots(owner: int) -> Tensor:  # owner's partials of its rows, one slot per rank that made them
+        return memory.get_buffer(owner, (world, chunk, hidden), a.dtype)
+
+    memory.barrier(channel=0)  # every rank has summed its partials of the call before
+    with _pushing() as push:
+        for owner in _peers(rank, world):
+            first, end = _bounds(owner, chunk, rows)
+            push(torch.mm(a2[first:end], w.t()), slots(owner)[rank, : end - first])
+        torch.mm(a2[lo:hi], w.t(), out=slots(rank)[rank, : hi - lo])
+    memory.barrier(channel=0)  # every rank's partials of this rank's rows have landed
+    total = residual.new_empty(chunk * world, hidden)
+    out = residual.new_empty(chunk * world, hidden)
+    mine = slice(rank * chunk, rank * chunk + hi - lo)
+    res = residual.reshape(rows, hidden)[lo:hi]
+    if hi > lo:
+        providers.library(TRITON_KERNELS).sum_add_rms_norm(  # type: ignore[union-attr]
+            slots(rank)[:, : hi - lo], res if res.stride() == (hidden, 1) else res.contiguous(), weight, eps,
+            out[mine], total[mine])  # fmt: skip
+    if gather:
+        out = all_gather_rows(out[rank * chunk : (rank + 1) * chunk], rows, group_name)
+    return out[:rows].view(residual.shape), total[:rows].view(residual.shape)
 
 
 def _norm_and_place(mine: Tensor, residual: Tensor, weight: Tensor, eps: float, gather: bool,
@@ -165,38 +214,101 @@ def _gather_nccl(x: Tensor, w: Tensor, min_tokens: int, gated: bool, group_name:
 
 
 def _gather_symm(x: Tensor, w: Tensor, min_tokens: int, gated: bool, group_name: str) -> Tensor:
-    _, (y,) = torch.ops.symm_mem.fused_all_gather_matmul.default(
-        own_rows(x, group_name), [w.t()], 0, group_name, return_A=False
-    )
-    y = y[: _rows(x)]
+    """This rank's rows copied into every other rank's gathered rows while its own rows' GEMM
+    runs; a barrier; then the GEMM of each other rank's rows, landed here (module docstring)."""
+    world, rank = group_size_and_rank(group_name)
+    x2 = x.reshape(-1, x.shape[-1])
+    rows, width = x2.shape
+    chunk, lo, hi = split_rows(rows, group_name)
+    memory = _SYMM[group_name].gathered
+
+    def slots(owner: int) -> Tensor:  # every rank's rows as they land at owner, one slot per rank
+        return memory.get_buffer(owner, (world, chunk, width), x.dtype)
+
+    y = x.new_empty(rows, w.shape[0])
+    memory.barrier(channel=0)  # every rank has read its gathered rows of the call before
+    with _pushing() as push:
+        for owner in _peers(rank, world):
+            push(x2[lo:hi], slots(owner)[rank, : hi - lo])
+        torch.mm(x2[lo:hi], w.t(), out=y[lo:hi])
+    memory.barrier(channel=0)  # every rank's rows have landed here
+    for owner in _peers(rank, world):
+        first, end = _bounds(owner, chunk, rows)
+        torch.mm(slots(rank)[owner, : end - first], w.t(), out=y[first:end])
     y = torch.ops.fxr.silu_and_mul.default(y) if gated else y
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _peers(rank: int, world: int) -> list[int]:
+    """The other ranks, from the next one on (each rank starts at a different peer)."""
+    return [(rank + step) % world for step in range(1, world)]
+
+
+def _bounds(owner: int, chunk: int, rows: int) -> tuple[int, int]:
+    """The real rows ``[first, end)`` of ``owner``'s chunk (the last rank's may be short)."""
+    return min(owner * chunk, rows), min((owner + 1) * chunk, rows)
+
+
+@contextlib.contextmanager
+def _pushing() -> Iterator[Callable[[Tensor, Tensor], None]]:
+    """``push(src, dst)`` copies on a side stream (the copy engines; over NVLink where ``dst``
+    is a peer's memory) once what the current stream has queued so far is done, while the
+    current stream goes on; at the exit the current stream waits for every copy. Each ``src``
+    stays referenced until then (a staged GEMM output would go back to the allocator mid-copy)."""
+    here = torch.cuda.current_stream()
+    if here.device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[here.device] = torch.cuda.Stream(here.device)
+    side, sources = _SIDE_STREAMS[here.device], []
+
+    def push(src: Tensor, dst: Tensor) -> None:
+        sources.append(src)
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            dst.copy_(src)
+
+    yield push
+    here.wait_stream(side)
+    sources.clear()
+
+
+_SIDE_STREAMS: dict[torch.device, Any] = {}
 
 
 def _fake_gather(x: Tensor, w: Tensor, min_tokens: int, gated: bool, group_name: str) -> Tensor:
     return (_linear_silu_and_mul_fake if gated else _linear_fake)(x, w)
 
 
-# --------------------------------------------------------------------------- the symmetric-memory workspace
+# --------------------------------------------------------------------------- the symmetric memory
 
-_WORKSPACES: dict[str, int | str] = {}  # group name -> workspace bytes, or why there is none
+
+class Buffers(NamedTuple):
+    """A group's two symmetric-memory buffers (handles: ``get_buffer`` of any rank's, ``barrier``)
+    and their local tensors, kept alive as long as the handles."""
+
+    partials: Any
+    gathered: Any
+    memory: tuple[Tensor, Tensor]
+
+
+_WORKSPACES: dict[str, int | str] = {}  # group name -> bytes of each buffer, or why there are none
+_SYMM: dict[str, Buffers] = {}
 _REFUSALS: collections.Counter[tuple[str, str]] = collections.Counter()
 
 
 def workspace(group_name: str, nbytes: int, device: torch.device) -> str | None:
-    """None when ``group_name``'s symmetric-memory workspace holds ``nbytes``, else why not.
-    Created at the first call (collective: every rank of the group calls it at the same call),
-    never during capture, never grown."""
+    """None when each of ``group_name``'s symmetric-memory buffers holds ``nbytes``, else why
+    not. Created at the first call (collective: every rank of the group calls it at the same
+    call), never during capture, never grown."""
     found = _WORKSPACES.get(group_name)
     if found is None:
         if torch.cuda.is_current_stream_capturing():
-            return "no symmetric-memory workspace yet, and none can be made during CUDA graph capture"
+            return "no symmetric memory yet, and none can be made during CUDA graph capture"
         found = _WORKSPACES[group_name] = _create(group_name, nbytes, device)
     if isinstance(found, str):
         return found
     if nbytes > found:
-        return (f"needs {nbytes >> 20} MiB of symmetric memory, the workspace holds {found >> 20} MiB "
-                f"({SYMM_MEM_ENV}; it never grows: captured graphs read it)")  # fmt: skip
+        return (f"needs {nbytes >> 20} MiB of symmetric memory, the buffers hold {found >> 20} MiB "
+                f"({SYMM_MEM_ENV}; they never grow: captured graphs read them)")  # fmt: skip
     return None
 
 
@@ -212,15 +324,16 @@ def _create(group_name: str, nbytes: int, device: torch.device) -> int | str:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 sm.enable_symm_mem_for_group(group_name)
-        sm.get_symm_mem_workspace(group_name, min_size=size)
+        memory = (sm.empty(size, dtype=torch.uint8, device=device), sm.empty(size, dtype=torch.uint8, device=device))
+        _SYMM[group_name] = Buffers(*(sm.rendezvous(t, group_name) for t in memory), memory)
         made = size
     except Exception as e:  # noqa: BLE001 - reported as the refusal reason, never silent
-        made = f"symmetric-memory workspace failed: {type(e).__name__}: {e}"
+        made = f"symmetric memory failed: {type(e).__name__}: {e}"
     ok = torch.tensor([0 if isinstance(made, str) else 1], dtype=torch.int32, device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=_resolve_process_group(group_name))
     if not isinstance(made, str) and int(ok.item()) == 0:
-        made = "symmetric-memory workspace failed on another rank"
-    log.info("async TP, group %s: %s", group_name, made if isinstance(made, str) else f"workspace of {size >> 20} MiB")
+        made = "symmetric memory failed on another rank"
+    log.info("async TP, group %s: %s", group_name, made if isinstance(made, str) else f"2 buffers of {size >> 20} MiB")
     return made
 
 
@@ -240,31 +353,34 @@ def _refused(op: str, reason: str | None) -> str | None:
     return reason
 
 
-def _symm_check(op: str, rows: int, min_tokens: int, tensors: tuple[Tensor, ...], nbytes: int, group_name: str) -> str | None:
+def _symm_check(op: str, rows: int, min_tokens: int, tensors: tuple[Tensor, ...], width: int,
+                group_name: str) -> str | None:  # fmt: skip
+    """None when a call can take the symm-mem path: sharded, half dtypes on one device, and
+    the group's buffers hold ``[world, chunk, width]`` of them; else why not (a refusal
+    counted, unless the call is below the threshold: not sharded, not the path's)."""
     if not sharded(rows, min_tokens):
         return f"{rows} rows < {min_tokens}"
-    if not hasattr(torch.ops.symm_mem, "fused_matmul_reduce_scatter"):
-        return _refused(op, "this torch has no symm_mem fused ops")
+    if not hasattr(providers.library(SYMM_MEM), "rendezvous"):
+        return _refused(op, "this torch has no symmetric-memory rendezvous")
     if tensors[-1] is None:
         return _refused(op, "no GEMM before the reduce-scatter (the reduced input is not a plain linear's)")
+    world = group_size_and_rank(group_name)[0]
+    nbytes = world * -(-rows // world) * width * tensors[0].element_size()
     reason = constraints.check_half(*tensors) or constraints.check_same_device(*tensors)
     return _refused(op, reason or workspace(group_name, nbytes, tensors[0].device))
 
 
 def _reduce_symm_check(a: Tensor, w: Tensor | None, residual: Tensor, weight: Tensor, eps: float,
                        min_tokens: int, gather: bool, group_name: str) -> str | None:  # fmt: skip
-    rows = _rows(a)
-    chunk = -(-rows // group_size_and_rank(group_name)[0])
-    # the stacked partials' exchange: two [chunk, N] buffers
-    nbytes = 2 * chunk * residual.shape[-1] * a.element_size()
-    return _symm_check("sp_linear_reduce_add_rms_norm", rows, min_tokens, (a, w), nbytes, group_name)
+    op = "sp_linear_reduce_add_rms_norm"
+    reason = _symm_check(op, _rows(a), min_tokens, (a, w), residual.shape[-1], group_name)
+    if reason is None and providers.library(TRITON_KERNELS) is None:
+        reason = _refused(op, "Triton is not importable (the partials' sum, add and norm)")
+    return reason
 
 
 def _gather_symm_check(x: Tensor, w: Tensor, min_tokens: int, gated: bool, group_name: str) -> str | None:
-    rows = _rows(x)
-    chunk = -(-rows // group_size_and_rank(group_name)[0])
-    nbytes = chunk * x.shape[-1] * x.element_size()  # this rank's rows, where the peers read them
-    return _symm_check("sp_all_gather_linear", rows, min_tokens, (x, w), nbytes, group_name)
+    return _symm_check("sp_all_gather_linear", _rows(x), min_tokens, (x, w), x.shape[-1], group_name)
 
 
 def _path_check(want: bool, at: int, x: Tensor, *args: object) -> str | None:

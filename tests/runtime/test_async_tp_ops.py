@@ -2,9 +2,9 @@
 ``fxr.sp_linear_reduce_add_rms_norm`` against ``fxr.linear`` then ``fxr.all_reduce_add_rms_norm``,
 ``fxr.sp_all_gather_linear`` against ``fxr.linear`` (``fxr.linear_silu_and_mul``) of the whole
 input, above the threshold and below it, at row counts that are and are not a multiple of the
-two ranks. CPU: gloo, the reference (NCCL's steps). GPU (marked; two devices): the symm-mem path
-(torch's fused matmul + reduce-scatter / all-gather + matmul) against the reference, eagerly and
-replayed from a CUDA graph.
+two ranks. CPU: gloo, the reference (NCCL's steps). GPU (marked; two devices): the symm-mem paths
+(the rows exchanged through symmetric memory while the GEMMs run) against the reference, eagerly,
+three back to back, and replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -177,6 +177,14 @@ def gpu_worker(rank: int, world: int) -> dict[str, Any]:
             "sum": rel(got[1][mine], want[1][mine]), "y": rel(got[2], want[2]),
             "served": {op: providers.served().get(op, {}) for op in async_tp.OPS},
         }  # fmt: skip
+    # three sharded reductions back to back, nothing between them: each call's stores into the
+    # peers' partials must wait until the peers have summed the call before's
+    chain = [inputs(1024, 10 + i) for i in range(3)]
+    got = [REDUCE(a, w, res, v, EPS, 512, False, group) for a, w, res, v, _ in chain]
+    want = [async_tp.sp_linear_reduce_add_rms_norm_reference(a, w, res, v, EPS, 512, False, group)
+            for a, w, res, v, _ in chain]  # fmt: skip
+    mine = _mine(1024, rank, world, 512)
+    out["chain"] = max(rel(g[k][mine], r[k][mine]) for g, r in zip(got, want) for k in (0, 1))
     static = inputs(4096, 1)
     eager = step(*static, 512)
     graph = torch.cuda.CUDAGraph()
@@ -198,13 +206,15 @@ def gpu_worker(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_symm_mem_paths_on_two_gpus() -> None:
     """bf16: the fused GEMM + collective paths within a rounding of the NCCL reference; each call
-    served by the path its rows pick (symm-mem from 512 rows, none refused); a CUDA graph of both
-    ops replays to what eager calls give on the same inputs."""
+    served by the path its rows pick (symm-mem from 512 rows, none refused); three reductions
+    back to back each right; a CUDA graph of both ops replays to what eager calls give on the
+    same inputs."""
     results = run_ranks(gpu_worker, backend="nccl", timeout=300)
     for rank, res in enumerate(results):
         print(f"rank {rank}: refusals {res['refusals']}; graph {res['graph']}")
         assert res["refusals"] == {}, res["refusals"]
         assert res["graph"]["y"] < 2e-2 and res["graph"]["sum"] < 2e-2 and res["graph"]["changed"] > 0.1, res["graph"]
+        assert res["chain"] < 2e-2, res["chain"]
         for case, r in ((k, v) for k, v in res.items() if "/" in k):
             print(f"rank {rank} {case}: {r}")
             assert r["sum"] < 2e-2 and r["y"] < 2e-2, (rank, case, r)
