@@ -22,8 +22,9 @@ they run (the comparisons first, in case ``--budget-s`` runs out):
                                   RMSNorm on this rank's rows, all-gather); below it the same
                                   flashinfer fused all-reduce as "piecewise, AR fused: flashinfer"
     piecewise, SP + async TP      the same, with each site's GEMMs fused with its collectives
-                                  (``Config.async_tp``: torch's symm_mem fused matmul +
-                                  reduce-scatter and all-gather + matmul)
+                                  (``Config.async_tp``: GEMM + reduce-scatter + add + norm and
+                                  all-gather + GEMM over symmetric memory, the exchange on the
+                                  copy engines while the next GEMM runs)
 
 Columns: decode of 8 and 64 sequences after ``--context`` cached tokens, prefill of 512 and 2048
 tokens; ``--decode`` and ``--prefill`` name others. Every column up to ``--max-capture`` tokens
@@ -35,8 +36,9 @@ replayed from CUDA graphs (bench/tp_sp_gpu.sh):
         --prefill 512,2048,4096 --max-capture 4096
 
 A cell is
-the median step time of rank 0 (CUDA events, from an idle device; both ranks run the same
-fixed number of steps: a collective needs both); "first call" includes Dynamo, the passes,
+the median step time of rank 0 (CUDA events, from an idle device, every step started by both
+ranks together after a barrier; both ranks run the same fixed number of steps: a collective
+needs both); "first call" includes Dynamo, the passes,
 workspace creation and captures; "rel err" is the largest ``max|y - ref| / max|ref|`` against
 the unsharded model computed in float32 (``engine_model.float32_reference``, one block at a
 time) on fresh inputs with no cached context (each step's new tokens attend to themselves: the
@@ -124,35 +126,86 @@ def rules(collective: bool) -> list[Any] | None:
 @dataclasses.dataclass
 class Row:
     cells: dict[str, str] = dataclasses.field(default_factory=dict)
+    label: str = ""
+    back_to_back: dict[str, float] = dataclasses.field(default_factory=dict)
     first_call_s: float | None = None
     max_err: float | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
 COLLECTIVE_KERNELS = ("allreduce", "all_reduce", "reducescatter", "reduce_scatter", "allgather", "all_gather", "nccl",
-                      "lamport", "oneshot", "twoshot", "multimem", "ptop")  # fmt: skip
+                      "lamport", "oneshot", "twoshot", "multimem", "ptop", "barrier", "symm", "signal")  # fmt: skip
+KERNEL_KINDS = (  # (kind, substrings of the kernel's name), first match wins; lower case
+    ("collective", COLLECTIVE_KERNELS),
+    ("copy", ("memcpy", "memset", "copy")),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "_mm_", "linear")),
+)
 
 
-def collective_share(step: Any, batch: dict, steps: int = 3) -> tuple[float, float]:
-    """(collective kernels' ms, every kernel's ms) per step, from ``torch.profiler`` over
-    ``steps`` steps (every rank steps; each reads its own): the most that overlapping the
-    collectives with compute could take off a step (issue 32's floor)."""
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_steps(step: Any, batch: dict, steps: int = 3, trace: Path | None = None) -> dict[str, float]:
+    """Milliseconds per step by kernel kind (``kernel_kind``), from ``torch.profiler`` over
+    ``steps`` steps (every rank steps; each reads its own), with ``busy``: the time at least one
+    kernel or copy ran (the union over streams). A collective's time counts its wait for the
+    other rank too: ``collective`` is the most that overlapping it with compute could take off a
+    step (issue 32's floor); ``busy`` below the step's time is the host's share. ``trace``: the
+    chrome trace is written there too."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step(**batch)
         torch.cuda.synchronize()
-    comm = every = 0.0
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+    ms: dict[str, float] = {}
+    spans = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            us = e.time_range.elapsed_us() / steps / 1e3
-            every += us
-            comm += us if any(k in e.name.lower() for k in COLLECTIVE_KERNELS) else 0.0
-    return comm, every
+            kind = kernel_kind(e.name)
+            ms[kind] = ms.get(kind, 0.0) + e.time_range.elapsed_us() / steps / 1e3
+            spans.append((e.time_range.start, e.time_range.end))
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    ms["busy"] = busy / steps / 1e3
+    return ms
+
+
+def aligned_median_ms(fn: Any, reps: int, cuda: bool) -> float:
+    """Median milliseconds of rank 0's ``reps`` calls, each started on an idle device right after
+    every rank has left a barrier: a rank that starts late would otherwise bill its lateness to the
+    other's first collective (piecewise mode launches between its pieces from the host)."""
+    import statistics
+
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            times.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    if cuda:
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in times]
+    return statistics.median(times)
 
 
 def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, checks: dict, refs: dict,
                clock: Clock, deadline: float, sp_min_tokens: int = 512, max_capture: int = 512,
-               share: bool = False) -> Row:  # fmt: skip
+               share: bool = False, trace_dir: Path | None = None) -> Row:  # fmt: skip
     import fxrewrite
     from fxrewrite.runtime import providers
 
@@ -187,16 +240,25 @@ def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, 
         row.first_call_s = first if row.first_call_s is None else row.first_call_s
         for _ in range(warm - 1):
             step(**batch)
-        ms = clock.median_ms(lambda: step(**batch), reps)
-        if share and torch.cuda.is_available():
-            comm, every = collective_share(step, batch)
+        ms = aligned_median_ms(lambda: step(**batch), reps, clock.cuda)
+        dist.barrier()
+        row.back_to_back[col.name] = clock.back_to_back_ms(lambda: step(**batch), reps)
+        if share and clock.cuda:
+            trace = trace_dir / f"{system.key}_{col.name.replace(' ', '')}_rank{dist.get_rank()}.json" if trace_dir else None
+            kinds = profile_steps(step, batch, trace=trace)
+            comm, busy = kinds.pop("collective", 0.0), kinds.pop("busy")
+            rest = ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
             row.notes.append(f"{col.name}: collective kernels {comm:.2f} ms a step ({100 * comm / ms:.1f}% of its "
-                             f"{ms:.2f} ms; every kernel {every:.2f} ms)")  # fmt: skip
+                             f"{ms:.2f} ms); other kernels by kind: {rest}; the device busy {busy:.2f} ms")  # fmt: skip
         model.fill_kv_cache_random(FILL_SEED)
         errors.append(rel_err(step(**checks[col.name]), refs[col.name]))
         row.cells[col.name] = f"{ms:.2f}"
-        _log(f"  {system.label:44s} {col.name:13s} {ms:8.3f} ms  rel err {errors[-1]:.1e}")
+        _log(f"  {system.label:44s} {col.name:13s} {ms:8.3f} ms (back to back {row.back_to_back[col.name]:8.3f})  "
+             f"rel err {errors[-1]:.1e}")  # fmt: skip
     row.max_err = max(errors) if errors else None
+    if row.back_to_back:
+        row.notes.append("back to back (rank 0, ms a step, steps issued one after another): " +
+                         ", ".join(f"{k} {v:.2f}" for k, v in row.back_to_back.items()))  # fmt: skip
     if backend is not None:
         backend.refresh_runtime()
         served = providers.served().get(AR_OP)
@@ -267,12 +329,11 @@ def render(header: list[str], rows: dict[str, Row], cols: list[Scenario]) -> str
     names = [c.name for c in cols]
     out = [*header, "", "| system | " + " | ".join(f"{n} ms" for n in names) + " | first call s | rel err |",
            "|" + "---|" * (len(names) + 3)]  # fmt: skip
-    labels = {s.key: s.label for s in SYSTEMS}
-    for key, r in rows.items():
+    for r in rows.values():
         first = f"{r.first_call_s:.1f}" if r.first_call_s is not None else "-"
         err = f"{r.max_err:.1e}" if r.max_err is not None else "-"
-        out.append(f"| {labels[key]} | " + " | ".join(r.cells.get(n, "-") for n in names) + f" | {first} | {err} |")
-    notes = [f"- {labels[k]}: {n}" for k, r in rows.items() for n in r.notes]
+        out.append(f"| {r.label} | " + " | ".join(r.cells.get(n, "-") for n in names) + f" | {first} | {err} |")
+    notes = [f"- {r.label}: {n}" for r in rows.values() for n in r.notes]
     return "\n".join(out + ["", "Notes:", *(notes or ["- none"])]) + "\n"
 
 
@@ -289,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-capture", type=int, default=512, help="columns up to this many tokens are capture sizes")
     p.add_argument("--budget-s", type=float, default=220.0, help="start no column after this many seconds")
     p.add_argument("--collective-share", action="store_true",
-                   help="profile each column: the collective kernels' time per step and its share (CUDA only)")
+                   help="profile each column: the kernels' time per step by kind, the collectives' share (CUDA only)")
+    p.add_argument("--trace-dir", type=Path, default=None,
+                   help="with --collective-share: each rank's chrome trace of each column's profiled steps here")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     start = time.time()
@@ -347,15 +410,20 @@ def main(argv: list[str] | None = None) -> int:
         f"({', '.join(str(c.size) for c in cols if c.size <= args.max_capture)}); larger columns run eagerly",
     ]
     rows: dict[str, Row] = {}
-    for system in (s for s in SYSTEMS if s.key in keys):
+    by_key = {s.key: s for s in SYSTEMS}
+    for i, key in enumerate(keys):  # in the order given; a key given twice runs twice (its rows in order)
+        system = by_key[key]
+        if key in rows:
+            system = dataclasses.replace(system, key=f"{key}-{i}", label=f"{system.label} (again)")
         _log(f"{system.label} ...")
         try:
             rows[system.key] = run_system(system, model, cols, batches, checks, refs, clock, deadline, args.sp_min_tokens,
-                                          args.max_capture, args.collective_share)  # fmt: skip
+                                          args.max_capture, args.collective_share, args.trace_dir)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a row that fails says why; the others still run
             rows[system.key] = Row(cells={c.name: "failed" for c in cols}, notes=[f"failed: {_short(e)}"])
             _log(traceback.format_exc(limit=-8))
             torch._dynamo.reset()
+        rows[system.key].label = system.label
         text = render(header, rows, cols)
         if rank == 0 and args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
