@@ -17,6 +17,8 @@ they run (the comparisons first, in case ``--budget-s`` runs out):
     piecewise, AR not fused       default rules without ``fuse_collective``: NCCL all-reduce, then
                                   the in-place fused add + RMSNorm kernel
     full, ... (the same three)    one CUDA graph per decode step
+    full, ... (prefill too)       today's fusion and SP + async TP with every column, prefill too,
+                                  in one CUDA graph per step (no host launches between pieces)
     piecewise, AR fused + SP      sequence parallelism from ``--sp-min-tokens`` rows on
                                   (``fxr.sp_reduce_add_rms_norm``: NCCL reduce-scatter, add +
                                   RMSNorm on this rank's rows, all-gather); below it the same
@@ -98,6 +100,10 @@ SYSTEMS = (
     System("full-fi", "full, AR fused: flashinfer", "full", kinds=("decode",)),
     System("full-nccl", "full, AR fused: NCCL", "full", f"{AR_OP}=torch", kinds=("decode",)),
     System("full-none", "full, AR not fused (NCCL + add-norm)", "full", collective=False, kinds=("decode",)),
+    # prefill in one CUDA graph too: no host launches between the pieces, so neither rank waits in a
+    # collective for the other's host (piecewise prefill 512 moved 20-30% from run to run)
+    System("full-fi-all", "full, AR fused: flashinfer (prefill too)", "full"),
+    System("full-atp", "full, SP + async TP", "full", sequence_parallel=True, async_tp=True),
 )
 
 
