@@ -355,9 +355,10 @@ def _refused(op: str, reason: str | None) -> str | None:
 
 def _symm_check(op: str, rows: int, min_tokens: int, tensors: tuple[Tensor, ...], width: int,
                 group_name: str) -> str | None:  # fmt: skip
-    """None when a call can take the symm-mem path: sharded, half dtypes on one device, and
-    the group's buffers hold ``[world, chunk, width]`` of them; else why not (a refusal
-    counted, unless the call is below the threshold: not sharded, not the path's)."""
+    """None when a call can take the symm-mem path: sharded, ``tensors`` (the GEMM's weight
+    last) of one half dtype on one device, and the group's buffers hold ``[world, chunk,
+    width]`` of them; else why not (a refusal counted, unless the call is below the threshold:
+    not sharded, not the path's)."""
     if not sharded(rows, min_tokens):
         return f"{rows} rows < {min_tokens}"
     if not hasattr(providers.library(SYMM_MEM), "rendezvous"):
@@ -373,7 +374,7 @@ def _symm_check(op: str, rows: int, min_tokens: int, tensors: tuple[Tensor, ...]
 def _reduce_symm_check(a: Tensor, w: Tensor | None, residual: Tensor, weight: Tensor, eps: float,
                        min_tokens: int, gather: bool, group_name: str) -> str | None:  # fmt: skip
     op = "sp_linear_reduce_add_rms_norm"
-    reason = _symm_check(op, _rows(a), min_tokens, (a, w), residual.shape[-1], group_name)
+    reason = _symm_check(op, _rows(a), min_tokens, (a, residual, w), residual.shape[-1], group_name)
     if reason is None and providers.library(TRITON_KERNELS) is None:
         reason = _refused(op, "Triton is not importable (the partials' sum, add and norm)")
     return reason

@@ -9,6 +9,7 @@ three back to back, and replayed from a CUDA graph.
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import pytest
@@ -131,6 +132,19 @@ def test_below_the_threshold_no_symm_mem_path_is_asked_for(fake_group: str) -> N
     x, w = torch.empty(3, H), torch.empty(N, H)
     assert async_tp._gather_symm_check(x, w, 4, False, fake_group) == "3 rows < 4"
     assert async_tp.refusals() == {}
+
+
+def test_a_residual_of_another_dtype_is_refused_before_any_symmetric_memory(
+        fake_group: str, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The reduce's one kernel stores the sum in the input's dtype: a float32 residual under bf16
+    GEMMs takes the reference's path, with the reason counted (the GPU test is the twin: no
+    refusal where the dtypes agree)."""
+    monkeypatch.setattr(async_tp, "_REFUSALS", collections.Counter())
+    bf16 = torch.bfloat16
+    a, w, v = torch.empty(8, K, dtype=bf16), torch.empty(H, K, dtype=bf16), torch.empty(H, dtype=bf16)
+    reason = async_tp._reduce_symm_check(a, w, torch.empty(8, H), v, EPS, 4, False, fake_group)
+    assert reason is not None and "float32" in reason, reason
+    assert async_tp.refusals() == {"sp_linear_reduce_add_rms_norm": {reason: 1}}
 
 
 # --------------------------------------------------------------------------- two GPUs
