@@ -250,7 +250,8 @@ def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, 
         dist.barrier()
         row.back_to_back[col.name] = clock.back_to_back_ms(lambda: step(**batch), reps)
         if share and clock.cuda:
-            trace = trace_dir / f"{system.key}_{col.name.replace(' ', '')}_rank{dist.get_rank()}.json" if trace_dir else None
+            name = f"{system.key}_{col.name.replace(' ', '')}_rank{dist.get_rank()}.json"
+            trace = trace_dir / name if trace_dir else None
             kinds = profile_steps(step, batch, trace=trace)
             comm, busy = kinds.pop("collective", 0.0), kinds.pop("busy")
             rest = ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))

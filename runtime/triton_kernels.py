@@ -148,11 +148,13 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, slot
                      xs0, xs1, xs2, rs0, rs1, rs2, os0, os1, os2,
                      BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      CAST_LAST: tl.constexpr, OFFSET: tl.constexpr, HAS_WEIGHT: tl.constexpr = True,
-                     ROUND_SCALE: tl.constexpr = False, MEAN: tl.constexpr = True, SLOTS: tl.constexpr = 1):  # fmt: skip
+                     ROUND_SCALE: tl.constexpr = False, MEAN: tl.constexpr = True,
+                     SLOTS: tl.constexpr = 1):  # fmt: skip
     """``ROWS`` rows per program, each at its own address (leading dims [d0, d1, d2] at any
     strides, the last dim contiguous): ``h = x.float()`` (``SLOTS`` > 1: the float32 sum of the
-    ``SLOTS`` partial rows ``slot_stride`` elements apart, not rounded; with ``HAS_RESIDUAL``: ``s = (x + r)`` rounded to the dtype, written at ``sum``
-    (``r``'s strides: over ``r`` in place), and ``h = s.float()``); ``h *= rsqrt(mean(h^2) +
+    ``SLOTS`` partial rows ``slot_stride`` elements apart, not rounded; with ``HAS_RESIDUAL``:
+    ``s = (x + r)`` rounded to the dtype, written at ``sum`` (``r``'s strides: over ``r`` in
+    place), and ``h = s.float()``); ``h *= rsqrt(mean(h^2) +
     eps)`` (``sum`` for ``MEAN=False``: the L2 norm); ``y = (w + OFFSET) * h`` rounded once
     (``CAST_LAST``) or ``w * h.to(dtype)`` rounded again, as the spec rounds; without a weight
     ``h`` rounded; ``ROUND_SCALE``: ``x * rsqrt(..).to(dtype)`` in the dtype (then times ``w``);
@@ -379,7 +381,8 @@ def gemma_fused_add_rms_norm_(x: Tensor, residual: Tensor, weight: Tensor, eps: 
     _norm_rows(x, weight, eps, x, residual, True, 1.0)
 
 
-def sum_add_rms_norm(partials: Tensor, residual: Tensor, weight: Tensor, eps: float, out: Tensor, total: Tensor) -> None:
+def sum_add_rms_norm(partials: Tensor, residual: Tensor, weight: Tensor, eps: float, out: Tensor,
+                     total: Tensor) -> None:  # fmt: skip
     """``partials`` ``[S, n, H]`` (rows contiguous, any slot stride): ``total = sum of the S
     partials + residual`` in float32, rounded once; ``out = rms_norm(total, weight, eps)``;
     ``residual``, ``out`` and ``total`` ``[n, H]`` (``total`` at ``residual``'s strides). A

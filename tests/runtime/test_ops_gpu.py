@@ -24,8 +24,8 @@ from helpers.gpu import force, fresh_counts, gen  # noqa: F401  (fresh_counts, g
 import fxrewrite.runtime.ops as ops
 from fxrewrite.runtime import providers
 from fxrewrite.runtime.ops import (activation, async_tp, collective, linear, linear_block_fp8, linear_fp8_fused, moe,
-                                   moe_route, norm, norm_variants, quant, quant_act_mul, quant_block, quant_nvfp4, rotary,
-                                   sequence_parallel)
+                                   moe_route, norm, norm_variants, quant, quant_act_mul, quant_block, quant_nvfp4,
+                                   rotary, sequence_parallel)
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
