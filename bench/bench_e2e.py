@@ -149,18 +149,24 @@ class Clock:
         self.sync()
         return time.perf_counter() - start
 
-    def median_ms(self, fn: Callable[[], Any], reps: int) -> float:
-        """Median milliseconds of ``reps`` calls, each started on an idle device."""
-        if not self.cuda:
-            return 1e3 * statistics.median(self.wall(fn) for _ in range(reps))
-        events = []
+    def median_ms(self, fn: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None) -> float:
+        """Median milliseconds of ``reps`` calls, each started on an idle device (``before``
+        each, untimed: bench_tp's barrier, so that every rank starts its step together)."""
+        walls, events = [], []
         for _ in range(reps):
+            if before is not None:
+                before()
+            if not self.cuda:
+                walls.append(1e3 * self.wall(fn))
+                continue
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             start.record()
             fn()
             end.record()
             events.append((start, end))
+        if not self.cuda:
+            return statistics.median(walls)
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in events)
 

@@ -183,32 +183,6 @@ def profile_steps(step: Any, batch: dict, steps: int = 3, trace: Path | None = N
     return ms
 
 
-def aligned_median_ms(fn: Any, reps: int, cuda: bool) -> float:
-    """Median milliseconds of rank 0's ``reps`` calls, each started on an idle device right after
-    every rank has left a barrier: a rank that starts late would otherwise bill its lateness to the
-    other's first collective (piecewise mode launches between its pieces from the host)."""
-    import statistics
-
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            times.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    if cuda:
-        torch.cuda.synchronize()
-        times = [s.elapsed_time(e) for s, e in times]
-    return statistics.median(times)
-
-
 def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, checks: dict, refs: dict,
                clock: Clock, deadline: float, sp_min_tokens: int = 512, max_capture: int = 512,
                share: bool = False, trace_dir: Path | None = None) -> Row:  # fmt: skip
@@ -246,7 +220,9 @@ def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, 
         row.first_call_s = first if row.first_call_s is None else row.first_call_s
         for _ in range(warm - 1):
             step(**batch)
-        ms = aligned_median_ms(lambda: step(**batch), reps, clock.cuda)
+        # every step started after a barrier: a rank that starts late would otherwise bill its
+        # lateness to the other's first collective (piecewise mode launches pieces from the host)
+        ms = clock.median_ms(lambda: step(**batch), reps, before=dist.barrier)
         dist.barrier()
         row.back_to_back[col.name] = clock.back_to_back_ms(lambda: step(**batch), reps)
         if share and clock.cuda:
