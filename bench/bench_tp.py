@@ -24,9 +24,12 @@ they run (the comparisons first, in case ``--budget-s`` runs out):
                                   RMSNorm on this rank's rows, all-gather); below it the same
                                   flashinfer fused all-reduce as "piecewise, AR fused: flashinfer"
     piecewise, SP + async TP      the same, with each site's GEMMs fused with its collectives
-                                  (``Config.async_tp``: GEMM + reduce-scatter + add + norm and
-                                  all-gather + GEMM over symmetric memory, the exchange on the
-                                  copy engines while the next GEMM runs)
+                                  (``Config.async_tp``, over symmetric memory): below
+                                  ``Config.async_tp_overlap_min_tokens`` rows whole GEMMs around
+                                  one kernel that sums, norms and exchanges the rows over NVLink;
+                                  from there each GEMM split by the ranks' rows, the rows copied
+                                  on the copy engines while the GEMM halves run
+    ..., exchange / overlap only  each of those two paths at every sharded size (pw-atp-x, -o)
 
 Columns: decode of 8 and 64 sequences after ``--context`` cached tokens, prefill of 512 and 2048
 tokens; ``--decode`` and ``--prefill`` name others. Every column up to ``--max-capture`` tokens
@@ -71,7 +74,7 @@ from tp_model import shard  # noqa: E402
 
 AR_OP = "all_reduce_add_rms_norm"
 SP_OP = "sp_reduce_add_rms_norm"
-ATP_OPS = ("sp_linear_reduce_add_rms_norm", "sp_all_gather_linear")
+ATP_OPS = ("sp_linear_reduce_add_rms_norm_linear", "sp_linear_reduce_add_rms_norm", "sp_all_gather_linear")
 WARMUP = {"decode": (3, 50), "prefill": (2, 10)}  # (warm-up calls, timed steps): the same on every rank
 
 
@@ -87,6 +90,7 @@ class System:
     kinds: tuple[str, ...] = ("decode", "prefill")
     sequence_parallel: bool = False
     async_tp: bool = False
+    overlap: int | None = None  # Config.async_tp_overlap_min_tokens (None: its default)
 
 
 SYSTEMS = (
@@ -96,6 +100,12 @@ SYSTEMS = (
     System("pw-none", "piecewise, AR not fused (NCCL + add-norm)", "piecewise", collective=False),
     # SP + async TP before SP alone: the comparison with today's pw-fi first, in case --budget-s runs out
     System("pw-atp", "piecewise, SP + async TP", "piecewise", sequence_parallel=True, async_tp=True),
+    # the site op's two symm-mem paths at every sharded size: the exchange kernel between whole
+    # GEMMs, the GEMMs split by the ranks' rows (Config.async_tp_overlap_min_tokens)
+    System("pw-atp-x", "piecewise, SP + async TP, exchange only", "piecewise", sequence_parallel=True, async_tp=True,
+           overlap=1 << 30),
+    System("pw-atp-o", "piecewise, SP + async TP, overlap only", "piecewise", sequence_parallel=True, async_tp=True,
+           overlap=1),
     System("pw-sp", "piecewise, AR fused + sequence parallelism", "piecewise", sequence_parallel=True),
     System("full-fi", "full, AR fused: flashinfer", "full", kinds=("decode",)),
     System("full-nccl", "full, AR fused: NCCL", "full", f"{AR_OP}=torch", kinds=("decode",)),
@@ -204,6 +214,7 @@ def run_system(system: System, model: Any, cols: list[Scenario], batches: dict, 
         backend = fxrewrite.Backend(mode=system.mode, splitting_ops=SPLITTING_OPS, capture_sizes=capture,
                                     max_capture_size=max((512, *capture)), provider=system.provider,
                                     rules=rules(system.collective), progress=False, async_tp=system.async_tp,
+                                    **({} if system.overlap is None else {"async_tp_overlap_min_tokens": system.overlap}),
                                     sequence_parallel_min_tokens=sp_min_tokens if system.sequence_parallel else None)  # fmt: skip
         step = backend.compile(model)
     errors = []

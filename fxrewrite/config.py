@@ -91,6 +91,11 @@ class Config:
                      the GEMM after it fused with its reduce-scatter and all-gather (on CUDA
                      the rows go through symmetric memory on the copy engines while the GEMMs
                      run; ``rewrites/async_tp.py``, ``runtime/ops/async_tp.py``). Off by default.
+    async_tp_overlap_min_tokens: with ``async_tp``, where the GEMMs on both sides of a site
+                     fuse: from this many rows on, each GEMM splits by the ranks' rows so that
+                     the copies run under the GEMM halves; below it, whole GEMMs with one kernel
+                     between them that sums, norms and exchanges the rows over NVLink (the
+                     halves cost more than they hide: bench/RESULTS.md, issue 32).
     gemm_fusion:     in modes ``piecewise`` and ``full``: the decode GEMMs take in the small ops
                      around them (``rewrites/linear_fused.py``, ``linear_rotary.py``,
                      ``norm_hand_off.py``): RMSNorm as a prologue or the hand-off of the add-GEMM
@@ -146,6 +151,7 @@ class Config:
     max_positions: int = 32768
     sequence_parallel_min_tokens: int | None = None
     async_tp: bool = False
+    async_tp_overlap_min_tokens: int = 2048
     gemm_fusion: bool = False
     gemm_fusion_max_tokens: int | None = 16
     fp8_norm_prologue: bool = False
@@ -161,6 +167,8 @@ class Config:
             raise ValueError(f"sequence_parallel_min_tokens={self.sequence_parallel_min_tokens}: at least 1, or None (off)")
         if self.gemm_fusion_max_tokens is not None and self.gemm_fusion_max_tokens < 1:
             raise ValueError(f"gemm_fusion_max_tokens={self.gemm_fusion_max_tokens}: at least 1, or None (every size)")
+        if self.async_tp_overlap_min_tokens < 1:
+            raise ValueError(f"async_tp_overlap_min_tokens={self.async_tp_overlap_min_tokens}: at least 1")
         if self.async_tp and self.sequence_parallel_min_tokens is None:
             raise ValueError("async_tp fuses the collectives of sequence parallelism: set sequence_parallel_min_tokens too")
         strict = self.strict if self.strict is not None else env.get("FXREWRITE_STRICT", "0") not in ("", "0")

@@ -63,7 +63,8 @@ PIPELINE: tuple[Step, ...] = (
     RuleGroup("select_gemm", linear.RULES, modes=("piecewise", "full")),
     # the GEMMs on either side of each sequence-parallel site fused with its collectives
     # (Config.async_tp): after select_gemm, so that below the threshold the ops call the GEMMs it chose
-    GraphPass("async_tp", async_tp.fuse_async_tp, switch="async_tp", options=("capture_sizes", "mode")),
+    GraphPass("async_tp", async_tp.fuse_async_tp, switch="async_tp",
+              options=("capture_sizes", "mode", "async_tp_overlap_min_tokens")),
     # the cos/sin tables of the rotations fuse_rotary found, evaluated once (a no-op without them)
     GraphPass("fold_rotary", rotary_tables.fold_rotary_tables, options=("max_positions",)),
     # a folded rotation of q and k read straight from a qkv GEMM that took its norm -> that GEMM's

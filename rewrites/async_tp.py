@@ -10,7 +10,11 @@ its collectives (``Config.async_tp``, with ``Config.sequence_parallel_min_tokens
     %y   = fxr.linear_silu_and_mul(%out, %w_gu)
 
 i.e. reduce-scatter -> add + RMSNorm -> all-gather -> GEMM becomes GEMM + reduce-scatter -> add +
-RMSNorm -> all-gather + GEMM. A graph pass over the sites ``sequence_parallel`` made, run after
+RMSNorm -> all-gather + GEMM. Where both halves fuse (every site inside a Llama stack), the two
+ops are one, ``%y, %h1 = fxr.sp_linear_reduce_add_rms_norm_linear(%attn, %w_o, %h0, %w1, eps,
+%w_gu, True, 512, 2048, '0')``: from ``Config.async_tp_overlap_min_tokens`` rows on it runs the
+two ops' paths, below it whole GEMMs around one kernel that exchanges the rows (the GEMM halves
+cost more than they hide there). A graph pass over the sites ``sequence_parallel`` made, run after
 ``select_gemm`` (the GEMMs are then ``fxr.linear`` / ``fxr.linear_silu_and_mul``, ``aten.linear``
 in mode "none"), so that below the threshold the new ops call the very ops the graph called:
 decode steps run the kernels they ran before.
@@ -44,11 +48,13 @@ from fxrewrite.rewrites.sequence_parallel import SP, _pattern, _rows
 RULE = "async_tp"
 REDUCE = torch.ops.fxr.sp_linear_reduce_add_rms_norm.default
 GATHER = torch.ops.fxr.sp_all_gather_linear.default
+SITE = torch.ops.fxr.sp_linear_reduce_add_rms_norm_linear.default
 LINEARS = (torch.ops.aten.linear.default, torch.ops.fxr.linear.default)
 GATED = torch.ops.fxr.linear_silu_and_mul.default
 
 
-def fuse_async_tp(gm: fx.GraphModule, capture_sizes: Sequence[int] = (), mode: str = "none") -> PassResult:
+def fuse_async_tp(gm: fx.GraphModule, capture_sizes: Sequence[int] = (), mode: str = "none",
+                  async_tp_overlap_min_tokens: int = 2048) -> PassResult:  # fmt: skip
     """Move the GEMM before and the GEMM after each ``fxr.sp_reduce_add_rms_norm`` site into its
     collectives (module docstring)."""
     result = PassResult()
@@ -70,12 +76,31 @@ def fuse_async_tp(gm: fx.GraphModule, capture_sizes: Sequence[int] = (), mode: s
         n.args = (a, w, residual, weight, eps, min_tokens, consumer is None, group_name)
         if producer is not None:
             gm.graph.erase_node(producer)
-        if consumer is not None:
+        if producer is not None and consumer is not None:
+            _whole_site(gm, n, consumer, async_tp_overlap_min_tokens)
+            note += (f"; one op: whole GEMMs around one exchange kernel below {async_tp_overlap_min_tokens} rows, "
+                     f"each GEMM split by the ranks' rows from there")  # fmt: skip
+        elif consumer is not None:
             consumer.args = (consumer.args[0], consumer.args[1], min_tokens, consumer.target is GATED, group_name)
             consumer.target = GATHER
         result.sites.append(Site(RULE, n.name, meta.source_line(n), meta.module_path(n), note=note))
         result.matches += 1
     return result
+
+
+def _whole_site(gm: fx.GraphModule, n: fx.Node, consumer: fx.Node, overlap_min_tokens: int) -> None:
+    """``n`` (the reduce, its GEMM taken in) and the GEMM that alone reads its normed output ->
+    one ``fxr.sp_linear_reduce_add_rms_norm_linear``: its first output is that GEMM's."""
+    a, w, residual, weight, eps, min_tokens, _, group_name = n.args
+    out = next(u for u in n.users if u.target is operator.getitem and u.args[1] == 0)
+    n.target = SITE
+    n.args = (a, w, residual, weight, eps, consumer.args[1], consumer.target is GATED, min_tokens, overlap_min_tokens,
+              group_name)  # fmt: skip
+    consumer.replace_all_uses_with(out)
+    out.meta = dict(consumer.meta)
+    if "val" in n.meta:
+        n.meta["val"] = (consumer.meta.get("val"), n.meta["val"][1])
+    gm.graph.erase_node(consumer)
 
 
 def _producer(n: fx.Node) -> tuple[fx.Node | None, str]:

@@ -144,17 +144,19 @@ def row_offsets(rows, d1, d2, s0, s1, s2):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, slot_stride, d1, d2,
-                     xs0, xs1, xs2, rs0, rs1, rs2, os0, os1, os2,
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, slot_stride, slot_table, out_table,
+                     d1, d2, xs0, xs1, xs2, rs0, rs1, rs2, os0, os1, os2,
                      BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      CAST_LAST: tl.constexpr, OFFSET: tl.constexpr, HAS_WEIGHT: tl.constexpr = True,
                      ROUND_SCALE: tl.constexpr = False, MEAN: tl.constexpr = True,
-                     SLOTS: tl.constexpr = 1):  # fmt: skip
+                     SLOTS: tl.constexpr = 1, TABLES: tl.constexpr = False, OUTS: tl.constexpr = 1):  # fmt: skip
     """``ROWS`` rows per program, each at its own address (leading dims [d0, d1, d2] at any
     strides, the last dim contiguous): ``h = x.float()`` (``SLOTS`` > 1: the float32 sum of the
-    ``SLOTS`` partial rows ``slot_stride`` elements apart, not rounded; with ``HAS_RESIDUAL``:
-    ``s = (x + r)`` rounded to the dtype, written at ``sum`` (``r``'s strides: over ``r`` in
-    place), and ``h = s.float()``); ``h *= rsqrt(mean(h^2) +
+    ``SLOTS`` partial rows ``slot_stride`` elements apart, not rounded; with ``TABLES``: slot
+    ``k`` at ``slot_table[k]`` bytes from ``x``, and ``y`` below stored ``OUTS`` times, copy
+    ``k`` at ``out_table[k]`` bytes from ``out``: the peers' memory of a symmetric buffer); with
+    ``HAS_RESIDUAL``: ``s = (x + r)`` rounded to the dtype, written at ``sum`` (``r``'s strides:
+    over ``r`` in place), and ``h = s.float()``); ``h *= rsqrt(mean(h^2) +
     eps)`` (``sum`` for ``MEAN=False``: the L2 norm); ``y = (w + OFFSET) * h`` rounded once
     (``CAST_LAST``) or ``w * h.to(dtype)`` rounded again, as the spec rounds; without a weight
     ``h`` rounded; ``ROUND_SCALE``: ``x * rsqrt(..).to(dtype)`` in the dtype (then times ``w``);
@@ -164,9 +166,15 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, slot
     mask = (rows < n_rows)[:, None] & (cols < n)[None, :]
     dtype = x_ptr.dtype.element_ty
     x_off = row_offsets(rows, d1, d2, xs0, xs1, xs2)[:, None] + cols[None, :]
-    h = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
-    for slot in tl.static_range(1, SLOTS):
-        h += tl.load(x_ptr + slot * slot_stride + x_off, mask=mask, other=0.0).to(tl.float32)
+    if TABLES:
+        h = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+        for slot in tl.static_range(SLOTS):
+            h += tl.load(x_ptr + tl.load(slot_table + slot) // (dtype.primitive_bitwidth // 8) + x_off, mask=mask,
+                         other=0.0).to(tl.float32)  # fmt: skip
+    else:
+        h = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+        for slot in tl.static_range(1, SLOTS):
+            h += tl.load(x_ptr + slot * slot_stride + x_off, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r_off = row_offsets(rows, d1, d2, rs0, rs1, rs2)[:, None] + cols[None, :]
         total = (h + tl.load(r_ptr + r_off, mask=mask, other=0.0).to(tl.float32)).to(dtype)
@@ -189,7 +197,12 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, n, eps, slot
     else:
         y = h
     o_off = row_offsets(rows, d1, d2, os0, os1, os2)[:, None] + cols[None, :]
-    tl.store(out_ptr + o_off, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if TABLES:
+        for k in tl.static_range(OUTS):
+            step = out_ptr.dtype.element_ty.primitive_bitwidth // 8
+            tl.store(out_ptr + tl.load(out_table + k) // step + o_off, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + o_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -312,18 +325,23 @@ def rows_launch(width: int, *tensors: Tensor) -> tuple[tuple[int, ...], list[int
 
 def _norm_rows(x: Tensor, weight: Tensor | None, eps: float, out: Tensor, residual: Tensor | None,
                cast_last: bool, offset: float, round_scale: bool = False, mean: bool = True,
-               total: Tensor | None = None, slots: int = 1, slot_stride: int = 0) -> None:  # fmt: skip
+               total: Tensor | None = None, slots: int = 1, slot_stride: int = 0,
+               tables: tuple[Tensor, Tensor] | None = None) -> None:  # fmt: skip
     """Launch ``_rms_norm_kernel`` over ``x``'s rows (each tensor at its own strides; ``total``,
-    where the sum goes when not over ``residual``, at ``residual``'s)."""
+    where the sum goes when not over ``residual``, at ``residual``'s; ``tables``: the byte
+    offsets from ``x`` of the slots summed and from ``out`` of the copies stored, int64)."""
     n = x.shape[-1]
     r = residual if residual is not None else x
     assert total is None or total.stride() == r.stride(), "the sum is stored at the residual's strides"
     grid, layout, meta = rows_launch(n, x, r, out)
+    slot_table, out_table = tables if tables is not None else (x, x)
     with device_of(x):
         _rms_norm_kernel[grid](
             x, r, weight if weight is not None else x, out, r if total is None else total, x.numel() // n, n, eps,
-            slot_stride, *layout, HAS_RESIDUAL=residual is not None, CAST_LAST=cast_last, OFFSET=offset,
-            HAS_WEIGHT=weight is not None, ROUND_SCALE=round_scale, MEAN=mean, SLOTS=slots, **meta,
+            slot_stride, slot_table, out_table, *layout, HAS_RESIDUAL=residual is not None, CAST_LAST=cast_last,
+            OFFSET=offset, HAS_WEIGHT=weight is not None, ROUND_SCALE=round_scale, MEAN=mean,
+            SLOTS=slot_table.numel() if tables is not None else slots, TABLES=tables is not None,
+            OUTS=out_table.numel() if tables is not None else 1, **meta,
         )  # fmt: skip
 
 
@@ -391,6 +409,18 @@ def sum_add_rms_norm(partials: Tensor, residual: Tensor, weight: Tensor, eps: fl
     all-reduce kernels do not round it (a reduce-scatter on its own would)."""
     _norm_rows(partials[0], weight, eps, out, residual, False, 0.0, total=total, slots=partials.shape[0],
                slot_stride=partials.stride(0))  # fmt: skip
+
+
+def exchange_add_rms_norm(mine: Tensor, slot_table: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                          out: Tensor, out_table: Tensor, total: Tensor) -> None:  # fmt: skip
+    """Sequence parallelism's reduce-scatter, add + norm and all-gather in one pass over this
+    rank's rows, through memory every rank maps (``runtime/ops/async_tp.py``): ``mine`` ``[n, H]``
+    is those rows of this rank's partial product, and ``slot_table[k]`` the byte offset from it
+    of the same rows of rank ``k``'s (``0`` for this rank); ``total = their float32 sum +
+    residual``, rounded once; ``out = rms_norm(total, weight, eps)`` stored at ``out`` and
+    ``out_table[k]`` bytes from it (each rank's copy of these rows). ``residual``, ``out`` and
+    ``total`` ``[n, H]`` (``total`` at ``residual``'s strides)."""
+    _norm_rows(mine, weight, eps, out, residual, False, 0.0, total=total, tables=(slot_table, out_table))
 
 
 def silu_and_mul(x: Tensor) -> Tensor:

@@ -23,6 +23,11 @@ gathered from the rank that owns each (this rank's rows of ``x`` are all that is
 ``x`` is whole on every rank and the linear alone runs: a decode step runs the kernels it ran
 before the rewrite.
 
+``fxr.sp_linear_reduce_add_rms_norm_linear(a, w, residual, weight, eps, w_next, gated,
+min_tokens, overlap_min_tokens, group_name) -> (y, sum)``: both, for a site whose normed output
+only the next GEMM reads: ``out, sum = fxr.sp_linear_reduce_add_rms_norm(a, w, ..., gather=True)``
+and ``y = fxr.linear(out, w_next)`` (``gated``: ``fxr.linear_silu_and_mul``).
+
 Shapes are the unsharded model's (as the SP op's, for the same reasons: piecewise capture,
 padding, one graph for every token count); rows that are not a multiple of the group pad inside.
 
@@ -49,7 +54,23 @@ on a side stream (the copy engines: no SMs taken from the GEMMs) while its next 
 
 The first barrier of each keeps a rank from copying into a peer's buffer before that peer has
 read the call before's; the second, from reading its slots before every peer's copy has
-landed (each rank waits for its side stream first). ``triton_kernels.sum_add_rms_norm`` does
+landed (each rank waits for its side stream first). The site op runs the two back to back
+from ``overlap_min_tokens`` rows on ("symm-mem overlap"; the all-gather's first barrier
+skipped: the reduce's came after this rank's last read of its gathered rows). Below that, the
+split GEMMs cost more than the copies they hide (a 256-row half of a GEMM takes most of the
+whole one's time: a single wave either way), and the site exchanges its rows in one kernel
+between whole GEMMs ("symm-mem exchange")::
+
+    a @ w.T -> my partials (every row)
+    barrier
+    one kernel, my rows: sum of every rank's partials there (read over NVLink) + residual -> sum,
+        its RMSNorm -> my rows of every rank's gathered rows (stored over NVLink)
+    barrier
+    (my gathered rows: every row) @ w_next.T -> y
+
+Two barriers a site and no pre-barrier: each remote access to a buffer happens between the
+two barriers of a call, and every rank's local writes to its partials and reads of its
+gathered rows happen outside them. ``triton_kernels.sum_add_rms_norm`` does
 what the reduce-scatter's sum, the residual add and the norm did as three kernels. torch's
 ``symm_mem.fused_matmul_reduce_scatter`` / ``fused_all_gather_matmul`` do the same exchange with
 more steps: a stacked partials buffer summed by ``torch.sum`` after the peers' rows were pulled
@@ -213,9 +234,11 @@ def _gather_nccl(x: Tensor, w: Tensor, min_tokens: int, gated: bool, group_name:
     return _linear(full.view(x.shape), w, gated)
 
 
-def _gather_symm(x: Tensor, w: Tensor, min_tokens: int, gated: bool, group_name: str) -> Tensor:
+def _gather_symm(x: Tensor, w: Tensor, min_tokens: int, gated: bool, group_name: str, fresh: bool = False) -> Tensor:
     """This rank's rows copied into every other rank's gathered rows while its own rows' GEMM
-    runs; a barrier; then the GEMM of each other rank's rows, landed here (module docstring)."""
+    runs; a barrier; then the GEMM of each other rank's rows, landed here (module docstring).
+    ``fresh``: a barrier was passed since this rank's last read of its gathered rows (the site
+    op's reduce right before): the first barrier is skipped."""
     world, rank = group_size_and_rank(group_name)
     x2 = x.reshape(-1, x.shape[-1])
     rows, width = x2.shape
@@ -226,7 +249,8 @@ def _gather_symm(x: Tensor, w: Tensor, min_tokens: int, gated: bool, group_name:
         return memory.get_buffer(owner, (world, chunk, width), x.dtype)
 
     y = x.new_empty(rows, w.shape[0])
-    memory.barrier(channel=0)  # every rank has read its gathered rows of the call before
+    if not fresh:
+        memory.barrier(channel=0)  # every rank has read its gathered rows of the call before
     with _pushing() as push:
         for owner in _peers(rank, world):
             push(x2[lo:hi], slots(owner)[rank, : hi - lo])
@@ -237,6 +261,75 @@ def _gather_symm(x: Tensor, w: Tensor, min_tokens: int, gated: bool, group_name:
         torch.mm(slots(rank)[owner, : end - first], w.t(), out=y[first:end])
     y = torch.ops.fxr.silu_and_mul.default(y) if gated else y
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+# --------------------------------------------------------------------------- the whole site
+
+
+def sp_linear_reduce_add_rms_norm_linear_reference(
+    a: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float, w_next: Tensor, gated: bool,
+    min_tokens: int, overlap_min_tokens: int, group_name: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Returns ``(y, sum)``: ``out, sum = fxr.sp_linear_reduce_add_rms_norm(a, w, residual,
+    weight, eps, min_tokens, True, group_name)`` and ``y = fxr.linear(out, w_next)``
+    (``gated``: ``fxr.linear_silu_and_mul``): both ops of a site whose normed output only the
+    next GEMM reads, in one. ``overlap_min_tokens`` picks the symm-mem path (module docstring)."""
+    path = _site_nccl if sharded(_rows(a), min_tokens) else _site_local
+    return path(a, w, residual, weight, eps, w_next, gated, min_tokens, overlap_min_tokens, group_name)
+
+
+def _site_local(a: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float, w_next: Tensor, gated: bool,
+                min_tokens: int, overlap_min_tokens: int, group_name: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+    out, total = _reduce_all(a, w, residual, weight, eps, min_tokens, True, group_name)
+    return _linear(out, w_next, gated), total
+
+
+def _site_nccl(a: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float, w_next: Tensor, gated: bool,
+               min_tokens: int, overlap_min_tokens: int, group_name: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+    out, total = _reduce_nccl(a, w, residual, weight, eps, min_tokens, True, group_name)
+    return _linear(out, w_next, gated), total
+
+
+def _site_overlap(a: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float, w_next: Tensor, gated: bool,
+                  min_tokens: int, overlap_min_tokens: int, group_name: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The two ops' symm-mem paths back to back, the all-gather's first barrier skipped: the
+    reduce's barriers came after this rank's last read of its gathered rows."""
+    out, total = _reduce_symm(a, w, residual, weight, eps, min_tokens, False, group_name)
+    return _gather_symm(out, w_next, min_tokens, gated, group_name, fresh=True), total
+
+
+def _site_exchange(a: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float, w_next: Tensor, gated: bool,
+                   min_tokens: int, overlap_min_tokens: int, group_name: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Whole GEMMs, one kernel between them (module docstring): this rank's partial product of
+    every row into its own partials; a barrier; ``triton_kernels.exchange_add_rms_norm`` sums
+    this rank's rows of every rank's partials (read from the peers' memory), adds the residual,
+    normalizes, and stores the rows into every rank's gathered rows; a barrier; the next GEMM
+    of every row, read from this rank's gathered rows."""
+    world, rank = group_size_and_rank(group_name)
+    a2 = a.reshape(-1, a.shape[-1])
+    rows, hidden = a2.shape[0], w.shape[0]
+    chunk, lo, hi = split_rows(rows, group_name)
+    symm = _SYMM[group_name]
+    partial = symm.partials.get_buffer(rank, (chunk * world, hidden), a.dtype)
+    gathered = symm.gathered.get_buffer(rank, (chunk * world, hidden), a.dtype)
+    torch.mm(a2, w.t(), out=partial[:rows])
+    symm.partials.barrier(channel=0)  # every rank's partial product is whole
+    total = residual.new_empty(chunk * world, hidden)
+    mine = slice(rank * chunk, rank * chunk + hi - lo)
+    res = residual.reshape(rows, hidden)[lo:hi]
+    if hi > lo:
+        providers.library(TRITON_KERNELS).exchange_add_rms_norm(  # type: ignore[union-attr]
+            partial[lo:hi], symm.tables[0], res if res.stride() == (hidden, 1) else res.contiguous(), weight, eps,
+            gathered[mine], symm.tables[1], total[mine])  # fmt: skip
+    symm.gathered.barrier(channel=0)  # every rank's normed rows have landed here
+    y = _linear(gathered[:rows], w_next, gated)
+    return y.view(*a.shape[:-1], y.shape[-1]), total[:rows].view(residual.shape)
+
+
+def _fake_site(a: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float, w_next: Tensor, gated: bool,
+               min_tokens: int, overlap_min_tokens: int, group_name: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+    out, total = _fake_reduce(a, w, residual, weight, eps, min_tokens, True, group_name)
+    return _fake_gather(out, w_next, min_tokens, gated, group_name), total
 
 
 def _peers(rank: int, world: int) -> list[int]:
@@ -282,12 +375,14 @@ def _fake_gather(x: Tensor, w: Tensor, min_tokens: int, gated: bool, group_name:
 
 
 class Buffers(NamedTuple):
-    """A group's two symmetric-memory buffers (handles: ``get_buffer`` of any rank's, ``barrier``)
-    and their local tensors, kept alive as long as the handles."""
+    """A group's two symmetric-memory buffers (handles: ``get_buffer`` of any rank's, ``barrier``),
+    their local tensors, kept alive as long as the handles, and for each the byte offset of every
+    rank's buffer from this rank's (int64 on the device: the exchange kernel's tables)."""
 
     partials: Any
     gathered: Any
     memory: tuple[Tensor, Tensor]
+    tables: tuple[Tensor, Tensor]
 
 
 _WORKSPACES: dict[str, int | str] = {}  # group name -> bytes of each buffer, or why there are none
@@ -325,7 +420,8 @@ def _create(group_name: str, nbytes: int, device: torch.device) -> int | str:
                 warnings.simplefilter("ignore", FutureWarning)
                 sm.enable_symm_mem_for_group(group_name)
         memory = (sm.empty(size, dtype=torch.uint8, device=device), sm.empty(size, dtype=torch.uint8, device=device))
-        _SYMM[group_name] = Buffers(*(sm.rendezvous(t, group_name) for t in memory), memory)
+        handles = [sm.rendezvous(t, group_name) for t in memory]
+        _SYMM[group_name] = Buffers(*handles, memory, tuple(_offsets(h, group_name, device) for h in handles))
         made = size
     except Exception as e:  # noqa: BLE001 - reported as the refusal reason, never silent
         made = f"symmetric memory failed: {type(e).__name__}: {e}"
@@ -335,6 +431,13 @@ def _create(group_name: str, nbytes: int, device: torch.device) -> int | str:
         made = "symmetric memory failed on another rank"
     log.info("async TP, group %s: %s", group_name, made if isinstance(made, str) else f"2 buffers of {size >> 20} MiB")
     return made
+
+
+def _offsets(handle: Any, group_name: str, device: torch.device) -> Tensor:
+    """The byte offset of each rank's buffer of ``handle`` from this rank's, as this rank maps them."""
+    world, rank = group_size_and_rank(group_name)
+    base = [handle.get_buffer(r, (1,), torch.uint8).data_ptr() for r in range(world)]
+    return torch.tensor([b - base[rank] for b in base], dtype=torch.int64, device=device)
 
 
 def refusals() -> dict[str, dict[str, int]]:
@@ -384,24 +487,45 @@ def _gather_symm_check(x: Tensor, w: Tensor, min_tokens: int, gated: bool, group
     return _symm_check("sp_all_gather_linear", _rows(x), min_tokens, (x, w), x.shape[-1], group_name)
 
 
+def _site_check(overlap: bool, a: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float, w_next: Tensor,
+                gated: bool, min_tokens: int, overlap_min_tokens: int, group_name: str) -> str | None:  # fmt: skip
+    """The exchange path below ``overlap_min_tokens`` rows, the overlapping one from there (the
+    row count first: only the path a call's rows pick counts a refusal)."""
+    rows = _rows(a)
+    if (rows >= overlap_min_tokens) != overlap:
+        return f"{rows} rows {'<' if overlap else '>='} {overlap_min_tokens}"
+    op = "sp_linear_reduce_add_rms_norm_linear"
+    reason = _symm_check(op, rows, min_tokens, (a, residual, w_next, w), residual.shape[-1], group_name)
+    if reason is None and providers.library(TRITON_KERNELS) is None:
+        reason = _refused(op, "Triton is not importable (the exchange kernel)")
+    return reason
+
+
 def _path_check(want: bool, at: int, x: Tensor, *args: object) -> str | None:
     min_tokens, rows = args[at - 1], _rows(x)
     return None if sharded(rows, min_tokens) == want else f"{rows} rows {'<' if want else '>='} {min_tokens}"
 
 
-def _paths(at: int, symm: tuple, nccl: tuple, local: tuple) -> tuple[Kernel, ...]:
-    """The symm-mem kernel first, then the reference's two paths, labelled: each call meets one of
-    the last two's checks (``served()`` counts which); ``min_tokens`` is argument ``at``."""
+def _paths(at: int, nccl: tuple, local: tuple, *symm: tuple) -> tuple[Kernel, ...]:
+    """The symm-mem kernels (run, check, label) first, then the reference's two paths, labelled:
+    each call meets one of the last two's checks (``served()`` counts which); ``min_tokens`` is
+    argument ``at``."""
     P = functools.partial
-    return (Kernel("symm_mem", symm[0], symm[1], (8, 0), "symm-mem", SYMM_MEM),
+    return (*(Kernel("symm_mem", run, check, (8, 0), label, SYMM_MEM) for run, check, label in symm),
             Kernel("nccl", nccl[0], P(_path_check, True, at), label=nccl[1], module="torch.distributed"),
             Kernel("nccl", local[0], P(_path_check, False, at), label=local[1], module="torch.distributed"))  # fmt: skip
 
 
 DEFS: tuple[OpDef, ...] = (
     OpDef("sp_linear_reduce_add_rms_norm", sp_linear_reduce_add_rms_norm_reference, _fake_reduce,
-          _paths(5, (_reduce_symm, _reduce_symm_check), (_reduce_nccl, "reduce-scatter"), (_reduce_all, "all-reduce"))),
+          _paths(5, (_reduce_nccl, "reduce-scatter"), (_reduce_all, "all-reduce"),
+                 (_reduce_symm, _reduce_symm_check, "symm-mem"))),
     OpDef("sp_all_gather_linear", sp_all_gather_linear_reference, _fake_gather,
-          _paths(2, (_gather_symm, _gather_symm_check), (_gather_nccl, "all-gather"), (_gather_local, "linear"))),
+          _paths(2, (_gather_nccl, "all-gather"), (_gather_local, "linear"),
+                 (_gather_symm, _gather_symm_check, "symm-mem"))),
+    OpDef("sp_linear_reduce_add_rms_norm_linear", sp_linear_reduce_add_rms_norm_linear_reference, _fake_site,
+          _paths(7, (_site_nccl, "reduce-scatter"), (_site_local, "all-reduce"),
+                 (_site_exchange, functools.partial(_site_check, False), "symm-mem exchange"),
+                 (_site_overlap, functools.partial(_site_check, True), "symm-mem overlap"))),
 )  # fmt: skip
 OPS: tuple[str, ...] = providers.define_all(providers.collectives(DEFS))

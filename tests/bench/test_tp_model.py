@@ -29,6 +29,7 @@ SIZES = (4, 12)  # the steps' token counts: nothing padded (a padded row would w
 AR_OP = "all_reduce_add_rms_norm"
 SP_OP = "sp_reduce_add_rms_norm"
 REDUCE_OP, GATHER_OP = "sp_linear_reduce_add_rms_norm", "sp_all_gather_linear"  # async TP
+SITE_OP = "sp_linear_reduce_add_rms_norm_linear"  # async TP where both GEMMs move in
 NCCL = f"{AR_OP}=torch"  # the op's NCCL path (its reference), forced
 
 # name: (mode, provider override, with the collective rule[, sequence_parallel_min_tokens[, async_tp]]). On CPU
@@ -105,14 +106,14 @@ def tp_worker(rank: int, world: int, device: str, dtype: torch.dtype, cfg: Any, 
         counts = [op_counts(g) for g in backend.graphs]
         out[name] = {
             "errs": errs,
-            "fused": [c[f"fxr.{AR_OP}"] + c[f"fxr.{SP_OP}"] + c[f"fxr.{REDUCE_OP}"] for c in counts],
-            "sp": [c[f"fxr.{SP_OP}"] + c[f"fxr.{REDUCE_OP}"] for c in counts],
-            "atp": [(c[f"fxr.{REDUCE_OP}"], c[f"fxr.{GATHER_OP}"]) for c in counts],
+            "fused": [c[f"fxr.{AR_OP}"] + c[f"fxr.{SP_OP}"] + c[f"fxr.{REDUCE_OP}"] + c[f"fxr.{SITE_OP}"] for c in counts],
+            "sp": [c[f"fxr.{SP_OP}"] + c[f"fxr.{REDUCE_OP}"] + c[f"fxr.{SITE_OP}"] for c in counts],
+            "atp": [(c[f"fxr.{SITE_OP}"], c[f"fxr.{REDUCE_OP}"], c[f"fxr.{GATHER_OP}"]) for c in counts],
             "reduce_scatters": scatters,
             "all_reduce": [c["_c10d_functional.all_reduce"] for c in counts],
             "near_misses": [m.reason for m in backend.report.near_misses if m.rule in (AR_OP, "sequence_parallel", "async_tp")],
             "served": providers.served().get(AR_OP, {}),
-            "served_atp": {op: providers.served().get(op, {}) for op in (REDUCE_OP, GATHER_OP)},
+            "served_atp": {op: providers.served().get(op, {}) for op in (SITE_OP, REDUCE_OP, GATHER_OP)},
             "replays": sum((g.runtime or {}).get("replays", 0) for g in backend.report.graphs),
         }
     torch._dynamo.reset()
@@ -186,12 +187,12 @@ def test_tp2_equals_single_device_on_cpu(cpu_results: dict[str, list[dict[str, A
 
 
 def check_async_tp(results: list[dict[str, Any]], systems: dict, cfg: Any) -> None:
-    """Every site sharded with its GEMM before it (2 a layer); the GEMM after it too at every
-    site but the final norm's (its output is the graph's): 2 a layer less one."""
+    """Every site sharded with its GEMM before it (2 a layer); the GEMM after it too, both in one
+    op, at every site but the final norm's (its output is the graph's): 2 a layer less one."""
     layers = cfg.num_layers
     for res in results:
         for name in systems:
-            assert res[name]["atp"] == [(2 * layers, 2 * layers - 1)] * len(res[name]["atp"]), (name, res[name])
+            assert res[name]["atp"] == [(2 * layers - 1, 1, 0)] * len(res[name]["atp"]), (name, res[name])
 
 
 @pytest.mark.slow  # beside the test above: one worker computes the module's fixture (two ranks, ~50 s)
@@ -256,13 +257,14 @@ def run_sharded_on_two_gpus(systems: dict, served: str) -> list[dict[str, Any]]:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_async_tp_tp2_equals_single_device_on_two_gpus() -> None:
     """Two NCCL ranks, bf16: the async-TP ops inside captured pieces (piecewise) and one
-    whole-graph capture (full); the prefill's calls served by torch's symm-mem fused GEMM +
-    collective ops, the decode's by the fused all-reduce and the GEMMs alone."""
+    whole-graph capture (full); the prefill's calls served through symmetric memory (the site
+    op's exchange kernel between whole GEMMs; the final norm's reduce), the decode's by the
+    fused all-reduce and the GEMMs alone."""
     systems = {**ATP_SYSTEMS, "atp-full": ("full", "", True, SP_MIN, True)}
     results = run_sharded_on_two_gpus(systems, "served_atp")
     check_async_tp(results, systems, GPU_CFG)
     for res in results:
         for name in systems:
-            for op, below in ((REDUCE_OP, "all-reduce"), (GATHER_OP, "linear")):
+            for op, above in ((SITE_OP, "symm-mem exchange"), (REDUCE_OP, "symm-mem")):
                 served = res[name]["served_atp"][op]
-                assert served.get("symm-mem", 0) > 0 and served.get(below, 0) > 0 and not served["fallbacks"], (name, op, served)
+                assert served.get(above, 0) > 0 and served.get("all-reduce", 0) > 0 and not served["fallbacks"], (name, op, served)

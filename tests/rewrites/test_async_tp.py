@@ -24,6 +24,7 @@ from fxrewrite.config import Config
 from fxrewrite.testing import op_counts, run_ranks
 
 REDUCE, GATHER, SP, RULE = "sp_linear_reduce_add_rms_norm", "sp_all_gather_linear", "sp_reduce_add_rms_norm", "async_tp"
+SITE = "sp_linear_reduce_add_rms_norm_linear"
 OFF = 10**6  # a threshold no test call reaches: numerics through the all-reduce path
 HIDDEN, INNER = 64, 96
 
@@ -70,15 +71,19 @@ class TestInProcess:
 
     @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
     def test_both_gemms_move_into_the_first_site(self, dtype: torch.dtype) -> None:
-        """Site 1: ``o`` + reduce-scatter, ``up`` + all-gather; site 2 (its norm is the output):
-        ``down`` + reduce-scatter, then the all-gather it had. No linear left outside them."""
-        r = check(Block().to(dtype), *_inputs(dtype), expect={REDUCE: 2, GATHER: 1},
-                  sequence_parallel_min_tokens=OFF, async_tp=True)  # fmt: skip
+        """Site 1: ``o`` + reduce-scatter, ``up`` + all-gather, one op; site 2 (its norm is the
+        output): ``down`` + reduce-scatter, then the all-gather it had. No linear left outside."""
+        r = check(Block().to(dtype), *_inputs(dtype), expect={SITE: 1, REDUCE: 1},
+                  sequence_parallel_min_tokens=OFF, async_tp=True, async_tp_overlap_min_tokens=4096)  # fmt: skip
         assert r.counts()["aten.linear"] == 0, r.counts()
         first, second = (s.note for s in sites(r, RULE))
         assert first.startswith("`o` GEMM + reduce-scatter -> add + RMSNorm on 1/2 of the rows -> all-gather + `up` "
                                 "GEMM at >= 1000000 rows, fused all-reduce + add + RMSNorm below"), first  # fmt: skip
         assert f"hidden 64, {dtype}" in first and "rows s" in first, first
+        assert first.endswith("; one op: whole GEMMs around one exchange kernel below 4096 rows, each GEMM split by "
+                              "the ranks' rows from there"), first  # fmt: skip
+        site = next(n for n in r.graph.graph.nodes if n.target is torch.ops.fxr.sp_linear_reduce_add_rms_norm_linear.default)
+        assert "up" in site.args[5].name and site.args[6:9] == (False, OFF, 4096), site.args
         assert second.startswith("`down` GEMM + reduce-scatter -> add + RMSNorm on 1/2 of the rows -> all-gather "
                                  "(the normed output is a graph output) at"), second  # fmt: skip
         assert reasons(r, RULE) == []
@@ -95,10 +100,10 @@ class TestInProcess:
 
         model = Gated()
         model.down = torch.nn.Linear(INNER // 2, HIDDEN, bias=False)
-        r = check(model, *_inputs(tokens=3), expect={REDUCE: 2, GATHER: 1},
+        r = check(model, *_inputs(tokens=3), expect={SITE: 1, REDUCE: 1},
                   sequence_parallel_min_tokens=8, async_tp=True, mode="piecewise", capture_sizes=(1, 2, 4, 8, 16))  # fmt: skip
-        gather = next(n for n in r.graph.graph.nodes if n.target is torch.ops.fxr.sp_all_gather_linear.default)
-        assert gather.args[3] is True, gather.args
+        site = next(n for n in r.graph.graph.nodes if n.target is torch.ops.fxr.sp_linear_reduce_add_rms_norm_linear.default)
+        assert site.args[6] is True and site.args[8] == 2048, site.args  # gated, the default overlap threshold
         assert "capture sizes sharded: [8, 16], all-reduce: 3 smaller" in sites(r, RULE)[0].note
 
     def test_off_by_default_and_only_with_sequence_parallelism(self) -> None:
@@ -109,6 +114,8 @@ class TestInProcess:
         assert names.index("async_tp") == names.index("select_gemm") + 1, names
         with pytest.raises(ValueError, match="set sequence_parallel_min_tokens too"):
             Config(async_tp=True).resolved()
+        with pytest.raises(ValueError, match="async_tp_overlap_min_tokens=0: at least 1"):
+            Config(sequence_parallel_min_tokens=4, async_tp=True, async_tp_overlap_min_tokens=0).resolved()
 
     # -- negative twins: a half that cannot move keeps its collective ---------------------------
 
@@ -181,18 +188,19 @@ def tp_block_worker(rank: int, world: int) -> dict[str, Any]:
                     got = step(x.chunk(world, 1)[rank], residual)
                 errs.append(float((got - want).abs().max() / want.abs().max()))
             counts = [op_counts(g) for g in backend.graphs]
-            out[f"{twin}/{mode}"] = {"errs": errs, "counts": [{k: c[f"fxr.{k}"] for k in (REDUCE, GATHER, SP)} for c in counts]}
+            out[f"{twin}/{mode}"] = {"errs": errs,
+                                     "counts": [{k: c[f"fxr.{k}"] for k in (SITE, REDUCE, GATHER, SP)} for c in counts]}  # fmt: skip
     torch._dynamo.reset()
     return out
 
 
 def test_a_sharded_block_equals_the_full_one_on_two_ranks() -> None:
-    """Both halves moved (``o`` and ``up`` at the first site, ``down`` at the second), and each
+    """Both halves moved (``o`` and ``up`` at the first site, one op, ``down`` at the second), and each
     twin with its half left in place, equal the unsharded block at a sharded row count (7: 4 rows
     a rank, one padding) and one below the threshold (3), eagerly and in emulated pieces."""
     results = run_ranks(tp_block_worker, backend="gloo", timeout=300)
-    expect = {"": {REDUCE: 2, GATHER: 1, SP: 0}, "bias": {REDUCE: 2, GATHER: 0, SP: 0},
-              "scaled": {REDUCE: 2, GATHER: 1, SP: 0}}  # fmt: skip
+    expect = {"": {SITE: 1, REDUCE: 1, GATHER: 0, SP: 0}, "bias": {SITE: 0, REDUCE: 2, GATHER: 0, SP: 0},
+              "scaled": {SITE: 0, REDUCE: 2, GATHER: 1, SP: 0}}  # fmt: skip
     for rank, res in enumerate(results):
         for key, r in res.items():
             assert max(r["errs"]) < 1e-5, (rank, key, r)

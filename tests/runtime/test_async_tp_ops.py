@@ -22,6 +22,7 @@ from fxrewrite.runtime.ops.sequence_parallel import sharded
 from fxrewrite.testing import run_ranks
 
 REDUCE, GATHER = torch.ops.fxr.sp_linear_reduce_add_rms_norm.default, torch.ops.fxr.sp_all_gather_linear.default
+SITE = torch.ops.fxr.sp_linear_reduce_add_rms_norm_linear.default
 AR, LINEAR = torch.ops.fxr.all_reduce_add_rms_norm.default, torch.ops.fxr.linear.default
 GATED = torch.ops.fxr.linear_silu_and_mul.default
 EPS, K, H, N = 1e-6, 32, 64, 48
@@ -75,6 +76,9 @@ def ops_worker(rank: int, world: int, device: str = "cpu", dtypes: tuple = (torc
             x = _poisoned(res["reduce/False"][0], _mine(rows, rank, world, min_tokens))
             res["gather"] = GATHER(x, t["w2"], min_tokens, False, group)
             res["gather/gated"] = GATHER(x, t["w2g"], min_tokens, True, group)
+            for gated, w2 in ((False, t["w2"]), (True, t["w2g"])):
+                res[f"site/{gated}"] = SITE(t["a"], t["w"], t["residual"], t["weight"], EPS, w2, gated, min_tokens,
+                                            2048, group)  # fmt: skip
             out[f"{tuple(shape)}/{min_tokens}/{dtype}"] = (rows, min_tokens, res)
     return out
 
@@ -98,12 +102,17 @@ def check_ops(results: list[dict[str, Any]], world: int = 2, tol: dict | None = 
             for name, want in (("gather", r["ref_linear"]), ("gather/gated", r["ref_gated"])):
                 assert r[name].shape == want.shape, (key, name)
                 close(r[name], want, name)
+            for name, want in (("site/False", r["ref_linear"]), ("site/True", r["ref_gated"])):
+                y, total = r[name]
+                assert y.shape == want.shape and total.shape == r["ref"][1].shape, (key, name)
+                close(y, want, f"{name} y")
+                close(total.reshape(rows, -1)[mine], ref_sum[mine], f"{name} sum")
 
 
 def test_the_ops_equal_what_they_fuse_on_two_ranks() -> None:
     """gloo, float32 and bf16: every rank's outputs equal the unfused ops' (``sum``, and ``out``
     without the gather, in this rank's rows where the call shards), the all-gather's inputs
-    NaN outside this rank's rows."""
+    NaN outside this rank's rows; the site op's ``y`` on every row."""
     check_ops(run_ranks(ops_worker, backend="gloo", timeout=120))
 
 
@@ -125,12 +134,20 @@ def test_fake_impls_keep_the_unsharded_shapes(fake_group: str) -> None:
                 assert out.shape == total.shape == (7, H)
             assert GATHER(r, torch.empty(N, H), min_tokens, False, fake_group).shape == (7, N)
             assert GATHER(r, torch.empty(2 * N, H), min_tokens, True, fake_group).shape == (7, N)
+            for gated, n in ((False, N), (True, 2 * N)):
+                y, total = SITE(a, w, r, v, EPS, torch.empty(n, H), gated, min_tokens, 2048, fake_group)
+                assert y.shape == (7, N) and total.shape == (7, H)
 
 
 def test_below_the_threshold_no_symm_mem_path_is_asked_for(fake_group: str) -> None:
     """The symm-mem kernels' checks: a call below the threshold is not theirs (not a refusal)."""
     x, w = torch.empty(3, H), torch.empty(N, H)
     assert async_tp._gather_symm_check(x, w, 4, False, fake_group) == "3 rows < 4"
+    # the site op's two symm-mem paths: its rows pick one before anything else is asked
+    a, v = torch.empty(4096, K), torch.empty(H)
+    site_args = (torch.empty(H, K), torch.empty(4096, H), v, EPS, w, False, 512, 2048, fake_group)
+    assert async_tp._site_check(False, a, *site_args) == "4096 rows >= 2048"
+    assert async_tp._site_check(True, a[:3], *site_args) == "3 rows < 2048"
     assert async_tp.refusals() == {}
 
 
@@ -179,6 +196,11 @@ def gpu_worker(rank: int, world: int) -> dict[str, Any]:
         o, s = reduce(a, w, res, v, EPS, min_tokens, False, group)
         return o, s, gather(o, w2, min_tokens, False, group)
 
+    def site(a: torch.Tensor, w: torch.Tensor, res: torch.Tensor, v: torch.Tensor, w2: torch.Tensor,
+             min_tokens: int, overlap: int, ref: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        op = async_tp.sp_linear_reduce_add_rms_norm_linear_reference if ref else SITE
+        return op(a, w, res, v, EPS, w2, False, min_tokens, overlap, group)
+
     def rel(got: torch.Tensor, want: torch.Tensor) -> float:
         return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
@@ -199,18 +221,41 @@ def gpu_worker(rank: int, world: int) -> dict[str, Any]:
             for a, w, res, v, _ in chain]  # fmt: skip
     mine = _mine(1024, rank, world, 512)
     out["chain"] = max(rel(g[k][mine], r[k][mine]) for g, r in zip(got, want) for k in (0, 1))
-    static = inputs(4096, 1)
+    # the site op: each path by its rows, then back to back with the two ops between (the
+    # exchange has no first barrier: the calls around it must leave its buffers free)
+    for rows, min_tokens in GPU_CASES:
+        for overlap in (2048, 10**9):
+            providers.reset_counts()
+            a, w, res, v, w2 = inputs(rows, rows)
+            got, want = site(a, w, res, v, w2, min_tokens, overlap), site(a, w, res, v, w2, min_tokens, overlap, ref=True)
+            mine = _mine(rows, rank, world, min_tokens)
+            out[f"site/{rows}/{min_tokens}/{overlap}"] = {
+                "sum": rel(got[1][mine], want[1][mine]), "y": rel(got[0], want[0]),
+                "served": providers.served().get("sp_linear_reduce_add_rms_norm_linear", {})}  # fmt: skip
+    mixed = [inputs(1024, 20 + i) for i in range(4)]
+    got, want, mine = [], [], _mine(1024, rank, world, 512)
+    for i, (a, w, res, v, w2) in enumerate(mixed):
+        if i == 2:  # the two ops' symm-mem paths between the exchanges
+            got.append(step(a, w, res, v, w2, 512)[1:])
+            want.append(step(a, w, res, v, w2, 512, ref=True)[1:])
+        else:
+            got.append(site(a, w, res, v, w2, 512, 2048 if i < 3 else 512)[::-1])
+            want.append(site(a, w, res, v, w2, 512, 2048, ref=True)[::-1])
+    out["mixed"] = max(max(rel(g[0][mine], r[0][mine]), rel(g[1], r[1])) for g, r in zip(got, want))
+    static, small = inputs(4096, 1), inputs(1024, 3)
     eager = step(*static, 512)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step(*static, 512)
-    for t, new in zip(static, inputs(4096, 2)):
+        captured_site = site(*small, 512, 2048)
+    for t, new in zip([*static, *small], [*inputs(4096, 2), *inputs(1024, 4)]):
         t.copy_(new)
     graph.replay()
-    again = step(*static, 512)
-    mine = _mine(4096, rank, world, 512)
+    again, again_site = step(*static, 512), site(*small, 512, 2048)
+    mine, mine_small = _mine(4096, rank, world, 512), _mine(1024, rank, world, 512)
     out["graph"] = {"y": rel(captured[2], again[2]), "sum": rel(captured[1][mine], again[1][mine]),
-                    "changed": rel(eager[2], again[2])}  # fmt: skip
+                    "changed": rel(eager[2], again[2]), "site y": rel(captured_site[0], again_site[0]),
+                    "site sum": rel(captured_site[1][mine_small], again_site[1][mine_small])}  # fmt: skip
     out["refusals"] = async_tp.refusals()
     torch.cuda.synchronize()
     return out
@@ -220,16 +265,24 @@ def gpu_worker(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_symm_mem_paths_on_two_gpus() -> None:
     """bf16: the fused GEMM + collective paths within a rounding of the NCCL reference; each call
-    served by the path its rows pick (symm-mem from 512 rows, none refused); three reductions
-    back to back each right; a CUDA graph of both ops replays to what eager calls give on the
-    same inputs."""
+    served by the path its rows pick (symm-mem from 512 rows, none refused; the site op's
+    exchange below its overlap threshold, its overlap from there); three reductions back to
+    back each right, and site ops with the two ops between them; a CUDA graph of both ops and
+    of a site op replays to what eager calls give on the same inputs."""
     results = run_ranks(gpu_worker, backend="nccl", timeout=300)
     for rank, res in enumerate(results):
         print(f"rank {rank}: refusals {res['refusals']}; graph {res['graph']}")
         assert res["refusals"] == {}, res["refusals"]
-        assert res["graph"]["y"] < 2e-2 and res["graph"]["sum"] < 2e-2 and res["graph"]["changed"] > 0.1, res["graph"]
-        assert res["chain"] < 2e-2, res["chain"]
-        for case, r in ((k, v) for k, v in res.items() if "/" in k):
+        g = res["graph"]
+        assert max(g["y"], g["sum"], g["site y"], g["site sum"]) < 2e-2 and g["changed"] > 0.1, g
+        assert res["chain"] < 2e-2 and res["mixed"] < 2e-2, (res["chain"], res["mixed"])
+        for case, r in ((k, v) for k, v in res.items() if k.startswith("site/")):
+            print(f"rank {rank} {case}: {r}")
+            assert r["sum"] < 2e-2 and r["y"] < 2e-2, (rank, case, r)
+            rows, min_tokens, overlap = map(int, case.split("/")[1:])
+            label = "all-reduce" if rows < min_tokens else f"symm-mem {'overlap' if rows >= overlap else 'exchange'}"
+            assert r["served"].get(label) == 1 and not r["served"]["fallbacks"], (case, r["served"])
+        for case, r in ((k, v) for k, v in res.items() if "/" in k and not k.startswith("site/")):
             print(f"rank {rank} {case}: {r}")
             assert r["sum"] < 2e-2 and r["y"] < 2e-2, (rank, case, r)
             rows, min_tokens = map(int, case.split("/"))

@@ -217,6 +217,33 @@ def test_partials_summed_added_and_normed(triton_kernels: types.ModuleType, gen:
     assert not torch.equal((rounded.float() + r.float()).to(r.dtype), want_total)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_rows_summed_from_every_rank_and_stored_to_every_rank(triton_kernels: types.ModuleType, gen: torch.Generator,
+                                                              world: int) -> None:  # fmt: skip
+    """The exchange of the async-TP site (``exchange_add_rms_norm``): one allocation per rank
+    stands for each rank's symmetric memory; this rank's rows of each rank's partial product are
+    read at their byte offsets from this rank's and summed with the residual in float32, rounded
+    once, normed, and the result stored into every rank's copy of these rows (the other rows of
+    each copy untouched); the residual stays as it was."""
+    chunk, n, lo = 6, 5, 3
+    partials = [rand(gen, world * chunk, 64) for _ in range(world)]  # rank k's partial product
+    gathered = [torch.full((world * chunk, 64), float("nan"), dtype=torch.bfloat16) for _ in range(world)]
+    me, r, w = 1, rand(gen, n, 64), rand(gen, 64)
+    keep = r.clone()
+
+    def table(bufs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.tensor([b.data_ptr() - bufs[me].data_ptr() for b in bufs], dtype=torch.int64)
+
+    total = torch.full_like(r, float("nan"))
+    triton_kernels.exchange_add_rms_norm(partials[me][lo : lo + n], table(partials), r, w, EPS,
+                                         gathered[me][lo : lo + n], table(gathered), total)  # fmt: skip
+    want_total = (sum(p[lo : lo + n].float() for p in partials) + r.float()).to(r.dtype)
+    want_out = norm.rms_norm_reference(want_total, w, EPS)
+    assert_same_bytes((total, r, *(g[lo : lo + n] for g in gathered)), (want_total, keep, *[want_out] * world))
+    for g in gathered:
+        assert g[:lo].isnan().all() and g[lo + n :].isnan().all()
+
+
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("cast_last", [False, True], ids=["round-then-scale", "scale-then-round"])
 @pytest.mark.parametrize("activation", ["silu", "sigmoid"])
