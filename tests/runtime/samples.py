@@ -56,6 +56,8 @@ def op_args(op: OpDef, shape: tuple[int, ...], gen: torch.Generator, dtype: torc
         # async TP (its GEMMs are "w", [hidden, hidden]): the all-gather's two forms, the plain linear
         "gather": lambda: True,
         "gated": lambda: False,
+        "w_next": lambda: rand(gen, shape[-1], shape[-1], dtype=dtype) * shape[-1] ** -0.5,
+        "overlap_min_tokens": lambda: 2048,
         # the norm GEMMs' hand-off: none (their own squares; the hand-off: test_linear_fused_ops.py)
         "parts": lambda: None,
     }
