@@ -278,16 +278,19 @@ def sp_linear_reduce_add_rms_norm_linear_reference(
     return path(a, w, residual, weight, eps, w_next, gated, min_tokens, overlap_min_tokens, group_name)
 
 
-def _site_local(a: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float, w_next: Tensor, gated: bool,
-                min_tokens: int, overlap_min_tokens: int, group_name: str) -> tuple[Tensor, Tensor]:  # fmt: skip
-    out, total = _reduce_all(a, w, residual, weight, eps, min_tokens, True, group_name)
-    return _linear(out, w_next, gated), total
+def _then_linear(reduce: Callable[..., tuple[Tensor, Tensor]]) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The site op's path that runs ``reduce`` (a path of ``fxr.sp_linear_reduce_add_rms_norm``,
+    gathering) and then the next GEMM."""
+
+    def site(a: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float, w_next: Tensor, gated: bool,
+             min_tokens: int, overlap_min_tokens: int, group_name: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+        out, total = reduce(a, w, residual, weight, eps, min_tokens, True, group_name)
+        return _linear(out, w_next, gated), total
+
+    return site
 
 
-def _site_nccl(a: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float, w_next: Tensor, gated: bool,
-               min_tokens: int, overlap_min_tokens: int, group_name: str) -> tuple[Tensor, Tensor]:  # fmt: skip
-    out, total = _reduce_nccl(a, w, residual, weight, eps, min_tokens, True, group_name)
-    return _linear(out, w_next, gated), total
+_site_local, _site_nccl = _then_linear(_reduce_all), _then_linear(_reduce_nccl)
 
 
 def _site_overlap(a: Tensor, w: Tensor, residual: Tensor, weight: Tensor, eps: float, w_next: Tensor, gated: bool,
