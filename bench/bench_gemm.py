@@ -45,7 +45,7 @@ from fxrewrite.runtime import providers  # noqa: E402
 from fxrewrite.runtime.ops import linear as linear_ops  # noqa: E402
 
 LAYERS = 32
-SWEEP = list(itertools.product((16, 32, 64), (128, 256, 512), ((4, 3), (4, 4), (8, 3))))
+SWEEP = list(itertools.product((16, 32, 64, 128), (64, 128, 256, 512), ((4, 3), (4, 4), (8, 3))))
 
 
 def projections() -> dict[str, tuple[int, int]]:
@@ -267,7 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             best = min(group, key=lambda s: s[3])
             sms = kernels._sms(torch.device("cuda", 0))
             n = shapes[name.split(",")[0]][0]
-            chosen = kernels.gated_config(n // 2, sms) if name.endswith("gated") else kernels.skinny_config(n, sms)
+            tile = kernels.row_tile(rows)
+            chosen = (kernels.gated_config(n // 2, sms, tile) if name.endswith("gated")
+                      else kernels.skinny_config(n, sms, tile))  # fmt: skip
             default = next((s[3] for s in group if s[2] == chosen), float("nan"))
             lines.append(f"| {rows} | {name} | {best[2]} | {best[3]:.3f} | {best[3] / best[4]:.3f} | {default:.3f} |")
         lines += ["", "All configurations (ms):", ""]

@@ -1,8 +1,9 @@
 """The decode-size GEMM of the ``triton`` provider, and what it fuses into its prologue and epilogue.
 
-At decode sizes (at most ``SKINNY_ROWS`` rows) a linear reads its whole weight to produce a few
-rows: one launch that streams the weight once is the floor, and the small ops around it cost
-launches and round trips through memory, not arithmetic. ``_skinny_linear_kernel`` gives each
+At decode sizes (at most ``TALL_ROWS`` rows; ``SKINNY_ROWS`` with a fusion beyond SiLU-and-mul)
+a linear reads its whole weight to produce a few rows: one launch that streams the weight once
+is the floor, and the small ops around it cost launches and round trips through memory, not
+arithmetic. ``_skinny_linear_kernel`` gives each
 program ``BN`` output columns and walks the whole k dimension for every row, so a program sees
 whole rows of ``x``: what a row-wise op before the GEMM needs, and each output element once at
 the end: what an elementwise op after it needs. Its constexpr switches:
@@ -49,7 +50,8 @@ the SiLU and the product are each rounded to the dtype as ``silu_and_mul(linear(
 them). With ``NORM`` the A tile is ``x * g`` rounded to the dtype (the spec rounds ``x * r``,
 then ``g * that``: one rounding where it has two, the per-row scale exact in float32); with
 ``RESIDUAL`` the sum is rounded once (the spec rounds the product, then the sum; cuBLAS's
-``addmm``, above 16 rows, rounds once too). Launches are built ahead of their first call
+``addmm``, above 16 rows, rounds once too). ``ROWS`` rows make one tile (:func:`row_tile`: 16, 32
+or 64; each has its launch configurations, :func:`skinny_config`). Launches are built ahead of their first call
 (:func:`prepare`).
 
 Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (the tests use float16: the
@@ -80,16 +82,17 @@ SKINNY_ROWS: tl.constexpr = tl.constexpr(linear_ops.SKINNY_ROWS)
 PART: tl.constexpr = tl.constexpr(linear_ops.PART)
 
 
-@triton.jit(do_not_specialize=["rows", "eps"])  # one build per launch configuration serves 1 to 16 rows
+@triton.jit(do_not_specialize=["rows", "eps"])  # one build per launch configuration serves a tile's row counts
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_ptr, sg_ptr, parts_ptr, sa_ptr,
                           sb_ptr, qs_ptr, rows, n, k, x_stride, w_stride, y_stride, r_stride, eps, rotated, parts_n,
                           BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                           GATED: tl.constexpr, NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, RESIDUAL: tl.constexpr,
                           HALF: tl.constexpr = 0, HAND_OFF: tl.constexpr = False, PARTS: tl.constexpr = 0,
                           PDL: tl.constexpr = False, FP8: tl.constexpr = False, OUT_QUANT: tl.constexpr = False,
-                          ROUND: tl.constexpr = None, QUANT_A: tl.constexpr = False):  # fmt: skip
+                          ROUND: tl.constexpr = None, QUANT_A: tl.constexpr = False,
+                          ROWS: tl.constexpr = SKINNY_ROWS):  # fmt: skip
     """Program p: ``y[:, p*BN : (p+1)*BN] = x @ w[p*BN : (p+1)*BN].T (+ bias)`` for all (at most
-    16) rows at once, walking k in blocks of ``BK``: every weight element is read once.
+    ``ROWS``) rows at once, walking k in blocks of ``BK``: every weight element is read once.
 
     ``GATED``: ``w`` holds 2n rows, gate then up; the program also computes the up columns and
     stores ``silu(gate) * up``. ``NORM``: ``x`` is RMS-normalized first (with ``NORM_WEIGHT``,
@@ -118,15 +121,15 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
         cols = first + tl.arange(0, BN)
     else:
         cols = pid * BN + tl.arange(0, BN)
-    r = tl.arange(0, SKINNY_ROWS)
-    acc = tl.zeros([SKINNY_ROWS, BN], tl.float32)
+    r = tl.arange(0, ROWS)
+    acc = tl.zeros([ROWS, BN], tl.float32)
     if GATED or HALF > 0:  # a second block of columns: the up half, or the rotation's partners
-        acc_up = tl.zeros([SKINNY_ROWS, BN], tl.float32)
+        acc_up = tl.zeros([ROWS, BN], tl.float32)
         partner = n + cols if GATED else cols + HALF
     if PDL:  # before any read: the kernel before may still be writing
         tl.extra.cuda.gdc_wait()
     if NORM and PARTS == 0:
-        squares = tl.zeros([SKINNY_ROWS], tl.float32)
+        squares = tl.zeros([ROWS], tl.float32)
     if QUANT_A:  # the norm's per-row scale first: each A tile is quantized as it is loaded
         slots = tl.arange(0, PARTS)
         squares = tl.sum(tl.load(parts_ptr + r[:, None] * parts_n + slots[None, :],
@@ -209,7 +212,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, pos_ptr, cs_
         s = tl.where(mask, acc.to(dtype).to(tl.float32), 0.0)
         g = tl.load(g_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
         tl.store(sg_ptr + r[:, None] * n + cols[None, :], (s * g[None, :]).to(dtype), mask=mask)
-        squares = tl.sum(tl.reshape(s * s, [SKINNY_ROWS, BN // PART, PART]), axis=2)
+        squares = tl.sum(tl.reshape(s * s, [ROWS, BN // PART, PART]), axis=2)
         slot = pid * (BN // PART) + tl.arange(0, BN // PART)
         tl.store(parts_ptr + r[:, None] * parts_n + slot[None, :], squares,
                  mask=(r < rows)[:, None] & (slot < parts_n)[None, :])
@@ -283,26 +286,41 @@ def scale_rows(x: Tensor, parts: Tensor, eps: float) -> Tensor:
 # --------------------------------------------------------------------------- launch configuration
 
 
-def skinny_config(n: int, sms: int) -> tuple[int, int, int, int]:
+def row_tile(rows: int) -> int:
+    """Rows of the kernel's tile for ``rows`` rows: 16, 32 or 64."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def skinny_config(n: int, sms: int, tile: int = linear_ops.SKINNY_ROWS) -> tuple[int, int, int, int]:
     """(BN output columns per program, BK, warps, stages) for a weight of ``n`` rows on a device
-    of ``sms`` SMs. Where ``BN`` = 32 or 64 columns give at most one program per SM, the
-    smallest such ``BN`` in one wave, with deep k blocks; else many small programs, several per
-    SM. Set from ``bench/bench_gemm.py --sweep`` on the 8B layer's four weights (bench/RESULTS.md)."""
+    of ``sms`` SMs, ``tile`` rows at once (:func:`row_tile`). Where ``BN`` = 32 or 64 columns
+    give at most one program per SM, the smallest such ``BN`` in one wave, with deep k blocks;
+    else many small programs, several per SM. Taller tiles take k blocks of 256 (4 stages where
+    they fit 192 KB of shared memory) or, with many programs, blocks of 128 columns (each
+    program reads the rows of x again: fewer programs read less). Set from ``bench/bench_gemm.py
+    --sweep`` on the 8B layer's four weights at 1-16, 32 and 64 rows (bench/RESULTS.md)."""
+    tall = tile > linear_ops.SKINNY_ROWS
     for bn, bk in ((32, 512), (64, 256)):
         if triton.cdiv(n, bn) <= sms:
-            return bn, bk, 4, 4
-    return 32, 128, 4, 3
+            return (bn, 256, 4, _stages(tile, bn, 256)) if tall else (bn, bk, 4, 4)
+    return (128, 128, 4, 3) if tall else (32, 128, 4, 3)
 
 
-def gated_config(n: int, sms: int) -> tuple[int, int, int, int]:
+def gated_config(n: int, sms: int, tile: int = linear_ops.SKINNY_ROWS) -> tuple[int, int, int, int]:
     """The same for ``linear_silu_and_mul`` with ``n`` output columns (2n weight rows): a program
     streams ``BN`` gate and ``BN`` up rows, so in one wave ``BK`` is halved (a stage holds what
-    the plain kernel's holds); with many programs, (32, 256, 4, 3), the best on the 8B gate_up
-    weight in the H100 sweep (bench/RESULTS.md)."""
+    the plain kernel's holds); with many programs, (32, 256, 4, 3) at 16 rows and (64, 128, 4,
+    3) in taller tiles, the best on the 8B gate_up weight in the H100 sweeps (bench/RESULTS.md)."""
+    tall = tile > linear_ops.SKINNY_ROWS
     for bn, bk in ((32, 256), (64, 128)):
         if triton.cdiv(n, bn) <= sms:
-            return bn, bk, 4, 4
-    return 32, 256, 4, 3
+            return (bn, 128, 4, _stages(tile, 2 * bn, 128)) if tall else (bn, bk, 4, 4)
+    return (64, 128, 4, 3) if tall else (32, 256, 4, 3)
+
+
+def _stages(tile: int, bn: int, bk: int) -> int:
+    """4 stages where the x tile and ``bn`` weight rows of ``bk`` bf16 values fit 192 KB four times, else 3."""
+    return 4 if 4 * (tile + bn) * bk * 2 <= 192 << 10 else 3
 
 
 @functools.cache
@@ -408,8 +426,9 @@ def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion,
     x_stride = rows.stride(0) if rows.stride(-1) == 1 else k  # the launcher makes them contiguous
     r_stride = _rows(f.residual, n).stride(0) if f.residual is not None else n
     paired = f.gated or f.half > 0  # programs of two column blocks (gate and up, rotation pairs)
-    bn, bk, warps, stages = config or (gated_config(n // (1 if f.gated else 2), _sms(x.device)) if paired
-                                       else skinny_config(n, _sms(x.device)))  # fmt: skip
+    tile = row_tile(rows.shape[0])
+    bn, bk, warps, stages = config or (gated_config(n // (1 if f.gated else 2), _sms(x.device), tile) if paired
+                                       else skinny_config(n, _sms(x.device), tile))  # fmt: skip
     if f.scales is not None and not f.quant_input and config is None and k % (2 * bk) == 0:
         bk *= 2  # FP8: half the bytes a row, the same bytes a k step (x quantized here is still bf16)
     if f.half:
@@ -430,6 +449,8 @@ def _plan(x: Tensor, weight: Tensor, bias: Tensor | None, f: Fusion,
         meta.update(OUT_QUANT=True, ROUND=_TL_DTYPES[f.out_dtype or x.dtype])
     if launch_pdl(x.device):
         meta.update(PDL=True, launch_pdl=True)
+    if tile != linear_ops.SKINNY_ROWS:
+        meta["ROWS"] = tile
     grid = n // (2 * bn) if f.half else triton.cdiv(n, bn)
     return _Launch(n, k, x_stride, r_stride if f.inplace else n, r_stride, grid, parts_n, meta)
 

@@ -3,15 +3,15 @@
 At decode sizes a linear reads its whole weight to produce a few rows: the step's time is the
 weight's bytes over the memory bandwidth, and what counts is how close a kernel comes to it.
 cuBLAS picks split-K kernels there, two launches for some shapes, and reads the 8B-shaped
-Llama's weights at 1.14x the copy floor at 8 rows on the H100 (bench/RESULTS.md, eighth run). Up to ``SKINNY_ROWS`` rows the
-``triton`` provider streams the weight once in one launch; above, cuBLAS serves (the label
-``cublas``: torch's own GEMM, not a fallback).
+Llama's weights at 1.14x the copy floor at 8 rows on the H100 (bench/RESULTS.md, eighth run). Up to ``TALL_ROWS`` rows the
+``triton`` provider streams the weight once in one launch (tiles of 16, 32 or 64 rows); above,
+cuBLAS serves (the label ``cublas``: torch's own GEMM, not a fallback).
 
     # before (nn.Linear, F.linear, merged projections)     # after
     y = aten.linear(x, w, b)                                y = torch.ops.fxr.linear(x, w, b)
 
 ``fxr::linear_silu_and_mul(x, w, bias=None)`` is ``silu_and_mul(linear(x, w, bias))``: an MLP's
-merged gate and up projection ([2d, k] weight) with its activation. Up to ``SKINNY_ROWS`` rows
+merged gate and up projection ([2d, k] weight) with its activation. Up to ``TALL_ROWS`` rows
 the Triton kernel applies SiLU-and-mul before it stores, one launch instead of two; above,
 cuBLAS and then ``fxr.silu_and_mul`` (whichever library serves it).
 
@@ -42,7 +42,10 @@ from fxrewrite.runtime.ops.quant import silu_and_mul_quant_fp8_reference
 from fxrewrite.runtime.providers import Kernel, OpDef
 
 SKINNY_ROWS = 16
-"""Most rows the Triton kernel takes (one tile of ``tl.dot``); more go to cuBLAS."""
+"""Most rows the Triton kernel takes with a fusion around its GEMM (one tile of ``tl.dot``)."""
+
+TALL_ROWS = 64
+"""Most rows the plain and gated Triton GEMMs take (tiles of 16, 32 or 64 rows); more go to cuBLAS."""
 
 PART = 32
 """Columns per slot of a norm hand-off's sums of squares (``fxr.linear_add_rms_parts``): the
@@ -155,9 +158,9 @@ def _linear_silu_and_mul_fake(x: Tensor, w: Tensor, bias: Tensor | None = None) 
     return x.new_empty((*x.shape[:-1], gate_up_rows(w)))
 
 
-def skinny_check(x: Tensor, w: Tensor, bias: Tensor | None = None) -> str | None:
+def skinny_check(x: Tensor, w: Tensor, bias: Tensor | None = None, most: int = SKINNY_ROWS) -> str | None:
     """The Triton kernel: bf16/fp16 throughout, a 2-D weight with unit stride along k, at most
-    ``SKINNY_ROWS`` rows, a contiguous bias."""
+    ``most`` rows (``SKINNY_ROWS`` with a fusion around the GEMM), a contiguous bias."""
     reason = constraints.check_half(x, w, *([bias] if bias is not None else []))
     if reason:
         return reason
@@ -166,8 +169,8 @@ def skinny_check(x: Tensor, w: Tensor, bias: Tensor | None = None) -> str | None
     if w.numel() == 0:
         return "empty weight"
     rows = x.numel() // max(x.shape[-1], 1)
-    if not 0 < rows <= SKINNY_ROWS:
-        return f"{rows} rows: cuBLAS serves outside 1..{SKINNY_ROWS}"
+    if not 0 < rows <= most:
+        return f"{rows} rows: cuBLAS serves outside 1..{most}"
     if w.stride(-1) != 1:
         return "weight has no unit stride along k"
     if bias is not None and (bias.dim() != 1 or not bias.is_contiguous()):
@@ -175,10 +178,18 @@ def skinny_check(x: Tensor, w: Tensor, bias: Tensor | None = None) -> str | None
     return constraints.check_same_device(x, w, *([bias] if bias is not None else []))
 
 
-def gated_check(x: Tensor, w: Tensor, bias: Tensor | None = None) -> str | None:
+def gated_check(x: Tensor, w: Tensor, bias: Tensor | None = None, most: int = SKINNY_ROWS) -> str | None:
     """The Triton kernel of ``linear_silu_and_mul``: what :func:`skinny_check` asks, and an even
     number of weight rows (gate, then up)."""
-    return skinny_check(x, w, bias) or (f"odd weight rows {w.shape[0]}" if w.shape[0] % 2 else None)
+    return skinny_check(x, w, bias, most) or (f"odd weight rows {w.shape[0]}" if w.shape[0] % 2 else None)
+
+
+def _tall_check(x: Tensor, w: Tensor, bias: Tensor | None = None) -> str | None:
+    return skinny_check(x, w, bias, TALL_ROWS)
+
+
+def _tall_gated_check(x: Tensor, w: Tensor, bias: Tensor | None = None) -> str | None:
+    return gated_check(x, w, bias, TALL_ROWS)
 
 
 def _cublas(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -197,11 +208,11 @@ TRITON_GEMM = "fxrewrite.runtime.triton_gemm"
 """The ``triton`` provider's decode-size GEMM and its fusions (imports Triton at the top)."""
 
 KERNELS = (
-    providers.triton_kernel("linear", skinny_check, prepare=True, module=TRITON_GEMM),
+    providers.triton_kernel("linear", _tall_check, prepare=True, module=TRITON_GEMM),
     Kernel("torch", _cublas, _always, label="cublas"),
 )
 GATED_KERNELS = (
-    providers.triton_kernel("linear_silu_and_mul", gated_check, prepare=True, module=TRITON_GEMM),
+    providers.triton_kernel("linear_silu_and_mul", _tall_gated_check, prepare=True, module=TRITON_GEMM),
     Kernel("torch", _cublas_silu_and_mul, _always, label="cublas+silu_and_mul"),
 )
 

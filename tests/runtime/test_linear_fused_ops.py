@@ -136,6 +136,26 @@ def test_kernel_norm_prologue(triton_gemm: types.ModuleType, gen: torch.Generato
             assert rel_err(got, exact) <= rel_err(ref(*args), exact) + 2e-3, (op, weight is None, bias is None)
 
 
+@pytest.mark.parametrize(("rows", "tile"), [((16,), 16), ((17,), 32), ((2, 16), 32), ((40,), 64), ((64,), 64)])
+def test_kernel_tall_tiles(triton_gemm: types.ModuleType, gen: torch.Generator, rows: tuple[int, ...], tile: int) -> None:
+    """The plain and gated GEMMs past 16 rows: tiles of 32 and 64 rows (their own launch
+    configurations), the last rows masked; no further off the float32 product than the spec in
+    float16. Negative twin: the fusions around the GEMM keep their one tile of 16 rows."""
+    t = operands(gen, rows, 200, 96, F16)
+    x, w, b = t["x"], t["w"], t["b"]
+    plan = triton_gemm._plan(x, w, None, triton_gemm.PLAIN)
+    assert plan.meta.get("ROWS", 16) == tile and plan.meta["BK"] == (512 if tile == 16 else 256)
+    exact = x.float() @ w.float().t() + b.float()
+    got = triton_gemm.linear(x, w, b)
+    assert got.shape == exact.shape and rel_err(got, exact) <= rel_err(F.linear(x, w, b), exact) + 1e-3
+    gate, up = exact.chunk(2, dim=-1)
+    spec_gate, spec_up = F.linear(x, w, b).chunk(2, dim=-1)
+    gated = triton_gemm.linear_silu_and_mul(x, w, b)
+    assert rel_err(gated, F.silu(gate) * up) <= rel_err(F.silu(spec_gate) * spec_up, F.silu(gate) * up) + 2e-3
+    if tile > 16:
+        assert lf._norm_check(x, t["g"], EPS, w) == f"{x.numel() // 200} rows: cuBLAS serves outside 1..16"
+
+
 @pytest.mark.parametrize(("rows", "k"), SHAPES)
 def test_kernel_residual_epilogue(triton_gemm: types.ModuleType, gen: torch.Generator, rows: tuple[int, ...], k: int) -> None:
     """The sum into a new tensor and in place (into rows of a wider tensor: its row stride)."""

@@ -407,6 +407,8 @@ def test_linear_triton_kernel_constraints(gen: torch.Generator) -> None:
     assert linear.skinny_check(x, w) is None
     assert linear.skinny_check(rand(gen, 2, 8, 64, dtype=bf16), w, rand(gen, 32, dtype=bf16)) is None  # 16 rows
     assert linear.skinny_check(rand(gen, 17, 64, dtype=bf16), w) == "17 rows: cuBLAS serves outside 1..16"
+    assert linear._tall_check(rand(gen, 4, 16, 64, dtype=bf16), w) is None  # 64 rows: the tallest tile
+    assert linear._tall_check(rand(gen, 65, 64, dtype=bf16), w) == "65 rows: cuBLAS serves outside 1..64"
     assert linear.skinny_check(x.float(), w.float()) == "dtype float32 not bf16/fp16"
     assert linear.skinny_check(x, rand(gen, 64, 32, dtype=bf16).t()) == "weight has no unit stride along k"
     assert linear.skinny_check(x, w, rand(gen, 64, dtype=bf16)[::2]) == "bias not a contiguous vector"

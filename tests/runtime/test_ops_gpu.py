@@ -176,10 +176,12 @@ def test_op_against_reference(
     run_and_check(op, provider, make_args(op, tokens, hidden, dtype, gen), dtype)
 
 
-@pytest.mark.parametrize(("rows", "label"), [(1, "triton"), (16, "triton"), (17, "cublas"), (512, "cublas")])
-def test_linear_takes_triton_up_to_16_rows_then_cublas(rows: int, label: str, gen: torch.Generator) -> None:
-    """Default order: the Triton kernel at decode sizes, cuBLAS above (not a fallback); the
-    qkv, o and gate_up weights of the 8B layer reach all three launch configurations."""
+@pytest.mark.parametrize(("rows", "label"), [(1, "triton"), (16, "triton"), (17, "triton"), (48, "triton"),
+                                             (64, "triton"), (65, "cublas"), (512, "cublas")])  # fmt: skip
+def test_linear_takes_triton_up_to_64_rows_then_cublas(rows: int, label: str, gen: torch.Generator) -> None:
+    """Default order: the Triton kernel at decode sizes (tiles of 16, 32 and 64 rows), cuBLAS
+    above (not a fallback); the qkv, o and gate_up weights of the 8B layer reach every launch
+    configuration of each tile."""
     if providers.library(providers.TRITON_MODULE) is None:
         pytest.skip("triton is not importable here")
     for n in (6144, 4096, 28672):
@@ -191,8 +193,9 @@ def test_linear_takes_triton_up_to_16_rows_then_cublas(rows: int, label: str, ge
         torch.testing.assert_close(out.float(), x.float() @ w.float().t(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize(("rows", "label"), [(1, "triton"), (16, "triton"), (17, "cublas+silu_and_mul")])
-def test_linear_silu_and_mul_in_one_triton_kernel_up_to_16_rows(rows: int, label: str, gen: torch.Generator) -> None:
+@pytest.mark.parametrize(("rows", "label"), [(1, "triton"), (16, "triton"), (17, "triton"), (64, "triton"),
+                                             (65, "cublas+silu_and_mul")])  # fmt: skip
+def test_linear_silu_and_mul_in_one_triton_kernel_up_to_64_rows(rows: int, label: str, gen: torch.Generator) -> None:
     """The 8B layer's gate_up weight (28672 rows: many small programs) and a small one (one
     wave), with and without a bias, against the unfused code in float32."""
     if providers.library(providers.TRITON_MODULE) is None:
@@ -211,7 +214,7 @@ def test_linear_silu_and_mul_in_one_triton_kernel_up_to_16_rows(rows: int, label
 def test_linear_kernels_built_ahead_are_the_ones_launched(gen: torch.Generator) -> None:
     """``providers.prebuild`` on fake tensors builds the Triton kernels the calls then launch:
     after the real calls the kernel's cache holds no new build, and the outputs are right.
-    Negative twin: a call above 16 rows (cuBLAS) has nothing to build."""
+    Negative twin: a call above 64 rows (cuBLAS) has nothing to build."""
     if providers.library(linear.TRITON_GEMM) is None:
         pytest.skip("triton is not importable here")
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -222,7 +225,7 @@ def test_linear_kernels_built_ahead_are_the_ones_launched(gen: torch.Generator) 
     x = torch.randn(8, k, device="cuda", generator=gen).to(torch.bfloat16)
     w = (torch.randn(1536, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
     with FakeTensorMode():
-        fx, fw, big = (torch.empty(*s, dtype=torch.bfloat16, device="cuda") for s in ((8, k), (1536, k), (17, k)))
+        fx, fw, big = (torch.empty(*s, dtype=torch.bfloat16, device="cuda") for s in ((8, k), (1536, k), (65, k)))
     assert providers.prebuild([(torch.ops.fxr.linear.default, (big, fw), {})]) is None
     note = providers.prebuild([(torch.ops.fxr.linear.default, (fx, fw), {}),
                                (torch.ops.fxr.linear_silu_and_mul.default, (fx, fw), {}),
