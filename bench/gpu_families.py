@@ -271,8 +271,18 @@ def main() -> int:
         ["--gemm-fusion"] if args.gemm_fusion else [])
     rows = []
     if not args.no_own:
+        finished = iter(range(1, len(cases) + 1))  # next() under the GIL: one number per case
+        start = time.monotonic()
+
+        def own_case(case: tuple[str, str]) -> list[dict[str, Any]]:
+            rows_ = _spawn([case], extra, timeout=args.timeout)
+            status = "ok" if all(r["ok"] for r in rows_) else "ERROR"
+            print(f"[{next(finished)}/{len(cases)}, {time.monotonic() - start:.0f} s] own process {case[0]} {case[1]}: "
+                  f"{status}", file=sys.stderr, flush=True)  # fmt: skip
+            return rows_
+
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:  # processes on one GPU, not timed
-            own = list(pool.map(lambda case: _spawn([case], extra, timeout=args.timeout), cases))
+            own = list(pool.map(own_case, cases))
         rows = [dict(r, process="own") for rows_ in own for r in rows_]
     if not args.no_all:
         rows += [dict(r, process="all-in-one") for r in _spawn(cases, extra, timeout=args.timeout * len(cases))]

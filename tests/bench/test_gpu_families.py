@@ -47,3 +47,27 @@ def test_each_new_family_builds_at_the_bench_shape(family: str) -> None:
     vocab, hidden = model.get_input_embeddings().weight.shape
     assert (vocab, hidden) == (gf.FAMILY_SHAPE["vocab"], gf.FAMILY_SHAPE["hidden"])
     assert next(model.parameters()).dtype == torch.float32 and not model.training
+
+
+def test_own_process_cases_report_progress_as_each_ends(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """A long own-process run says which case ended, how many of how many and when, before the
+    table (a run cut short by a time limit still shows how far it got); a case whose process
+    failed says ERROR there and in the table, and the run exits 1."""
+    ok = {"ok": True, "fused": {}, "served": {}, "fallbacks": {}, "near_misses": [], "rejected": [],
+          "graph_reasons": [], "verification_fallbacks": {}, "err": 1e-3, "err_eager": 1e-3, "ratio": 1.0}  # fmt: skip
+
+    def spawn(cases: list[tuple[str, str]], extra: list[str], timeout: int) -> list[dict[str, object]]:
+        (family, mode), = cases
+        return [dict(ok, family=family, mode=mode) if family == "llama" else
+                {"family": family, "mode": mode, "ok": False, "error": "process exited -1 before this case"}]
+
+    monkeypatch.setattr(gf, "_spawn", spawn)
+    monkeypatch.setattr("sys.argv", ["gpu_families.py", "--device", "cpu", "--families", "llama,qwen3",
+                                     "--modes", "none", "--no-all", "--jobs", "1"])  # fmt: skip
+    assert gf.main() == 1
+    out, err = capsys.readouterr()
+    progress = [line for line in err.splitlines() if line.startswith("[")]
+    assert [p.split(",")[0] for p in progress] == ["[1/2", "[2/2"]
+    assert progress[0].endswith("own process llama none: ok") and progress[1].endswith("own process qwen3 none: ERROR")
+    assert "| own | llama | none | ok |" in out and "| own | qwen3 | none | ERROR process exited -1" in out
