@@ -3,10 +3,10 @@
 At decode sizes (at most ``TALL_ROWS`` rows; ``SKINNY_ROWS`` with a fusion beyond SiLU-and-mul)
 a linear reads its whole weight to produce a few rows: one launch that streams the weight once
 is the floor, and the small ops around it cost launches and round trips through memory, not
-arithmetic. ``_skinny_linear_kernel`` gives each
-program ``BN`` output columns and walks the whole k dimension for every row, so a program sees
-whole rows of ``x``: what a row-wise op before the GEMM needs, and each output element once at
-the end: what an elementwise op after it needs. Its constexpr switches:
+arithmetic. ``_skinny_linear_kernel`` gives each program ``BN`` output columns and walks the
+whole k dimension for every row, so a program sees whole rows of ``x``: what a row-wise op before
+the GEMM needs, and each output element once at the end: what an elementwise op after it needs.
+Its constexpr switches:
 
 - ``GATED``: ``silu_and_mul`` of the output (an MLP's merged gate and up projection): the program
   also computes the up columns ``n`` rows further down the weight and stores ``silu(gate) * up``.
@@ -50,9 +50,9 @@ the SiLU and the product are each rounded to the dtype as ``silu_and_mul(linear(
 them). With ``NORM`` the A tile is ``x * g`` rounded to the dtype (the spec rounds ``x * r``,
 then ``g * that``: one rounding where it has two, the per-row scale exact in float32); with
 ``RESIDUAL`` the sum is rounded once (the spec rounds the product, then the sum; cuBLAS's
-``addmm``, above 16 rows, rounds once too). ``ROWS`` rows make one tile (:func:`row_tile`: 16, 32
-or 64; each has its launch configurations, :func:`skinny_config`). Launches are built ahead of their first call
-(:func:`prepare`).
+``addmm``, above 16 rows, rounds once too). ``ROWS`` rows make one tile (:func:`row_tile`: 16,
+32 or 64; each has its launch configurations, :func:`skinny_config`). Launches are built ahead
+of their first call (:func:`prepare`).
 
 Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (the tests use float16: the
 interpreter multiplies bfloat16 ``tl.dot`` operands wrongly).

@@ -3,9 +3,10 @@
 At decode sizes a linear reads its whole weight to produce a few rows: the step's time is the
 weight's bytes over the memory bandwidth, and what counts is how close a kernel comes to it.
 cuBLAS picks split-K kernels there, two launches for some shapes, and reads the 8B-shaped
-Llama's weights at 1.14x the copy floor at 8 rows on the H100 (bench/RESULTS.md, eighth run). Up to ``TALL_ROWS`` rows the
-``triton`` provider streams the weight once in one launch (tiles of 16, 32 or 64 rows); above,
-cuBLAS serves (the label ``cublas``: torch's own GEMM, not a fallback).
+Llama's weights at 1.14x the copy floor at 8 rows on the H100 (bench/RESULTS.md, eighth run).
+Up to ``TALL_ROWS`` rows the ``triton`` provider streams the weight once in one launch (tiles of
+16, 32 or 64 rows); above, cuBLAS serves (the label ``cublas``: torch's own GEMM, not a
+fallback).
 
     # before (nn.Linear, F.linear, merged projections)     # after
     y = aten.linear(x, w, b)                                y = torch.ops.fxr.linear(x, w, b)
