@@ -24,8 +24,9 @@ compiled function is a :class:`FusedGraph`:
   this process's versions; any difference (a config field, a rule's code, torch, fxrewrite's
   source, a kernel library, the GPU) raises :class:`StaleArtifact` naming which part;
 * Dynamo's guards, less those torch cannot serialize (object identity: ``ID_MATCH`` and its kind,
-  and guards on globals, as torch's own precompile drops them). The model's code is checked
-  instead: every function Dynamo traced is hashed (torch's ``SourceInfo``) and compared on load;
+  and guards on globals, as torch's own precompile drops them, with the key order of global
+  dicts: :func:`_local_key_order`). The model's code is checked instead: every function
+  Dynamo traced is hashed (torch's ``SourceInfo``) and compared on load;
 * the rewritten graph (``torch.fx._graph_pickler``: nodes, fake values with their symbolic
   shapes, ``torch.ops.fxr.*`` targets by name) and its constants: folded tables as tensors; a
   merged weight as its recipe, made again from this process's parameters at the first call;
@@ -395,8 +396,8 @@ def aot_compile(backend: Backend, model: Any, args: Sequence[Any] = (), kwargs: 
     backend._precompiling = FusedGraph
     traced = _traced()
     try:
-        with _SpecializeFloats() if backend.config.specialize_floats else _nothing(), _keeping_dim_marks(), _lazy_code(), \
-                collector_paused():
+        with _SpecializeFloats() if backend.config.specialize_floats else _nothing(), _keeping_dim_marks(), \
+                _local_key_order(), _lazy_code(), collector_paused():
             fn = aot_compile_fullgraph(traced, ((model, *args), dict(kwargs or {})),
                                        hooks=Hooks(guard_filter_fn=serializable_guards), backend=backend,
                                        dynamic=dynamic)  # fmt: skip
@@ -455,6 +456,33 @@ def _keeping_dim_marks() -> Any:
         yield
     finally:
         GuardsStatePickler.reducer_override = original
+
+
+@contextlib.contextmanager
+def _local_key_order() -> Any:
+    """Dynamo's guards pickled without the key order of dicts reached through a global. Dynamo
+    keeps, apart from its guards, the dicts whose keys it read by position (``list(d.keys())[2]``),
+    and torch (2.11 to 2.13) pickles them even when the guard filter drops every guard on a
+    global. A global dict's key order is this process's history: transformers' registry of model
+    classes holds every class built before, so a process that built another model first saved
+    ``[2]`` where a new one finds a single key, and the artifact could not be loaded there
+    (IndexError while torch rebuilt the guards). Dicts reached from the model's own arguments
+    keep theirs."""
+    from torch._dynamo import guards
+    from torch._dynamo.source import is_from_global_source
+
+    original = guards.pickle_guards_state
+
+    def pickle_guards_state(state: Any, *args: Any, **kwargs: Any) -> bytes:
+        og = state.output_graph
+        og.guard_on_key_order = {s for s in og.guard_on_key_order if not is_from_global_source(s)}
+        return original(state, *args, **kwargs)
+
+    guards.pickle_guards_state = pickle_guards_state
+    try:
+        yield
+    finally:
+        guards.pickle_guards_state = original
 
 
 def _unpickle_marked(marks: dict[str, Any], unpickle: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:

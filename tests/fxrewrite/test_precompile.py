@@ -97,8 +97,9 @@ CHILD = textwrap.dedent("""
 
 def child(path: Path, mode: str) -> dict[str, Any]:
     """:data:`CHILD`: a new process loads the artifact at ``path`` and runs it."""
-    done = subprocess.run([sys.executable, "-c", CHILD, str(path), mode], check=True, capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ))  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", CHILD, str(path), mode], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ))  # fmt: skip
+    assert done.returncode == 0, done.stderr  # the whole traceback, not pytest's cut of it
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -118,6 +119,9 @@ def saved_here(path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> dict[s
     monkeypatch.setattr(passes.PassManager, "run", lambda self, gm: runs.append(1) or original_run(self, gm))
     verify.clear_cache()  # as in a new process: no verdict of an earlier test reused
     torch._dynamo.reset()
+    # a process that built another transformers model first, as a test worker may have: the
+    # classes in transformers' global registry then differ from the loading process's
+    models.build("qwen2", layers=1)
     model = models.build("llama", layers=1)
     b = fxrewrite.Backend(mode=mode, capture_sizes=(8,), cache=False, progress=False)
     outs = []
@@ -401,6 +405,31 @@ def test_inputs_marked_as_at_compile_time_pass_the_loaded_guards(tmp_path: Path,
         else:
             with pytest.raises(fxrewrite.GuardFailure, match="_dynamo_static_indices"):  # a new mark
                 step(x=y)
+
+
+def test_the_artifacts_guards_keep_the_key_order_of_argument_dicts_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Key order read by position is kept for the dicts reached from the model's arguments and
+    dropped for those reached through a global (transformers' model registry, whose keys are
+    this process's history); the set Dynamo keeps for its own guards is left alone."""
+    from types import SimpleNamespace
+
+    from torch._dynamo import guards
+    from torch._dynamo.source import AttrSource, GlobalSource, LocalSource
+
+    pickled: list[set[Any]] = []
+    record = lambda state, *a: pickled.append(state.output_graph.guard_on_key_order) or b""  # noqa: E731
+    monkeypatch.setattr(guards, "pickle_guards_state", record)
+    local, registry = LocalSource("kwargs"), AttrSource(GlobalSource("output_capturing"), "_CAN_RECORD_REGISTRY")
+    live = {local, registry}
+
+    def state() -> Any:  # what torch pickles: a dump of the output graph, holding its set
+        return SimpleNamespace(output_graph=SimpleNamespace(guard_on_key_order=live))
+
+    with precompile._local_key_order():
+        guards.pickle_guards_state(state(), None)
+    assert pickled == [{local}] and live == {local, registry}
+    guards.pickle_guards_state(state(), None)  # restored on exit: no filter
+    assert pickled[-1] == {local, registry}
 
 
 def test_damaged_artifacts_are_misses(tmp_path: Path, artifact: Path) -> None:
