@@ -149,6 +149,18 @@ _CLAMP = {("call_function", f) for f in (torch.clamp, torch.clip, torch.clamp_mi
 }
 
 
+# Python's operators as Dynamo records some of them on tensors (torch 2.11: ``t.__eq__(0)``, where
+# 2.13 records ``operator.eq``): method name -> (the operator's function, whether its two operands
+# swap: ``a.__radd__(b)`` is ``b + a``)
+_BINARY_OPERATORS = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift",
+                     "rshift")  # fmt: skip
+_DUNDERS: dict[str, tuple[Any, bool]] = {
+    **{f"__{n}__": (vars(operator)[f"__{n}__"], False) for n in (*_BINARY_OPERATORS, "eq", "ne", "lt", "le", "gt", "ge",
+                                                                  "neg", "pos", "invert", "abs")},  # fmt: skip
+    **{f"__r{n}__": (vars(operator)[f"__{n}__"], True) for n in _BINARY_OPERATORS},
+}
+
+
 def _key(node: fx.Node) -> tuple[str, Any]:
     return (node.op, node.target)
 
@@ -239,6 +251,11 @@ class _Canon:
             if node.op == "call_function" and node.target.overloads() == ["default"]:
                 self.set(node, node.target.default, node.args, node.kwargs)
             return None
+        if node.op == "call_method" and node.target in _DUNDERS and not node.kwargs:
+            fn, swap = _DUNDERS[node.target]
+            node.op, node.target = "call_function", fn
+            node.args = node.args[::-1] if swap else node.args
+            self.changed += 1
         key = _key(node)
         if key in NORMALIZERS:
             return NORMALIZERS[key](self, node)

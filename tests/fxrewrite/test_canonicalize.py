@@ -99,6 +99,26 @@ def test_method_function_operator_forms_become_one_aten_overload() -> None:
         assert n.kwargs == {}, "alpha=1 is the default and is not spelled out"
 
 
+def _dunders(x, y):
+    # what Dynamo records for explicit dunder calls, and in torch 2.11 for some operators (``t == 0``)
+    return x.__eq__(0), y.__radd__(x), x.__rsub__(y), y.__rtruediv__(x), x.__mul__(y), x.__neg__(), x.__lt__(y)
+
+
+def test_operator_dunder_methods_become_their_operators() -> None:
+    """Each dunder call is its operator, the reflected ones with their operands swapped
+    (``y.__rtruediv__(x)`` is ``x / y``): numerics against eager catch a swap done wrong, since
+    subtraction and division are not symmetric."""
+    r = canon(_dunders, x2d(), x2d().abs() + 1,
+              before={"method.__eq__": 1, "method.__radd__": 1, "method.__rsub__": 1, "method.__rtruediv__": 1,
+                      "method.__mul__": 1, "method.__lt__": 1},
+              absent=["method"])  # fmt: skip
+    assert overloads(r) == {operator.eq: 1, operator.lt: 1, A.add.Tensor: 1, A.sub.Tensor: 1, A.div.Tensor: 1,
+                            A.mul.Tensor: 1, A.neg.default: 1}  # fmt: skip
+    x, y = placeholder(r, "x"), placeholder(r, "y")
+    assert [n.args[:2] for n in calls(r, A.sub.Tensor) + calls(r, A.div.Tensor)] == [(y, x), (x, y)]
+    assert calls(r, A.add.Tensor)[0].args[:2] == (x, y)
+
+
 def test_kwargs_and_positional_give_identical_args() -> None:
     r = canon(
         lambda x: (x.mean(-1, keepdim=True), x.mean(dim=-1, keepdim=True), torch.mean(x, -1, True), x.mean(-1)),
