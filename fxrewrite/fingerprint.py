@@ -415,12 +415,21 @@ def source_digest() -> str:
     """A digest of every Python file of fxrewrite's packages (engine, rules, runtime)."""
     h = hashlib.blake2b(digest_size=20)
     for package in PACKAGES:
-        spec = importlib.util.find_spec(package)
-        for path in sorted(Path(d) for d in (spec.submodule_search_locations or [])) if spec else ():
+        for path in _package_dirs(package):
             for f in sorted(path.glob("*.py")):
                 h.update(f"{package}/{f.name}\0".encode())
                 h.update(f.read_bytes())
     return h.hexdigest()
+
+
+def _package_dirs(package: str) -> list[Path]:
+    """Where ``package``'s modules are. The engine's is this file's directory: with an editable
+    install, a directory of the same name without ``__init__.py`` earlier on sys.path (a test
+    tree's ``fxrewrite/``) is what ``find_spec`` reports, and the digest would miss the engine."""
+    if package == __package__:
+        return [Path(__file__).parent]
+    spec = importlib.util.find_spec(package)
+    return sorted(Path(d) for d in (spec.submodule_search_locations or [])) if spec else []
 
 
 @functools.cache

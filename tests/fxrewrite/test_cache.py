@@ -270,6 +270,34 @@ def test_the_key_sees_versions_and_fxrewrites_source(monkeypatch: pytest.MonkeyP
     assert keyed(norm, X, W) != base
 
 
+def test_the_source_digest_reads_the_engine_where_it_is(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A namespace directory named ``fxrewrite`` that ``find_spec`` reports instead of the engine
+    (an editable install, a test tree earlier on sys.path) changes nothing: the engine's own
+    files are digested. Its twin: the same shadow for the rules' package is followed (it is found
+    through its spec), and the digest changes."""
+    import importlib.machinery
+    import importlib.util
+
+    shadow = tmp_path / "fxrewrite"
+    shadow.mkdir()
+    (shadow / "other.py").write_text("x = 1\n")
+    real, shadowed = importlib.util.find_spec, {"fxrewrite"}
+
+    def find_spec(name: str, *a: Any) -> Any:
+        if name in shadowed:
+            spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            spec.submodule_search_locations = [str(shadow)]
+            return spec
+        return real(name, *a)
+
+    want = fingerprint.source_digest.__wrapped__()
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert fingerprint.source_digest.__wrapped__() == want
+    assert fingerprint._package_dirs("fxrewrite") == [Path(fingerprint.__file__).parent]
+    shadowed.add("fxrewrite.rewrites")
+    assert fingerprint.source_digest.__wrapped__() != want
+
+
 RULES_V1 = '''
 import torch
 from fxrewrite import Rule
