@@ -12,8 +12,14 @@ from __future__ import annotations
 import gc
 import os
 
-import pytest
-import torch
+# Dynamo's time is most of the suite's, and on the tiny models of the tests most of Dynamo's is
+# symbolic-shape reasoning in sympy. sympy memoizes it in LRU caches of 1000 entries, set when
+# sympy is first imported (torch imports it lazily, after this line): a worker traces thousands of
+# graphs over the same few size symbols, and a cache 100x larger keeps what they share.
+os.environ.setdefault("SYMPY_CACHE_SIZE", "100000")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The compile cache stays off in the suite (tests patch rules and kernels in place, which no cache
 # key can see) except where a test turns it on with a directory of its own (tests/fxrewrite/test_cache.py).
@@ -41,6 +47,13 @@ if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
 # collection (pytest_collection_finish): 4.5 s of GC in test_norm_variants.py, then 2.7 s. A
 # worker's peak memory grew under 2 %. The suite only: the library sets nothing.
 gc.set_threshold(50_000, 20, 10)
+
+# FakeTensor's dispatch cache pays off where the same op meets the same shapes again (the 30
+# identical layers of a real model); a test's model has one or two layers, and Dynamo is reset
+# before each compile. Making the entries (each checks its output's symbolic sizes and strides)
+# cost more than the hits saved: off, the rule and family tests ran 13 % faster, 19 % with the
+# sympy cache above (bench/RESULTS.md, eighteenth session). The suite only: the library sets nothing.
+torch._dynamo.config.fake_tensor_cache_enabled = False
 
 if not torch.cuda.is_available():
     # Without CUDA, Triton kernels run only interpreted, on CPU tensors. The flag must be set
