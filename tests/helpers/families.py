@@ -5,6 +5,7 @@ between releases: the GPU machine runs transformers 5.17, which has no ``kolibri
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -26,10 +27,23 @@ def missing(family: str, cls: str | None = None) -> str | None:
     return None
 
 
-def family_param(family: str, *values: Any, id: str | None = None, cls: str | None = None) -> Any:  # noqa: A002
-    """``pytest.param(family, *values, id=id)``, skipped where :func:`missing` says why."""
+def family_param(
+    family: str, *values: Any, id: str | None = None, cls: str | None = None, marks: Sequence[Any] = ()  # noqa: A002
+) -> Any:
+    """``pytest.param(family, *values, id=id, marks=marks)``, skipped where :func:`missing` says why."""
     reason = missing(family, cls)
-    return pytest.param(family, *values, id=id, marks=[pytest.mark.skip(reason=reason)] if reason else [])
+    return pytest.param(family, *values, id=id, marks=[*marks, *([pytest.mark.skip(reason=reason)] if reason else [])])
+
+
+def in_turn(family: int, pair: int, families: int, pairs: int) -> list[Any]:
+    """Marks for the case (``family``-th family, ``pair``-th dtype/mode pair) of a family x pair
+    matrix: the default run takes the pairs in turn, family i in pair j where
+    ``(j - i) % min(families, pairs) == 0``, so it checks every family and every pair at least
+    once; the other cases are ``exhaustive`` (``-m exhaustive``). Each case is a Dynamo trace of a
+    whole model, most of the suite's time: a family whose rules hold in one pair and a pair the
+    rules hold in for another family leave little for the full matrix to find (it runs before a
+    change to canonicalization or the rules lands)."""
+    return [] if (pair - family) % min(families, pairs) == 0 else [pytest.mark.exhaustive]
 
 
 @functools.cache

@@ -8,7 +8,8 @@ the report's near misses (none).
 Cases (each compiled once, read by several tests): float32 with L = 2 under dynamic=True (floats
 constant, as Backend.compile does) and L = 1 under dynamic=False (so both layer counts check the
 formula), bf16 with L = 1 under dynamic=True with the floats lifted to graph inputs (as plain
-torch.compile leaves them).
+torch.compile leaves them). The default run takes the pairs in turn, one per family
+(``helpers.families.in_turn``); ``-m exhaustive`` runs every family in all three.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 
 import pytest
 import torch
+from helpers.families import in_turn
 from helpers.rewrites import BF16, F32, compile_modes, fused, fused_nodes, sites
 
 from fxrewrite import models
@@ -49,12 +51,13 @@ LINEARS: dict[str, tuple[int, int, tuple[int, int]]] = {
     "phi3": (4, 4, (2, 0)),  # qkv_proj and gate_up_proj are single linears in the model code
 }
 
-CASES = [
-    pytest.param(family, layers, dtype, dynamic, id=f"{family}-L{layers}-{name}")
-    for family in models.FAMILIES
-    for layers, dtype, dynamic, name in ((2, F32, True, "f32-dynamic"), (1, F32, False, "f32-static"),
-                                         (1, BF16, "lifted", "bf16-lifted"))  # fmt: skip
-]
+PAIRS = ((2, F32, True, "f32-dynamic"), (1, F32, False, "f32-static"), (1, BF16, "lifted", "bf16-lifted"))
+CASES = [  # every family in every pair; the default run takes the pairs in turn (helpers.families.in_turn)
+    pytest.param(family, layers, dtype, dynamic, id=f"{family}-L{layers}-{name}",
+                 marks=in_turn(i, j, len(models.FAMILIES), len(PAIRS)))
+    for i, family in enumerate(models.FAMILIES)
+    for j, (layers, dtype, dynamic, name) in enumerate(PAIRS)
+]  # fmt: skip
 TOLERANCE = {F32: 1e-5, BF16: 2e-2}  # max relative error against eager
 
 

@@ -4,7 +4,7 @@ LayerNorm, tiny configs with random weights, CPU, ``fullgraph=True``.
 Per family the exact fused-op counts as a function of the layer count L, output against eager,
 and no near miss of a LayerNorm rule. Cases: float32 with L = 2 under dynamic=True, bf16 with
 L = 1 under dynamic=True with the floats lifted to graph inputs (as plain torch.compile leaves
-them).
+them); the default run takes them in turn, one per family (``helpers.families.in_turn``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.families import family_param
+from helpers.families import family_param, in_turn
 from helpers.rewrites import BF16, F32, compile_modes, fused
 
 from fxrewrite.testing import Compiled, compile_once
@@ -55,11 +55,13 @@ TABLE: dict[str, dict[str, tuple[int, int]]] = {
     "bloom": {"layer_norm": (0, 2), "fused_add_layer_norm_": (2, 0)},
     "bert": {"layer_norm": (0, 1), "fused_add_layer_norm_": (2, 1)},
 }
-CASES = [
-    family_param(family, layers, dtype, dynamic, id=f"{family}-L{layers}-{name}", cls=FAMILIES[family][0])
-    for family in FAMILIES
-    for layers, dtype, dynamic, name in ((2, F32, True, "f32-dynamic"), (1, BF16, "lifted", "bf16-lifted"))
-]
+PAIRS = ((2, F32, True, "f32-dynamic"), (1, BF16, "lifted", "bf16-lifted"))
+CASES = [  # the default run takes the pairs in turn (helpers.families.in_turn)
+    family_param(family, layers, dtype, dynamic, id=f"{family}-L{layers}-{name}", cls=FAMILIES[family][0],
+                 marks=in_turn(i, j, len(FAMILIES), len(PAIRS)))
+    for i, family in enumerate(FAMILIES)
+    for j, (layers, dtype, dynamic, name) in enumerate(PAIRS)
+]  # fmt: skip
 
 
 def build(family: str, layers: int, dtype: torch.dtype) -> torch.nn.Module:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.families import in_turn
 from helpers.moe import run_bf16
 from helpers.rewrites import BF16, F32, compile_modes, fused, fused_nodes, sites
 
@@ -38,13 +39,15 @@ TABLE: dict[str, dict[str, tuple[int, int]]] = {
 }  # fmt: skip
 RENORMALIZE = {"mixtral": True, "qwen2_moe": False, "olmoe": False}
 
-CASES = [
-    pytest.param(family, layers, dtype, dynamic, experts, id=f"{family}-L{layers}-{name}-{experts}")
-    for family in models.MOE_FAMILIES
-    for layers, dtype, dynamic, name, experts in (
-        (2, F32, True, "f32-dynamic", "grouped_mm"), (1, F32, False, "f32-static", "grouped_mm"),
-        (1, BF16, "lifted", "bf16-lifted", "grouped_mm"), (1, BF16, True, "bf16-dynamic", "batched_mm"),
-    )
+PAIRS = (
+    (2, F32, True, "f32-dynamic", "grouped_mm"), (1, F32, False, "f32-static", "grouped_mm"),
+    (1, BF16, "lifted", "bf16-lifted", "grouped_mm"), (1, BF16, True, "bf16-dynamic", "batched_mm"),
+)
+CASES = [  # the default run takes the pairs in turn (helpers.families.in_turn)
+    pytest.param(family, layers, dtype, dynamic, experts, id=f"{family}-L{layers}-{name}-{experts}",
+                 marks=in_turn(i, j, len(models.MOE_FAMILIES), len(PAIRS)))
+    for i, family in enumerate(models.MOE_FAMILIES)
+    for j, (layers, dtype, dynamic, name, experts) in enumerate(PAIRS)
 ]  # fmt: skip
 TOLERANCE = {F32: 1e-5, BF16: 2e-2}  # max relative error against eager
 
