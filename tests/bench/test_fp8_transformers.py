@@ -11,10 +11,10 @@ What issue 31 asks of a transformers model, asserted per decoder layer:
   norm, add + norm after the first layer; the post-attention add + norm), ``merge_siblings``
   makes q/k/v and gate/up one block-FP8 GEMM each, and the gate/up halves' SiLU-and-mul fuses with
   its quantization: two norm + quant sites and one activation + quant site per layer.
-- static FP8 with shared scales: the two norm + quant sites per layer. Its SiLU-and-mul + quant
-  does not fuse (strict xfail below): gate and up stay two ``torch._scaled_mm`` GEMMs (one weight
-  scale each: a merged GEMM would need per-row weight scales), so the product is ``act_mul`` of two
-  tensors, and no op quantizes ``act_mul``'s output yet.
+- static FP8 with shared scales: the two norm + quant sites per layer. Gate and up stay two
+  ``torch._scaled_mm`` GEMMs (one weight scale each: a merged GEMM would need per-row weight
+  scales), so the product is ``act_mul`` of two tensors; its quantization fuses into
+  ``fxr.act_mul_quant_fp8`` (one site per layer).
 - static FP8 with a scale per projection: three quantized values of one normed value, which one
   fused op cannot write; each site's near miss says so.
 - plain linears (the negative twin): no quantization anywhere; norms and activation fuse as ever.
@@ -97,13 +97,27 @@ EACH_LAYER = dict.fromkeys(range(LAYERS), 1)
 TWO_PER_LAYER = dict.fromkeys(range(LAYERS), 2)
 
 
-# family x format x dtype: every format with both families and both dtypes, and each family in
-# both dtypes, by half of the cube; the other half is ``exhaustive`` (not in CI; -m exhaustive)
+def in_cube(f: int, q: int, d: int) -> list[pytest.MarkDecorator]:
+    """family x format x dtype: the default run takes half of the cube, every format with both
+    families and both dtypes, and each family in both dtypes; the other half is ``exhaustive``
+    (not in CI; -m exhaustive)."""
+    return [] if (f + q + d) % 2 == 0 else [pytest.mark.exhaustive]
+
+
 CUBE = [
-    pytest.param(*fam.values, quant, *dt.values, id=f"{fam.id}-{quant}-{dt.id}",
-                 marks=[*fam.marks, *(() if (f + q + d) % 2 == 0 else (pytest.mark.exhaustive,))])
+    pytest.param(*fam.values, quant, *dt.values, id=f"{fam.id}-{quant}-{dt.id}", marks=[*fam.marks, *in_cube(f, q, d)])
     for f, fam in enumerate(FAMILIES) for q, quant in enumerate(QUANTS) for d, dt in enumerate(DTYPES)
 ]  # fmt: skip
+
+
+def family_dtype(quant: str) -> pytest.MarkDecorator:
+    """``parametrize(("family", "dtype"))`` over one format's face of the cube, the same half in
+    the default run (its compiles are the cube's)."""
+    q = QUANTS.index(quant)
+    return pytest.mark.parametrize(("family", "dtype"), [
+        pytest.param(*fam.values, *dt.values, id=f"{fam.id}-{dt.id}", marks=[*fam.marks, *in_cube(f, q, d)])
+        for f, fam in enumerate(FAMILIES) for d, dt in enumerate(DTYPES)
+    ])  # fmt: skip
 
 
 @pytest.mark.parametrize(("family", "quant", "dtype"), CUBE)
@@ -149,8 +163,7 @@ def test_every_layer_linear_is_converted(family: str) -> None:
             assert len(scales) == (LINEARS_PER_LAYER * LAYERS if quant == "fp8" else 4 * LAYERS)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", FAMILIES)
+@family_dtype("block-fp8")
 def test_block_fp8_fuses_norm_and_activation_quantization_per_layer(family: str, dtype: torch.dtype) -> None:
     """Two norm + quant and one SiLU-and-mul + quant sites a layer; the attention output (o_proj's
     input, after no norm or activation) quantized by the quantizer alone."""
@@ -164,8 +177,7 @@ def test_block_fp8_fuses_norm_and_activation_quantization_per_layer(family: str,
     assert per_layer(r, "merge_siblings") == TWO_PER_LAYER  # q/k/v, gate/up
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", FAMILIES)
+@family_dtype("fp8-shared")
 def test_static_fp8_with_shared_scales_fuses_norm_quantization_per_layer(family: str, dtype: torch.dtype) -> None:
     r = compiled(family, "fp8-shared", dtype)
     assert per_layer(r, "norm_quant") == TWO_PER_LAYER, r.report.table()
@@ -174,8 +186,7 @@ def test_static_fp8_with_shared_scales_fuses_norm_quantization_per_layer(family:
                                                                  "fused_add_rms_norm_quant_fp8": 2 * LAYERS - 1}, ops  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", FAMILIES)
+@family_dtype("fp8-shared")
 def test_static_fp8_activation_quantization_per_layer(family: str, dtype: torch.dtype) -> None:
     """gate and up stay two ``_scaled_mm`` GEMMs (a weight scale each), so the product is
     ``act_mul`` of two tensors; its quantization fuses into ``fxr.act_mul_quant_fp8``."""
@@ -184,8 +195,7 @@ def test_static_fp8_activation_quantization_per_layer(family: str, dtype: torch.
     assert quant_ops(r).get("act_mul_quant_fp8") == LAYERS and "act_mul" not in fused(r.counts()), r.counts()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", FAMILIES)
+@family_dtype("nvfp4")
 def test_nvfp4_fuses_norm_and_activation_quantization_per_layer(family: str, dtype: torch.dtype) -> None:
     """NVFP4 with shared global scales: ``cse`` leaves one quantization of each normed value, the
     norm + NVFP4 rules fuse it (two sites a layer); gate and up stay two GEMMs (each one call of
