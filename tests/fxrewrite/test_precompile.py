@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import torch_at_least
 
 import fxrewrite
 from fxrewrite import fingerprint, models, precompile
@@ -36,10 +37,6 @@ def fresh_dynamo() -> None:
 def backend(tmp_path: Path, **kw: Any) -> fxrewrite.Backend:
     kw.setdefault("cache", False)
     return fxrewrite.Backend(cache_dir=str(tmp_path / "cache"), progress=False, **kw)
-
-
-def _torch_at_least(major: int, minor: int) -> bool:
-    return tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (major, minor)
 
 
 def llama() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -270,7 +267,7 @@ def test_aot_compile_generates_the_graphs_code_when_run(tmp_path: Path, monkeypa
     with torch.no_grad():
         step = b.aot_compile(model, x)
         split = b.runners[0].split
-        lazy_split = _torch_at_least(2, 13)
+        lazy_split = torch_at_least(2, 13)
         ours = [b.graphs[0].graph, *((split.module.graph, *(p.submodule.graph for p in split.pieces)) if lazy_split else ())]
         assert not [g for g in made if any(g is o for o in ours)]
         compiled.append(True)
@@ -407,7 +404,7 @@ def test_inputs_marked_as_at_compile_time_pass_the_loaded_guards(tmp_path: Path,
         torch._dynamo.mark_static(y, 1)
         assert torch.equal(step(x=y), model(y))  # another token count, marked the same
         torch._dynamo.mark_static(y, 0)
-        if not _torch_at_least(2, 13):
+        if not torch_at_least(2, 13):
             # torch 2.11 guards no mark that was not there at compile time (seen on the GPU machine)
             assert step.guard_check(x=y) and torch.equal(step(x=y), model(y))
         else:

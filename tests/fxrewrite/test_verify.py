@@ -403,15 +403,14 @@ def _rows_of_a_product(x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     (_split_rows, torch.tensor([4, 6]), True),
     (_rows_of_a_product, torch.tensor([2, 5]), False),
 ], ids=["nonzero", "split", "tied-by-a-product"])  # fmt: skip
-def test_a_site_of_a_size_read_from_data_is_checked_at_stand_in_sizes(
-    pick: Any, aux: torch.Tensor, fused: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_site_of_a_size_read_from_data_is_checked_at_stand_in_sizes(pick: Any, aux: torch.Tensor, fused: bool) -> None:
     """An unbacked size is checked at a stand-in value from its range, or solved from the
     runtime assert that ties it (a split's sizes summing to the rows); where no such values
     satisfy the graph's asserts, the site is refused and says so."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
-    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
-    r = compile_once(_NormOfRows(pick), torch.randn(10, 32), aux, rules=[norm.RMS_NORM], verify=True)
+    # config.patch, not monkeypatch: torch 2.11's config module loses the attribute when
+    # monkeypatch restores it, and every later test in the process that reads it fails
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+        r = compile_once(_NormOfRows(pick), torch.randn(10, 32), aux, rules=[norm.RMS_NORM], verify=True)
     assert r.report.rules() == ({"rms_norm": 1} if fused else {})
     reasons = [x.reason for x in r.report.rejected]
     assert len(reasons) == (not fused) and all(re.fullmatch(
