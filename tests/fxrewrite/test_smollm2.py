@@ -171,9 +171,9 @@ def test_bfloat16_logits_of_the_first_two_layers_round_no_worse_than_eager() -> 
     torch 2.13, transformers 5.24), while eager with its RMSNorm computed in bf16 (no float32
     upcast: a rule that matched another computation) was 1.16x. The head here is
     :class:`Float32Head`, which drops the head's own rounding from both errors and took the test
-    from 57 s to 32 s of a worker in the suite (this CPU, 2 workers): the whole pipeline is then 1.010x / 0.999x / 0.995x
-    over 8 / 12 / 24 windows and the bf16 RMSNorm 1.24x (torch 2.13, transformers 5.19; eager at 2
-    threads equals eager at 1). The first 8 windows."""
+    from 57 s to 32 s of a worker in the suite (2 workers on 2 cores): the whole pipeline is then
+    1.010x / 0.999x / 0.995x over 8 / 12 / 24 windows and the bf16 RMSNorm 1.24x (torch 2.13,
+    transformers 5.19; eager at 2 threads equals eager at 1). The first 8 windows."""
     model, tokenizer = smollm2()
     eager_err, compiled_err, half, compiled, _ = bf16_errors(first_layers(model, 2), tokenizer, count=8, float32_head=True)
     assert compiled_err <= eager_err * 1.03
