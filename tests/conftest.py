@@ -50,9 +50,10 @@ gc.set_threshold(50_000, 20, 10)
 
 # FakeTensor's dispatch cache pays off where the same op meets the same shapes again (the 30
 # identical layers of a real model); a test's model has one or two layers, and Dynamo is reset
-# before each compile. Making the entries (each checks its output's symbolic sizes and strides)
-# cost more than the hits saved: off, the rule and family tests ran 13 % faster, 19 % with the
-# sympy cache above (bench/RESULTS.md, eighteenth session). The suite only: the library sets nothing.
+# before each compile: making its entries (each checks its output's symbolic sizes and strides)
+# costs more than its hits save. Off, the rule and family tests ran 13 % faster, 19 % with the
+# sympy cache above; the whole suite 919 s -> 853 s on 2 cores (bench/RESULTS.md, eighteenth
+# session). The suite only: the library sets nothing.
 torch._dynamo.config.fake_tensor_cache_enabled = False
 
 if not torch.cuda.is_available():
