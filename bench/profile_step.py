@@ -13,7 +13,8 @@ Inductor + CUDA graphs (``mode="reduce-overhead"``; ``--no-inductor`` skips it).
 quantizes the model's linears as ``bench_e2e.py --quant`` does (``e2e_model.quantize``; the
 fxrewrite rows get the same ``Config`` fields). ``--profile``
 adds the kernels and the host-side CUDA calls of 5 steps of the first row and of the Inductor row, and their kernels per layer (:func:`kernels_per_layer`; ``--gemm-fusion``
-adds and profiles a row with ``Config.gemm_fusion``: norms, residual adds and RoPE in the GEMMs, issue 30); ``--pyprofile`` the
+adds and profiles a row with ``Config.gemm_fusion``: norms, residual adds and RoPE in the GEMMs, issue 30; with
+``--floor``, its floor table too); ``--pyprofile`` the
 Python functions of the unguarded row's host time (:func:`python_profile`).
 
     source .devkit/setup.sh && python3 bench/profile_step.py [--seqs 8] [--context 1024] [--mode full] [--profile] [--host] [--pyprofile] [--gemm-fusion [--fp8-norm-prologue]] [--floor 1,8,64] [--quant block-fp8]
@@ -119,11 +120,66 @@ def kernel_classes(events: Any, steps: int) -> dict[str, float]:
     return out
 
 
+def design_chain(model: Any, batch: dict[str, torch.Tensor], attention: bool = True,
+                 before_attention: Callable[[Any], None] | None = None) -> Callable[[], torch.Tensor]:  # fmt: skip
+    """The step's GEMMs and attention alone, on the model's own weights and caches: per layer
+    ``fxr.linear`` (qkv), the attention op (with its write of the step's keys and values),
+    ``fxr.linear`` (o), ``fxr.linear_silu_and_mul`` (gate_up) and ``fxr.linear`` (down), the
+    kernels and launches the compiled step runs, and nothing else: no norm, no rotary, no residual
+    add. ``attention=False``: the GEMMs alone. The least step a design of one kernel per
+    projection and one attention kernel per layer can reach (issue 30). ``before_attention``:
+    called with each layer between its qkv GEMM and its attention (a probe's extra launch)."""
+    fxr, bench = torch.ops.fxr, torch.ops.fxbench
+    with torch.no_grad():
+        x0 = model.embed_tokens(batch["input_ids"])
+    args = (batch["slots"], batch["seq_lens"], batch["kv_range"])
+
+    def chain() -> torch.Tensor:
+        x = x0
+        for layer in model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv = fxr.linear.default(x, a.qkv_proj.weight)
+            q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+            out = qkv[:, : a.q_size]
+            if before_attention is not None:
+                before_attention(layer)
+            if attention:
+                out = bench.attention.default(q.view(-1, a.num_heads, a.head_dim), k.view(-1, a.num_kv_heads, a.head_dim),
+                                              v.view(-1, a.num_kv_heads, a.head_dim), a.k_cache, a.v_cache, *args)  # fmt: skip
+            o = fxr.linear.default(out.reshape(-1, a.q_size), a.o_proj.weight)
+            x = fxr.linear.default(fxr.linear_silu_and_mul.default(o, mlp.gate_up_proj.weight), mlp.down_proj.weight)
+        return x
+
+    return chain
+
+
+def replay_b2b_ms(fn: Callable[[], Any], reps: int = 50) -> float:
+    """``fn`` captured in one CUDA graph, replayed ``reps`` times back to back: ms per replay."""
+    with torch.no_grad():
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        for _ in range(3):
+            graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def floor_table(model: Any, cfg: Any, step: Any, seqs: list[int], context: int) -> str:
     """Issue 30's floor: at each decode size, the step back to back against the HBM floor
     (weights and KV cache at this device's copy bandwidth, bench_e2e's definition), its kernel
-    time by class, the gaps between kernels, and the least step this design can reach: its
-    GEMMs and attention as they run, with every other kernel and every gap gone."""
+    time by class, the gaps between kernels, and the floor of this design: the step's GEMMs and
+    attention replayed alone (:func:`design_chain`), back to back, with and without the
+    attention. Under programmatic dependent launch a kernel's wait for the one before counts in
+    its duration, so the class columns are upper bounds and the gaps go negative; the chains
+    are timed whole and have no such overlap to undo."""
     from bench_e2e import Clock, hbm_floor_ms
 
     clock = Clock(torch.device("cuda"))
@@ -135,8 +191,9 @@ def floor_table(model: Any, cfg: Any, step: Any, seqs: list[int], context: int) 
     lines = [f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write of a 2 GiB copy); read bandwidth "
              f"{read / 1e9:.0f} GB/s (torch.amax of 2 GiB)", "",
              "| decode | HBM floor ms (weights + KV) | step b2b ms | / floor | GEMMs ms (/ weight floor, / at the read "
-             "rate) | attention ms (/ KV floor) | other kernels ms | gaps ms | GEMMs + attention / floor |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "rate) | attention ms (/ KV floor) | other kernels ms | gaps ms | GEMMs alone b2b ms (/ weight floor) "
+             "| GEMMs + attention alone b2b ms (/ floor) | step / GEMMs + attention alone |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for n in seqs:
         batch = mark_static_metadata(make_batch(cfg, "decode", n, context, num_seqs=n, max_len=4096, device="cuda"))
         floor = hbm_floor_ms(model, batch, bandwidth)
@@ -148,9 +205,12 @@ def floor_table(model: Any, cfg: Any, step: Any, seqs: list[int], context: int) 
             torch.cuda.synchronize()
         us = kernel_classes(prof.events(), 5)
         gemm, attn, other = us["gemm"] / 1e3, us["attention"] / 1e3, us["other"] / 1e3
+        gemms = replay_b2b_ms(design_chain(model, batch, attention=False))
+        chain = replay_b2b_ms(design_chain(model, batch))
         lines.append(f"| {n} | {floor:.3f} ({floor - kv:.3f} + {kv:.3f}) | {b2b:.3f} | {b2b / floor:.3f} | "
                      f"{gemm:.3f} ({gemm / (floor - kv):.2f}, {gemm / ((floor - kv) * bandwidth / read):.2f}) | {attn:.3f} ({attn / kv:.2f}) | {other:.3f} | "
-                     f"{b2b - gemm - attn - other:.3f} | {(gemm + attn) / floor:.3f} |")  # fmt: skip
+                     f"{b2b - gemm - attn - other:.3f} | {gemms:.3f} ({gemms / (floor - kv):.3f}) | {chain:.3f} ({chain / floor:.3f}) "
+                     f"| {b2b / chain:.3f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -311,9 +371,13 @@ def main() -> None:
     if args.gemm_fusion:
         torch._dynamo.reset()
         fused = fx(gemm_fusion=True)
-        rows[f"{label}, norms, adds and RoPE in the GEMMs"] = measure(f"{label}, gemm_fusion", fused.compile(model), batch,
+        fused_step = fused.compile(model)
+        rows[f"{label}, norms, adds and RoPE in the GEMMs"] = measure(f"{label}, gemm_fusion", fused_step, batch,
                                                                    args.profile, layers=cfg.num_layers)  # fmt: skip
         print(f"{label}, gemm_fusion: fused {fused.report.fused_ops()}")
+        if floor_seqs:
+            print(f"\n{label}, gemm_fusion: the floor of the step (issue 30)\n"
+                  + floor_table(model, cfg, fused_step, floor_seqs, args.context))
     if args.twin:
         torch._dynamo.reset()
         twin = fused_twin(model)
