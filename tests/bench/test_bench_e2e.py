@@ -99,14 +99,16 @@ def run_quant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quant: str, syste
         return json.loads((Path(args.workdir) / f"{key}.json").read_text()), None
 
     monkeypatch.setattr(bench_e2e, "run_child", run_child)
-    # main sets these for its process: restored after the test
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", torch._inductor.config.force_disable_caches)
-    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
-        monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", torch._dynamo.config.fail_on_recompile_limit_hit)
     out = tmp_path / f"e2e-{quant}.md"
     argv = ["--shape", "tiny", "--device", "cpu", "--quant", quant, "--systems", systems, "--budget-s", "400",
             "--target-s", "0.01", "--min-reps", "1", "--warmup", "2", "--out", str(out)]  # fmt: skip
-    with torch.set_grad_enabled(torch.is_grad_enabled()):  # main turns it off
+    # main sets these for its process: restored after the test. config.patch, not monkeypatch:
+    # torch 2.11's config modules lose an attribute monkeypatch restores
+    dynamo = ({"fail_on_recompile_limit_hit": torch._dynamo.config.fail_on_recompile_limit_hit}
+              if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit") else {})  # fmt: skip
+    with (torch.set_grad_enabled(torch.is_grad_enabled()),  # main turns it off
+          torch._inductor.config.patch(force_disable_caches=torch._inductor.config.force_disable_caches),
+          torch._dynamo.config.patch(**dynamo)):  # fmt: skip
         assert bench_e2e.main(argv) == 0
     return out.read_text()
 
