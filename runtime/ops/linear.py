@@ -207,6 +207,8 @@ def _always(*args: object) -> None:
 
 TRITON_GEMM = "fxrewrite.runtime.triton_gemm"
 """The ``triton`` provider's decode-size GEMM and its fusions (imports Triton at the top)."""
+TRITON_ROWS = "fxrewrite.runtime.triton_rows"
+"""The norm hand-off's row kernels around cuBLAS, above ``SKINNY_ROWS`` rows."""
 
 KERNELS = (
     providers.triton_kernel("linear", _tall_check, prepare=True, module=TRITON_GEMM),

@@ -51,7 +51,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from fxrewrite.runtime import constraints, providers
 from fxrewrite.runtime.ops.activation import silu_and_mul_reference
-from fxrewrite.runtime.ops.linear import PART, TRITON_GEMM, gated_check, gate_up_rows, skinny_check
+from fxrewrite.runtime.ops.linear import PART, TRITON_GEMM, TRITON_ROWS, gated_check, gate_up_rows, skinny_check
 from fxrewrite.runtime.ops.norm import as_rows, rms_norm_reference, rms_norm_scaled
 from fxrewrite.runtime.ops.rotary import HEAD_DIMS, rotary_embedding_q_reference
 from fxrewrite.runtime.providers import Kernel, OpDef
@@ -251,9 +251,9 @@ def _hand_off_check(x: Tensor, w: Tensor, residual: Tensor, norm_weight: Tensor)
 
 
 def rows_kernels(t: Tensor) -> Any:
-    """The Triton module's row kernels of the hand-off (:mod:`fxrewrite.runtime.triton_gemm`) for
-    ``t``'s contiguous rows on CUDA, else None (torch's ops compute the same)."""
-    return providers.library(TRITON_GEMM) if t.is_cuda and t.is_contiguous() else None
+    """The Triton row kernels of the hand-off (:mod:`fxrewrite.runtime.triton_rows`) for ``t``'s
+    contiguous rows on CUDA, else None (torch's ops compute the same)."""
+    return providers.library(TRITON_ROWS) if t.is_cuda and t.is_contiguous() else None
 
 
 def _norm_cublas(x: Tensor, norm_weight: Tensor | None, eps: float, w: Tensor, bias: Tensor | None = None,

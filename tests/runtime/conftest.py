@@ -71,6 +71,12 @@ def triton_gemm() -> Iterator[types.ModuleType]:
 
 
 @pytest.fixture(scope="module")
+def triton_rows() -> Iterator[types.ModuleType]:
+    """``fxrewrite.runtime.triton_rows`` interpreted (tests/runtime/test_linear_fused_gpu.py runs it compiled)."""
+    yield from _interpreted("fxrewrite.runtime.triton_rows", "_hand_off_rows_kernel")
+
+
+@pytest.fixture(scope="module")
 def triton_rotary() -> Iterator[types.ModuleType]:
     """``fxrewrite.runtime.triton_rotary`` interpreted (tests/runtime/test_rotary_gpu.py runs it compiled)."""
     yield from _interpreted("fxrewrite.runtime.triton_rotary", "_rotary_kernel")

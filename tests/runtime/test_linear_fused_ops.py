@@ -381,15 +381,15 @@ def test_prepare_builds_the_hand_off_and_its_readers_apart(triton_gemm: types.Mo
 
 
 @pytest.mark.parametrize("n", [64, 200])
-def test_kernel_hand_off_rows_above_the_decode_sizes(triton_gemm: types.ModuleType, gen: torch.Generator, n: int) -> None:
+def test_kernel_hand_off_rows_above_the_decode_sizes(triton_rows: types.ModuleType, gen: torch.Generator, n: int) -> None:
     """Above 16 rows the hand-off and its scaling are row kernels around cuBLAS: ``s * g`` equal
     to the spec, the squares within float32 summation order, the scaled rows within one step."""
     s, g = rand(gen, 40, n, dtype=F16), 1 + rand(gen, n, dtype=F16, scale=0.1)
-    got, want = triton_gemm.hand_off_rows(s, g), lf.hand_off(s, g)
+    got, want = triton_rows.hand_off_rows(s, g), lf.hand_off(s, g)
     assert got[0] is s and torch.equal(got[1], want[1])
     torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-4)
-    scaled = triton_gemm.scale_rows(want[1], want[2], EPS)
+    scaled = triton_rows.scale_rows(want[1], want[2], EPS)
     torch.testing.assert_close(scaled, lf.normed(want[1], None, EPS, False, want[2]), rtol=1e-3, atol=1e-3)
     # the squares decide the scale: four times the squares, half the rows
-    torch.testing.assert_close(triton_gemm.scale_rows(want[1], want[2] * 4, EPS), (scaled.float() / 2).to(F16),
+    torch.testing.assert_close(triton_rows.scale_rows(want[1], want[2] * 4, EPS), (scaled.float() / 2).to(F16),
                                rtol=1e-3, atol=1e-3)  # fmt: skip
