@@ -65,3 +65,7 @@ def test_the_design_chain_is_the_steps_gemms_and_attention_alone() -> None:
             got = design_chain(model, batch, attention=attention)()
             torch.testing.assert_close(got, reference(attention), rtol=1e-4, atol=1e-5)
         assert not torch.allclose(design_chain(model, batch)(), design_chain(model, batch, attention=False)())
+        seen: list[object] = []  # a probe's hook: once a layer, the chain's result unchanged
+        torch.testing.assert_close(design_chain(model, batch, before_attention=seen.append)(), reference(True),
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+        assert seen == list(model.layers)
