@@ -44,15 +44,17 @@ def graph_ms(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(replay_ms(graph) for _ in range(reps))
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    """One replay of ``graph`` between two CUDA events, ms."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def host_us(fn, reps: int = 200) -> float:  # type: ignore[no-untyped-def]

@@ -42,6 +42,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_attention import replay_ms  # noqa: E402
 from engine_model import build_model, llama_8b, make_batch, mark_static_metadata  # noqa: E402
 from profile_step import design_chain  # noqa: E402
 
@@ -100,12 +101,7 @@ def interleaved_ms(fns: list[Callable[[], Any]], reps: int = 20) -> list[float]:
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
         for graph, t in zip(graphs, times):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            t.append(start.elapsed_time(end))
+            t.append(replay_ms(graph))
     return [statistics.median(t) for t in times]
 
 
