@@ -51,7 +51,6 @@ def interpreted(module_name: str, kernel: str) -> Iterator[types.ModuleType]:
         yield module
 
 
-
 @functools.cache
 def interpreter_fault() -> str | None:
     """Why this Triton's interpreter cannot run the kernels here, else None. Triton 3.6's turns a
